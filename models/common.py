@@ -1,0 +1,292 @@
+"""Pieces shared by GPT and LLaMA: norms, attention and MLP blocks, the LM base.
+
+Parameter names are stable across TP degrees (they key initialisation,
+checkpoints and HF import):
+
+    embed.wte.weight   embed.wpe.weight (GPT)
+    layers.{i}.attn.{norm,qkv,proj}.*   layers.{i}.mlp.{norm,fc,proj}.*
+    norm.*   head.weight (untied only)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from oases.config import ModelConfig
+from oases.parallel.comm import copy_to_tp, gather_from_tp, group_size
+from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from oases.parallel.loss import vocab_parallel_cross_entropy
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.sharding import set_spec
+from oases.schedule.block import TPBlock
+from oases.schedule.recompute import recompute
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, d: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = set_spec(nn.Parameter(torch.empty(d)), None, ("ones",))
+        self.bias = set_spec(nn.Parameter(torch.empty(d)), None, ("zeros",)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = set_spec(nn.Parameter(torch.empty(d)), None, ("ones",))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings, rotate-half convention (as HF LLaMA): no weight permutation."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)                                # (T, hd)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    def forward(self, q, k):
+        T = q.shape[-2]
+        cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hd)
+        return (q * cos + self._rotate_half(q) * sin,
+                k * cos + self._rotate_half(k) * sin)
+
+
+class ResidualBlock(TPBlock):
+    """x + dropout(proj(...) reduced + bias): the combine of attention and MLP."""
+
+    proj: RowParallelLinear
+
+    def __init__(self, tp_group, dropout: float) -> None:
+        super().__init__(tp_group)
+        self.dropout = nn.Dropout(dropout)  # replicated region: default generator, same on TP ranks
+
+    def combine(self, x, reduced):
+        return x + self.dropout(self.proj.add_bias(reduced))
+
+
+class ParallelAttention(ResidualBlock):
+    """Pre-norm causal self-attention; heads split over TP ranks (GQA: kv heads too)."""
+
+    def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group, tracker: Optional[TPRNGTracker],
+                 rotary: Optional[Rotary]) -> None:
+        super().__init__(tp_group, cfg.dropout)
+        tp = group_size(tp_group)
+        hd = cfg.head_dim
+        self.n_head, self.n_kv = cfg.n_head // tp, cfg.n_kv_heads // tp   # local heads
+        self.head_dim = hd
+        self.norm = norm
+        self.qkv = ColumnParallelLinear(
+            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_heads) * hd, tp_group, bias=cfg.bias,
+            parts=(cfg.n_head * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd), init_std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.n_head * hd, cfg.d_model, tp_group, bias=cfg.bias,
+                                      reduce_output=False,
+                                      init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        self.rotary = rotary
+        self.tracker = tracker
+        self.attn_dropout = cfg.dropout
+
+    def partial(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(self.qkv.local_parts, dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        p = self.attn_dropout if self.training else 0.0
+        gqa = self.n_kv != self.n_head
+        if p > 0.0 and self.tracker is not None:
+            with self.tracker.fork():  # sharded region: each rank's heads get their own masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                   enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        return self.proj.partial(y)
+
+
+class GeluMLP(ResidualBlock):
+    def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group) -> None:
+        super().__init__(tp_group, cfg.dropout)
+        self.norm = norm
+        self.fc = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, tp_group, bias=cfg.bias,
+                                       init_std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, tp_group, bias=cfg.bias,
+                                      reduce_output=False,
+                                      init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def partial(self, x):
+        return self.proj.partial(F.gelu(self.fc(self.norm(x)), approximate="tanh"))
+
+
+class SwiGLUMLP(ResidualBlock):
+    def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group) -> None:
+        super().__init__(tp_group, cfg.dropout)
+        self.norm = norm
+        # gate and up fused in one column-parallel matmul, each sharded on its own
+        self.fc = ColumnParallelLinear(cfg.d_model, 2 * cfg.ffn_hidden, tp_group, bias=cfg.bias,
+                                       parts=(cfg.ffn_hidden, cfg.ffn_hidden),
+                                       init_std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, tp_group, bias=cfg.bias,
+                                      reduce_output=False,
+                                      init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def partial(self, x):
+        gate, up = self.fc(self.norm(x)).split(self.fc.local_parts, dim=-1)
+        return self.proj.partial(F.silu(gate) * up)
+
+
+class TokenEmbedding(TPBlock):
+    """Vocab-parallel token embedding (+ learned positions for GPT), then dropout."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group, learned_positions: bool):
+        super().__init__(tp_group)
+        self.wte = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp_group,
+                                          logical=cfg.vocab_size, reduce_output=False,
+                                          init_std=cfg.init_std)
+        if learned_positions:
+            self.wpe = set_spec(nn.Parameter(torch.empty(cfg.seq_len, cfg.d_model)), None,
+                                ("normal", cfg.init_std))
+        else:
+            self.wpe = None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def partial(self, ids):
+        return self.wte.partial(ids)
+
+    def combine(self, ids, reduced):
+        if self.wpe is not None:
+            reduced = reduced + self.wpe[: ids.shape[1]]
+        return self.dropout(reduced)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, attn: TPBlock, mlp: TPBlock) -> None:
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+
+    def forward(self, x):
+        return self.mlp(self.attn(x))
+
+
+class CausalLM(nn.Module):
+    """embedding -> layers -> norm -> vocab-parallel head -> vocab-parallel loss.
+
+    Subclasses say which norm, MLP and position scheme to use.
+    """
+
+    learned_positions = False
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group=None,
+                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.tracker = tracker
+        self.recompute = recompute
+        self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
+        self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
+        rotary = self.make_rotary(cfg)
+        self.layers = nn.ModuleList(
+            TransformerLayer(ParallelAttention(cfg, self.make_norm(cfg), tp_group, tracker, rotary),
+                             self.make_mlp(cfg, self.make_norm(cfg), tp_group))
+            for _ in range(cfg.n_layer))
+        self.norm = self.make_norm(cfg)
+        if cfg.tie_embeddings:
+            self.head = None
+        else:
+            self.head = ColumnParallelLinear(cfg.d_model, padded_vocab, tp_group, bias=False,
+                                             init_std=cfg.init_std)
+            self.head.weight.tp_spec = type(self.head.weight.tp_spec)(
+                0, (padded_vocab, cfg.d_model), logical=cfg.vocab_size)
+
+    # -- what a subclass chooses --
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def make_mlp(self, cfg: ModelConfig, norm: nn.Module, tp_group) -> TPBlock:  # pragma: no cover
+        raise NotImplementedError
+
+    def make_rotary(self, cfg: ModelConfig) -> Optional[Rotary]:
+        return None
+
+    # -- the block protocol --
+    def blocks(self) -> list[TPBlock]:
+        """Every block in execution order: embedding, then attn/mlp of each layer."""
+        out: list[TPBlock] = [self.embed]
+        for layer in self.layers:
+            out += [layer.attn, layer.mlp]
+        return out
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, d) final hidden states (before the final norm)."""
+        x = self.embed(ids)
+        for layer in self.layers:
+            if self.recompute == "full" and self.training and torch.is_grad_enabled():
+                x = recompute(layer, x, tracker=self.tracker)
+            else:
+                x = layer(x)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, T, V_pad/tp) logits of this rank's vocabulary slice."""
+        x = copy_to_tp(self.norm(x), self.tp_group)
+        w = self.embed.wte.weight if self.head is None else self.head.weight
+        return F.linear(x, w)
+
+    def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head_logits(x)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.vocab_size).mean()
+
+    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token loss if ``targets`` is given, else this rank's logits slice."""
+        x = self.hidden(ids)
+        if targets is None:
+            return self.head_logits(x)
+        return self.loss_from_hidden(x, targets)
+
+    @torch.no_grad()
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab_size) logits gathered over TP, padding removed (eval, export)."""
+        logits = gather_from_tp(self.head_logits(self.hidden(ids)), self.tp_group, dim=-1)
+        return logits[..., : self.vocab_size]
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters of the full (unsharded) model; optionally without the embedding
+        tables and the untied head."""
+        n = 0
+        for name, p in self.named_parameters():
+            if exclude_embeddings and name.startswith(("embed.", "head.")):
+                continue
+            spec = getattr(p, "tp_spec", None)
+            n += math.prod(spec.full_shape) if spec else p.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 N (matmul weights, head included) + 12 L d T
+        (attention scores and values; PaLM appendix B)."""
+        c = self.cfg
+        n = self.num_params(exclude_embeddings=True)
+        n += c.vocab_size * c.d_model  # the head matmul, tied or not
+        return 6.0 * n + 12.0 * c.n_layer * c.d_model * c.seq_len

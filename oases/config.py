@@ -1,0 +1,367 @@
+"""Typed run configuration: the single source of truth.
+
+A config is built from a YAML file, then ``a.b=value`` overrides, then checked:
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["train.steps=50", "parallel.tp=2"])
+    cfg.validate(world_size=2)
+
+Unknown keys, wrong types and impossible values raise :class:`ConfigError` with
+a one-line message that names the key (and the near miss for a typo).
+This module imports no ``torch.distributed``: it is testable anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from oases.errors import ConfigError
+from oases.model_sizes import MODEL_SIZES
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass
+class ModelConfig:
+    # A named size from oases.model_sizes; any field left None is taken from it.
+    name: str = "gpt-tiny"
+    arch: Optional[str] = None          # "gpt" | "llama"
+    n_layer: Optional[int] = None
+    d_model: Optional[int] = None
+    n_head: Optional[int] = None
+    n_kv_heads: Optional[int] = None    # < n_head: grouped-query attention
+    ffn_hidden: Optional[int] = None
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    bias: Optional[bool] = None
+    dropout: float = 0.0
+    init_std: float = 0.02
+    # The embedding/head vocabulary is padded to a multiple of vocab_pad_to * tp;
+    # padded logits are masked out of the loss, so padding never changes results.
+    vocab_pad_to: int = 64
+
+    def resolve(self) -> None:
+        """Fill the None fields from the named size."""
+        if self.name not in MODEL_SIZES:
+            near = difflib.get_close_matches(self.name, MODEL_SIZES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"model.name={self.name!r} is not a known size{hint}; "
+                              f"known: {', '.join(MODEL_SIZES)}")
+        for k, v in MODEL_SIZES[self.name].items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def validate(self) -> None:
+        _choice("model.arch", self.arch, ("gpt", "llama"))
+        for k in ("n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
+                  "seq_len", "vocab_pad_to"):
+            _positive(f"model.{k}", getattr(self, k))
+        if self.d_model % self.n_head:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
+                              f"model.n_head={self.n_head}")
+        if self.n_head % self.n_kv_heads:
+            raise ConfigError(f"model.n_head={self.n_head} is not divisible by "
+                              f"model.n_kv_heads={self.n_kv_heads}")
+        if self.arch == "gpt" and self.n_kv_heads != self.n_head:
+            raise ConfigError("model.n_kv_heads must equal model.n_head for arch=gpt")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    schedule: str = "megatron"      # "megatron" (ordinary autograd, blocking all-reduce)
+    recompute: str = "none"         # "none" | "full" (checkpoint each transformer layer)
+    sub_batches: int = 2            # oases schedule only
+    backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
+    device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
+    timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
+    dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
+
+    def validate(self) -> None:
+        _positive("parallel.tp", self.tp)
+        _choice("parallel.schedule", self.schedule, ("megatron",))
+        _choice("parallel.recompute", self.recompute, ("none", "full"))
+        _positive("parallel.sub_batches", self.sub_batches)
+        _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("parallel.timeout_s", self.timeout_s)
+        _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0          # 0 disables clipping
+    precision: str = "fp32"         # "fp32" | "bf16" (autocast; master weights fp32)
+    log_interval: int = 1
+
+    def validate(self) -> None:
+        for k in ("steps", "micro_batch_size", "grad_accum", "log_interval"):
+            _positive(f"train.{k}", getattr(self, k))
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.lr", self.lr)
+        _positive("train.min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} is larger than train.lr={self.lr}")
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        for k in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise ConfigError(f"train.{k}={getattr(self, k)} must be in [0, 1)")
+        _choice("train.precision", self.precision, ("fp32", "bf16"))
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"         # "synthetic" | "tokens"
+    train_path: str = ""            # nanoGPT-style token file (tokens)
+    val_path: str = ""              # optional; enables eval.interval
+    dtype: str = "uint16"           # token file dtype: "uint16" | "uint32"
+
+    def validate(self) -> None:
+        _choice("data.kind", self.kind, ("synthetic", "tokens"))
+        _choice("data.dtype", self.dtype, ("uint16", "uint32"))
+        if self.kind == "tokens" and not self.train_path:
+            raise ConfigError("data.kind=tokens needs data.train_path")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0               # run validation every N steps (0: never); also at the end
+    max_batches: int = 8            # val windows used: max_batches x micro_batch_size x dp
+
+    def validate(self) -> None:
+        _positive("eval.interval", self.interval, allow_zero=True)
+        _positive("eval.max_batches", self.max_batches)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0               # save every N steps (0: only at the end)
+    keep: int = 2                   # complete checkpoints kept on disk (newest first)
+    save_final: bool = True
+
+    def validate(self) -> None:
+        _positive("checkpoint.interval", self.interval, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"           # "offline" | "online" | "disabled"
+    project: str = "oases"
+    name: str = ""                  # run name; default: the out_dir's name
+
+    def validate(self) -> None:
+        _choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class Config:
+    out_dir: str = "runs/default"
+    seed: int = 1234
+    resume: str = "none"            # "none" | "auto" (latest complete checkpoint in out_dir)
+    debug: bool = False             # show tracebacks for bad-input errors
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    _world_size = 1  # not a field: set by validate()
+
+    # ---- derived values (set by validate) ----
+    @property
+    def dp(self) -> int:
+        return self._world_size // self.parallel.tp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.model.vocab_pad_to * self.parallel.tp
+        return math.ceil(self.model.vocab_size / m) * m
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Resolve the named model size and check every section; returns self."""
+        self.model.resolve()
+        for sec in (self.model, self.parallel, self.train, self.data, self.eval,
+                    self.checkpoint, self.wandb):
+            sec.validate()
+        _choice("resume", self.resume, ("none", "auto"))
+        if not self.out_dir:
+            raise ConfigError("out_dir must not be empty")
+        tp, m = self.parallel.tp, self.model
+        if world_size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}")
+        for what, n in (("model.n_head", m.n_head), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.ffn_hidden", m.ffn_hidden)):
+            if n % tp:
+                # kv heads are not replicated across TP ranks: each rank must own whole kv heads
+                raise ConfigError(f"parallel.tp={tp} does not divide {what}={n}")
+        self._world_size = world_size
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Loading: YAML -> dataclasses, strict; dotted overrides.
+
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, hint) -> Any:
+    """Check (and gently coerce) one leaf value against its annotated type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, value, args[0])
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. resume=0 or a numeric run name
+    else:  # pragma: no cover - every field above has one of these types
+        return value
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {hint.__name__}, "
+                      f"got {type(value).__name__}")
+
+
+def _unknown(key: str, known) -> ConfigError:
+    leaf = key.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.6)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping, "
+                          f"got {type(data).__name__}")
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise _unknown(key, names)
+        hint = hints[k]
+        if dataclasses.is_dataclass(hint):
+            kwargs[k] = _build(hint, v if v is not None else {}, key + ".")
+        else:
+            kwargs[k] = _coerce(key, v, hint)
+    return cls(**kwargs)
+
+
+def _set_dotted(cfg: Config, key: str, raw: str) -> None:
+    parts = key.split(".")
+    obj = cfg
+    for i, part in enumerate(parts):
+        names = {f.name for f in dataclasses.fields(obj)}
+        if part not in names:
+            raise _unknown(".".join(parts[: i + 1]), names)
+        hint = _type_hints(type(obj))[part]
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(hint):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section "
+                                  f"(in override {key}={raw})")
+            obj = getattr(obj, part)
+        else:
+            if dataclasses.is_dataclass(hint):
+                raise ConfigError(f"override {key}={raw} sets a whole section; set its keys")
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
+            if hint is str or hint == Optional[str]:
+                value = raw  # keep strings verbatim ("001" stays "001")
+            setattr(obj, part, _coerce(key, value, hint))
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build a Config from a YAML file (optional) and ``a.b=value`` overrides."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    cfg = _build(Config, data)
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+        k, v = ov.split("=", 1)
+        _set_dotted(cfg, k.strip(), v.strip())
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    data = cfg.to_dict()
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,32 @@
+"""Named model sizes: data, not code branches.
+
+Each entry gives every shape field of :class:`oases.config.ModelConfig`; a YAML
+file or override may still change any single field (``model.n_layer=2``).
+``ffn_hidden`` is the width of the MLP's hidden layer (for SwiGLU, of each of the
+gate and up projections).
+"""
+
+from __future__ import annotations
+
+_GPT = dict(arch="gpt", norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True, bias=True)
+_LLAMA = dict(arch="llama", norm_eps=1e-5, bias=False)
+
+MODEL_SIZES: dict[str, dict] = {
+    # byte-level vocabulary: trains on the shipped demo corpus with no tokenizer
+    "gpt-tiny": dict(_GPT, n_layer=4, d_model=128, n_head=4, n_kv_heads=4, ffn_hidden=512,
+                     vocab_size=256, seq_len=128),
+    "gpt-125m": dict(_GPT, n_layer=12, d_model=768, n_head=12, n_kv_heads=12, ffn_hidden=3072,
+                     vocab_size=50257, seq_len=1024),
+    "gpt-350m": dict(_GPT, n_layer=24, d_model=1024, n_head=16, n_kv_heads=16, ffn_hidden=4096,
+                     vocab_size=50257, seq_len=1024),
+    "gpt-1.3b": dict(_GPT, n_layer=24, d_model=2048, n_head=16, n_kv_heads=16, ffn_hidden=8192,
+                     vocab_size=50257, seq_len=2048),
+    "llama-tiny": dict(_LLAMA, n_layer=4, d_model=128, n_head=4, n_kv_heads=2, ffn_hidden=384,
+                       vocab_size=256, seq_len=128, rope_theta=10000.0, tie_embeddings=False),
+    # Llama-3.2-1B shape
+    "llama-1b": dict(_LLAMA, n_layer=16, d_model=2048, n_head=32, n_kv_heads=8, ffn_hidden=8192,
+                     vocab_size=128256, seq_len=2048, rope_theta=500000.0, tie_embeddings=True),
+    # Llama-2-7B shape
+    "llama-7b": dict(_LLAMA, n_layer=32, d_model=4096, n_head=32, n_kv_heads=32, ffn_hidden=11008,
+                     vocab_size=32000, seq_len=4096, rope_theta=10000.0, tie_embeddings=False),
+}

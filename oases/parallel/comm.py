@@ -1,0 +1,205 @@
+"""Autograd-aware TP communication: each op is a forward/backward conjugate pair.
+
+    op                    forward                      backward
+    copy_to_tp            identity                     all-reduce
+    reduce_from_tp        all-reduce                   identity
+    gather_from_tp(d)     all-gather along d           keep own chunk of d
+    scatter_to_tp(d)      keep own chunk of d          all-gather along d
+    reduce_scatter_to_tp  reduce-scatter along d       all-gather along d
+    all_gather_to_tp      all-gather along d           reduce-scatter along d
+
+``group=None`` or a group of size 1 makes every op an identity, so the same
+model code runs unsharded. Collectives issued here go through :func:`collective`,
+which a :class:`CommCounter` can observe (tests count collectives per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommCounter:
+    """Counts collectives by kind while active (``with CommCounter() as c:``).
+
+    Counters nest: every active counter sees every collective. They live only
+    for the ``with`` block, so no state outlives a step.
+    """
+
+    _active: list["CommCounter"] = []
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __enter__(self) -> "CommCounter":
+        CommCounter._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        CommCounter._active.remove(self)
+
+    @classmethod
+    def record(cls, kind: str, t: torch.Tensor) -> None:
+        for c in cls._active:
+            c.counts[kind] += 1
+            c.bytes[kind] += t.numel() * t.element_size()
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
+    """In-place all-reduce of ``t`` over ``group``; returns the work handle if async."""
+    CommCounter.record("all_reduce", t)
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = group_size(group)
+    src = t.movedim(dim, 0).contiguous()
+    CommCounter.record("all_gather", src)
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    _all_gather_single(out, src, group=group)
+    # rank chunks are concatenated along the moved dim; move it back
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = group_size(group)
+    if t.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
+    return t.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = group_size(group)
+    if t.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
+    src = t.movedim(dim, 0).contiguous()
+    CommCounter.record("reduce_scatter", src)
+    out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    _reduce_scatter_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _AllGatherToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
+
+
+def _trivial(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region: identity forward, all-reduce of the gradient backward."""
+    return x if _trivial(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a TP region: all-reduce partial sums forward, identity backward."""
+    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather shards along ``dim`` (forward); backward keeps this rank's chunk."""
+    return x if _trivial(group) else _GatherFromTP.apply(x, group, dim % x.dim())
+
+
+def scatter_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk along ``dim`` (forward); backward all-gathers."""
+    return x if _trivial(group) else _ScatterToTP.apply(x, group, dim % x.dim())
+
+
+def reduce_scatter_to_tp(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks and keep this rank's chunk along ``dim``; backward all-gathers."""
+    return x if _trivial(group) else _ReduceScatterToTP.apply(x, group, dim % x.dim())
+
+
+def all_gather_to_tp(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """All-gather along ``dim``; backward reduce-scatters (the conjugate of
+    :func:`reduce_scatter_to_tp`, as in sequence parallelism)."""
+    return x if _trivial(group) else _AllGatherToTP.apply(x, group, dim % x.dim())
+
+
+@contextlib.contextmanager
+def count_collectives():
+    with CommCounter() as c:
+        yield c

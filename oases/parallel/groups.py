@@ -1,0 +1,104 @@
+"""Process groups for world = dp x tp, held in one explicit context object.
+
+Rank layout (TP ranks contiguous, so a TP group stays inside one node):
+
+    rank = dp_rank * tp + tp_rank
+    world 4, tp 2:   tp groups {0,1} {2,3}     dp groups {0,2} {1,3}
+
+Layers receive the :class:`ParallelContext` (or its ``tp_group``) explicitly;
+nothing in oases reads process groups from module globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.errors import UserError
+
+
+@dataclass
+class ParallelContext:
+    rank: int
+    world_size: int
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    dp_group: Optional[dist.ProcessGroup]
+    device: torch.device
+    mesh: Optional[object] = None   # DeviceMesh ("dp", "tp"), used for DTensor checkpoints
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
+        """A world of one process without torch.distributed (tp = dp = 1)."""
+        return cls(0, 1, 1, 1, 0, 0, None, None, torch.device(device))
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("parallel.device=cuda but CUDA is not available on this machine")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
+                        f"devices are visible")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
+                     timeout_s: float = 600.0) -> ParallelContext:
+    """Join (or create, for a plain ``python train.py``) the default process group
+    and build the dp x tp groups. Works with torchrun's environment variables."""
+    dev = pick_device(device)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        raise UserError("parallel.backend=nccl needs CUDA; use gloo on CPU")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return build_context(tp, dev)
+
+
+def build_context(tp: int, device: torch.device) -> ParallelContext:
+    """dp x tp groups over an initialised default process group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
+    dp = world // tp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
+                           tp_rank=rank % tp, dp_rank=rank // tp,
+                           tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
+                           device=device, mesh=mesh)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,175 @@
+"""Megatron-style tensor-parallel layers. Public API: subclass or combine them.
+
+A column-parallel layer followed by a row-parallel one needs one all-reduce in
+forward (after the row layer) and one in backward (the input gradient of the
+column layer):
+
+    x ──copy_to_tp──> [ColumnParallelLinear: Y_r = x A_r] ──act──> [RowParallelLinear: Z_r = Y_r B_r] ──all-reduce──> Z
+        (bwd: all-reduce)                                                                   (bwd: identity)
+
+``RowParallelLinear(reduce_output=False)`` returns the un-reduced partial sum
+Z_r, so a schedule can launch the all-reduce itself (asynchronously) and add
+the bias afterwards with :meth:`RowParallelLinear.add_bias`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from oases.parallel.comm import (copy_to_tp, gather_from_tp, group_rank, group_size,
+                                 reduce_from_tp, scatter_to_tp)
+from oases.parallel.sharding import TPSpec, divide, set_spec
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output dimension.
+
+    | tensor  | full        | on each of tp ranks                |
+    |---------|-------------|------------------------------------|
+    | input   | (..., in)   | (..., in), replicated              |
+    | weight  | (out, in)   | (out/tp, in)                       |
+    | bias    | (out,)      | (out/tp,)                          |
+    | output  | (..., out)  | (..., out/tp), or full if gathered |
+
+    ``parts`` fuses several projections in one matmul (QKV, SwiGLU gate+up): the
+    full output is ``cat(parts)`` and each part is sharded on its own, so a rank's
+    local output is ``cat(part_r for part in parts)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
+                 gather_output: bool = False, parts: Optional[Sequence[int]] = None,
+                 init_std: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp = group_size(tp_group)
+        if parts is not None and sum(parts) != out_features:
+            raise ValueError(f"parts {tuple(parts)} do not add up to out_features={out_features}")
+        self.parts = tuple(parts) if parts else None
+        for i, p in enumerate(self.parts or (out_features,)):
+            divide(p, self.tp, f"ColumnParallelLinear out_features part {i}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = out_features // self.tp
+        self.gather_output = gather_output
+        kw = dict(device=device, dtype=dtype)
+        self.weight = set_spec(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)),
+                               TPSpec(0, (out_features, in_features), self.parts),
+                               ("normal", init_std))
+        if bias:
+            self.bias = set_spec(nn.Parameter(torch.empty(self.out_per_rank, **kw)),
+                                 TPSpec(0, (out_features,), self.parts), ("zeros",))
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def local_parts(self) -> tuple:
+        """Sizes of the fused parts in this rank's output."""
+        return tuple(p // self.tp for p in (self.parts or (self.out_features,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        if self.gather_output:
+            if self.parts:
+                raise ValueError("gather_output with fused parts would interleave the parts")
+            y = gather_from_tp(y, self.tp_group, dim=-1)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
+                f"parts={self.parts}, bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input dimension.
+
+    | tensor  | full        | on each of tp ranks                          |
+    |---------|-------------|----------------------------------------------|
+    | input   | (..., in)   | (..., in/tp) (scattered if not parallel)     |
+    | weight  | (out, in)   | (out, in/tp)                                 |
+    | bias    | (out,)      | (out,), replicated; added after the reduce   |
+    | output  | (..., out)  | (..., out) reduced, or the partial sum Z_r   |
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
+                 input_is_parallel: bool = True, reduce_output: bool = True,
+                 init_std: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp = group_size(tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, self.tp, "RowParallelLinear in_features")
+        self.input_is_parallel = input_is_parallel
+        self.reduce_output = reduce_output
+        kw = dict(device=device, dtype=dtype)
+        self.weight = set_spec(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)),
+                               TPSpec(1, (out_features, in_features)), ("normal", init_std))
+        if bias:
+            self.bias = set_spec(nn.Parameter(torch.empty(out_features, **kw)), None, ("zeros",))
+        else:
+            self.register_parameter("bias", None)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's un-reduced partial sum, without the bias."""
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp_group, dim=-1)
+        return F.linear(x, self.weight)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x)
+        if not self.reduce_output:
+            return y
+        return self.add_bias(reduce_from_tp(y, self.tp_group))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
+                f"reduce_output={self.reduce_output}, bias={self.bias is not None}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary.
+
+    | tensor  | full            | on each of tp ranks                         |
+    |---------|-----------------|---------------------------------------------|
+    | ids     | (...)           | (...), replicated                           |
+    | weight  | (V_pad, d)      | (V_pad/tp, d): rows [r*V_pad/tp, (r+1)*...) |
+    | output  | (..., d)        | (..., d) after the all-reduce (or partial)  |
+
+    Ids outside a rank's rows look up zeros there; the all-reduce sums the one
+    non-zero row. ``num_embeddings`` is the padded size; ``logical`` the real
+    vocabulary (padded rows start at zero).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None,
+                 logical: Optional[int] = None, reduce_output: bool = True,
+                 init_std: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp = group_size(tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.per_rank = divide(num_embeddings, self.tp, "VocabParallelEmbedding num_embeddings")
+        self.vocab_start = group_rank(tp_group) * self.per_rank
+        self.reduce_output = reduce_output
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype)),
+            TPSpec(0, (num_embeddings, embedding_dim), logical=logical), ("normal", init_std))
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = self.partial(ids)
+        return reduce_from_tp(y, self.tp_group) if self.reduce_output else y
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}"

@@ -1,0 +1,77 @@
+"""TP-aware RNG.
+
+Two random streams per rank:
+
+* the **default** generator, seeded identically on all ranks of a TP group,
+  drives dropout in *replicated* regions (embedding output, residual branches
+  after the all-reduce): every TP rank draws the same mask, as the activations
+  are replicated;
+* the **tp** stream, seeded with ``seed + 2718 + tp_rank``, drives dropout in
+  *sharded* regions (attention probabilities of the local heads): each rank
+  owns different heads, so its masks must differ.
+
+``with tracker.fork():`` swaps the tp stream into the default generator for the
+duration of the block (so ``F.dropout`` and SDPA's dropout use it) and swaps it
+back out. States can be captured and restored, which activation recompute uses
+to replay masks exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_TP_SEED_OFFSET = 2718
+_DP_SEED_STRIDE = 100_003
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TPRNGTracker:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._state: torch.Tensor | None = None
+
+    def seed(self, seed: int, tp_rank: int, dp_rank: int = 0) -> None:
+        """Seed the default generator (same across TP, different across DP) and
+        the tp stream (different on every rank)."""
+        base = seed + _DP_SEED_STRIDE * dp_rank
+        torch.manual_seed(base)
+        saved = _get_state(self.device)
+        torch.manual_seed(base + _TP_SEED_OFFSET + tp_rank)
+        self._state = _get_state(self.device)
+        torch.manual_seed(base)
+        _set_state(saved, self.device)
+
+    @contextlib.contextmanager
+    def fork(self):
+        if self._state is None:
+            raise RuntimeError("TPRNGTracker.fork() before seed()")
+        outer = _get_state(self.device)
+        _set_state(self._state, self.device)
+        try:
+            yield
+        finally:
+            self._state = _get_state(self.device)
+            _set_state(outer, self.device)
+
+    # -- capture/restore, for recompute and checkpoints --
+    def get_states(self) -> dict:
+        return {"default": _get_state(self.device).clone(),
+                "cpu": torch.get_rng_state().clone(),
+                "tp": None if self._state is None else self._state.clone()}
+
+    def set_states(self, states: dict) -> None:
+        torch.set_rng_state(states["cpu"])
+        _set_state(states["default"], self.device)
+        self._state = None if states["tp"] is None else states["tp"].clone()

@@ -1,0 +1,42 @@
+"""Activation recompute that replays RNG exactly, TP stream included.
+
+``torch.utils.checkpoint`` already restores the default CPU/CUDA generator
+before re-running a function; the TP stream of :class:`TPRNGTracker` lives
+outside it, so we snapshot it at forward time and swap the snapshot in while
+the recompute runs. Recomputed dropout masks then equal the forward ones in
+replicated and sharded regions alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from oases.parallel.random import TPRNGTracker
+
+
+def _tracker_contexts(tracker: Optional[TPRNGTracker]):
+    snap = None if tracker is None or tracker._state is None else tracker._state.clone()
+
+    @contextlib.contextmanager
+    def replay():
+        if snap is None:
+            yield
+            return
+        current = tracker._state
+        tracker._state = snap.clone()
+        try:
+            yield
+        finally:
+            tracker._state = current
+
+    return contextlib.nullcontext(), replay()
+
+
+def recompute(fn: Callable, *args, tracker: Optional[TPRNGTracker] = None) -> torch.Tensor:
+    """Run ``fn(*args)`` saving only its inputs; re-run it in backward."""
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: _tracker_contexts(tracker))
