@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train   create .venv, install oases, prepare the demo data, run the default job
+#   make test    install oases with its test extra and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+NPROC  ?= 2
+CONFIG ?= configs/gpt-tiny.yaml
+ARGS   ?=
+
+.PHONY: train test install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# The default job's corpus: CPython's own documentation, byte-level (nothing downloaded).
+data/pydoc/train.bin: | $(VENV)/.installed
+	$(BIN)/python -m oases.prepare --builtin pydoc --out data/pydoc
+
+train: $(VENV)/.installed data/pydoc/train.bin
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf runs wandb .pytest_cache

@@ -1,0 +1,1 @@
+"""Training runtime: optimizer, LR schedule, data, DP reduction, checkpoints, metrics."""

@@ -1,0 +1,291 @@
+"""Training and validation batches from nanoGPT-style token files (or synthetic tokens).
+
+A token file is a raw little-endian ``uint16`` or ``uint32`` array with no header
+(``train.bin``, ``val.bin``, as written by ``python -m oases.prepare``); it is
+read through ``np.memmap`` so a multi-GB file costs no RAM up front.
+
+**Training** (:class:`TrainBatches`) cuts the file into ``n = (len - 1) // T``
+non-overlapping windows of ``T + 1`` tokens (window ``w`` is
+``tokens[w*T : w*T + T + 1]``: inputs plus the next-token targets). A *global
+sample counter* ``g`` walks one random permutation of the windows per epoch
+(epoch ``e = g // n`` uses the permutation seeded from ``(seed, e)``). Every DP
+rank holds the same counter ``consumed``; a call gives rank ``r`` the samples
+``consumed + r*mbs + j`` (``j < mbs``) and then advances ``consumed`` by
+``mbs * dp``. So the DP ranks advance in lockstep, together consume disjoint
+samples, and the whole data order is a function of ``(seed, consumed)`` alone:
+checkpointing ``{"consumed": int}`` is enough to resume bit-exactly, and resuming
+with a different ``dp`` still continues the same global sample stream.
+
+**Validation** (:class:`ValBatches`, :func:`val_batches`) uses the val file's
+windows from its start, in order, so every eval sees the same tokens and the
+numbers are comparable across steps and runs.
+
+Everything wrong with the data (missing file, wrong dtype, too short, token id
+outside the vocabulary) raises :class:`~oases.errors.DataError`, which the entry
+points report as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+
+from oases.config import DataConfig
+from oases.errors import CheckpointError, DataError
+
+PathLike = Union[str, Path]
+
+# Read-only on purpose (no module-level mutable state): the supported file dtypes.
+_DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
+    {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")})
+
+# Tokens checked per step of the vocabulary scan: 16M tokens is 32-64 MB of RAM,
+# which keeps the scan of a multi-GB file bounded in memory yet vectorized.
+_SCAN_CHUNK_TOKENS = 1 << 24
+
+# Domain tags mixed into the RNG seeds so the permutation stream and the
+# synthetic-token stream never share a seed, whatever (seed, epoch, sample) are.
+_PERM_STREAM = 0
+_SYNTH_STREAM = 1
+
+_PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+    if dtype not in _DTYPES:
+        raise DataError(f"data dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _rng(stream: int, seed: int, index: int) -> np.random.Generator:
+    """A generator that depends only on ``(stream, seed, index)``.
+
+    ``SeedSequence`` hashes the whole tuple (unlike ``seed + index``, which makes
+    (1, 2) and (2, 1) collide); it needs non-negative words, hence the mod 2**64
+    so a negative config seed still works.
+    """
+    return np.random.default_rng([stream, seed % (1 << 64), index])
+
+
+def _check_meta(path: Path, dtype: str) -> None:
+    """Catch the classic silent failure: reading a uint32 file as uint16 (or back)
+    gives garbage token ids that may well still be inside the vocabulary."""
+    meta_path = path.parent / "meta.json"
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path} (next to {path}) is not readable JSON: {e}") from None
+    meta_dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    if meta_dtype is not None and meta_dtype != dtype:
+        raise DataError(f"{path} was written as {meta_dtype} (per {meta_path}) but "
+                        f"data.dtype={dtype}; set data.dtype={meta_dtype}")
+
+
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
+                     chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> None:
+    """Raise if any id is >= vocab_size. Scans in chunks: the embedding would
+    otherwise fail much later with an opaque CUDA index error, and loading a
+    multi-GB memmap at once would defeat the memmap."""
+    max_id = -1
+    for start in range(0, len(tokens), chunk_tokens):
+        chunk = tokens[start:start + chunk_tokens]
+        if len(chunk):
+            max_id = max(max_id, int(chunk.max()))
+    if max_id >= vocab_size:
+        raise DataError(f"{path} holds token id {max_id} but the model's vocab_size is "
+                        f"{vocab_size}; use a model with vocab_size > {max_id} or "
+                        f"re-tokenize the data")
+
+
+def open_tokens(path: PathLike, dtype: str, vocab_size: int) -> np.ndarray:
+    """Open and validate a token file; returns a read-only 1-D memmap (or an empty
+    array for an empty file, which ``np.memmap`` cannot map)."""
+    p = Path(path)
+    np_dtype = _np_dtype(dtype)
+    if not p.is_file():
+        what = "is a directory, not a token file" if p.is_dir() else "does not exist"
+        raise DataError(f"data file {p} {what}; {_PREPARE_HINT}")
+    _check_meta(p, dtype)
+    size = p.stat().st_size
+    if size % np_dtype.itemsize:
+        raise DataError(f"{p} is not a {dtype} token file: size {size} is not a multiple "
+                        f"of {np_dtype.itemsize}")
+    if size == 0:
+        return np.zeros(0, dtype=np_dtype)
+    try:
+        tokens = np.memmap(p, dtype=np_dtype, mode="r")
+    except OSError as e:
+        raise DataError(f"cannot read data file {p}: {e.strerror or e}") from None
+    _check_token_ids(tokens, vocab_size, p)
+    return tokens
+
+
+def _gather_windows(tokens: np.ndarray, windows: np.ndarray, seq_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``tokens[w*T : w*T + T + 1]`` for each window ``w``, split into inputs
+    and next-token targets, as int64 (what ``nn.Embedding`` and the loss want)."""
+    offsets = windows.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1)  # (B, T+1)
+    buf = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))  # (B, T+1)
+    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+def _check_layout(seq_len: int, micro_batch_size: int, dp_rank: int, dp: int) -> None:
+    """Arguments that come from validated config; a bad one here is a caller bug."""
+    if seq_len <= 0 or micro_batch_size <= 0 or dp <= 0:
+        raise ValueError(f"seq_len={seq_len}, micro_batch_size={micro_batch_size} and "
+                         f"dp={dp} must be > 0")
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp})")
+
+
+class TrainBatches:
+    """An endless, resumable stream of training micro-batches for one DP rank.
+
+    See the module docstring for the sample order. ``next_batch()`` returns CPU
+    int64 tensors ``x, y`` of shape ``(micro_batch_size, seq_len)`` with
+    ``y[:, t] == x[:, t+1]`` along the window; the caller moves them to a device.
+    All ranks must call ``next_batch()`` the same number of times (they do: every
+    rank runs every micro-step), as each call advances the shared counter.
+    """
+
+    def __init__(self, cfg: DataConfig, seq_len: int, vocab_size: int,
+                 micro_batch_size: int, dp_rank: int, dp: int, seed: int) -> None:
+        _check_layout(seq_len, micro_batch_size, dp_rank, dp)
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size={vocab_size} must be > 0")
+        self.kind = cfg.kind
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp = dp
+        self.seed = seed
+        self.consumed = 0  # global samples consumed by all DP ranks together
+        # epoch -> permutation of the windows; at most two live (a batch can straddle
+        # an epoch boundary), so a long run does not accumulate permutations.
+        self._perms: dict[int, np.ndarray] = {}
+        self._tokens: np.ndarray | None = None
+        self.num_windows = 0
+        if cfg.kind == "tokens":
+            self._tokens = open_tokens(cfg.train_path, cfg.dtype, vocab_size)
+            self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
+            need = micro_batch_size * dp
+            if self.num_windows < need:
+                raise DataError(
+                    f"data file {cfg.train_path} has {self.num_windows} windows of "
+                    f"{seq_len + 1} tokens, fewer than one global micro-batch "
+                    f"(mbs x dp = {micro_batch_size} x {dp} = {need})")
+        elif cfg.kind != "synthetic":
+            raise DataError(f"data.kind={cfg.kind!r} is not one of synthetic, tokens")
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epochs consumed (tokens kind; 0.0 for synthetic data)."""
+        return self.consumed / self.num_windows if self.num_windows else 0.0
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = _rng(_PERM_STREAM, self.seed, epoch).permutation(self.num_windows)
+            for old in [e for e in self._perms if e < epoch - 1]:
+                del self._perms[old]
+            self._perms[epoch] = perm
+        return perm
+
+    def _samples(self) -> np.ndarray:
+        """Global sample indices of this rank's next micro-batch."""
+        first = self.consumed + self.dp_rank * self.micro_batch_size
+        return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next ``(x, y)``, each ``(micro_batch_size, seq_len)`` int64."""
+        samples = self._samples()
+        if self._tokens is not None:
+            n = self.num_windows
+            windows = np.array([self._perm(int(g) // n)[int(g) % n] for g in samples],
+                               dtype=np.int64)
+            x, y = _gather_windows(self._tokens, windows, self.seq_len)
+        else:
+            rows = [_rng(_SYNTH_STREAM, self.seed, int(g)).integers(
+                0, self.vocab_size, self.seq_len + 1, dtype=np.int64) for g in samples]
+            buf = torch.from_numpy(np.stack(rows))  # (mbs, T+1)
+            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # (mbs, T) each
+        self.consumed += self.micro_batch_size * self.dp
+        return x, y
+
+    def state_dict(self) -> dict:
+        """All that is needed to resume the exact batch sequence."""
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        consumed = state.get("consumed") if isinstance(state, Mapping) else None
+        if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
+            raise CheckpointError(f"data state {state!r} has no valid 'consumed' count")
+        self.consumed = consumed
+
+
+class ValBatches:
+    """The first ``num_batches`` global validation batches of a val file, in order.
+
+    Batch ``b`` on DP rank ``r`` holds windows ``(b*dp + r)*mbs + j`` (``j < mbs``):
+    contiguous windows from the file's start, so each eval is over exactly the
+    same tokens. Open (and scan) the file once and iterate the object at every
+    eval; each iteration starts again from the beginning.
+    """
+
+    def __init__(self, path: PathLike, dtype: str, seq_len: int, vocab_size: int,
+                 micro_batch_size: int, dp_rank: int, dp: int, max_batches: int) -> None:
+        _check_layout(seq_len, micro_batch_size, dp_rank, dp)
+        if max_batches <= 0:
+            raise ValueError(f"max_batches={max_batches} must be > 0")
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp = dp
+        self._tokens = open_tokens(path, dtype, vocab_size)
+        self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
+        per_batch = micro_batch_size * dp
+        fit = self.num_windows // per_batch
+        if fit == 0:
+            raise DataError(
+                f"val file {path} has {self.num_windows} windows of {seq_len + 1} tokens, "
+                f"fewer than one global micro-batch (mbs x dp = {micro_batch_size} x {dp} "
+                f"= {per_batch})")
+        self.num_batches = min(max_batches, fit)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        mbs = self.micro_batch_size
+        for b in range(self.num_batches):
+            first = (b * self.dp + self.dp_rank) * mbs
+            windows = np.arange(first, first + mbs, dtype=np.int64)
+            yield _gather_windows(self._tokens, windows, self.seq_len)
+
+
+def val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,
+                micro_batch_size: int, dp_rank: int, dp: int, max_batches: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Iterator over this rank's val batches (see :class:`ValBatches`).
+
+    Validation happens here, eagerly, not at the first ``next()``: a bad val file
+    should fail at startup, not at the first eval hours in.
+    """
+    return iter(ValBatches(path, dtype, seq_len, vocab_size, micro_batch_size,
+                           dp_rank, dp, max_batches))
+
+
+def num_val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,
+                    micro_batch_size: int, dp: int, max_batches: int) -> int:
+    """How many batches :func:`val_batches` yields (the same on every DP rank)."""
+    return len(ValBatches(path, dtype, seq_len, vocab_size, micro_batch_size,
+                          0, dp, max_batches))

@@ -1,0 +1,100 @@
+"""Data-parallel gradient averaging: bucketed, overlapped with backward.
+
+Gradients live in flat per-bucket buffers (``param.grad`` is a view into them),
+so one all-reduce covers a whole bucket. Buckets are filled in reverse
+parameter order, roughly the order backward produces gradients. During the
+backward of the *last* micro-batch of a step (``arm()``), a post-accumulate
+hook counts ready parameters; when a bucket is complete its all-reduce starts
+asynchronously and runs while backward continues with earlier layers.
+``finish()`` launches any bucket that never completed (unused parameters),
+then waits on every handle exactly once and divides by dp.
+
+Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
+launch, in the same order on every rank (gloo and NCCL need that).
+On CUDA, the all-reduce is enqueued on the default stream's NCCL work stream;
+``work.wait()`` in ``finish()`` makes the current (default) stream, which the
+optimizer then runs on, wait for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.parallel.comm import all_reduce
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], device, dtype) -> None:
+        self.params = params
+        n = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(n, device=device, dtype=dtype)
+        self.ready = 0
+        self.work = None
+        off = 0
+        for p in params:
+            p.grad = self.buffer[off: off + p.numel()].view_as(p)
+            off += p.numel()
+
+
+class GradReducer:
+    def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0) -> None:
+        self.dp_group = dp_group
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.armed = False
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        limit = int(bucket_mb * 2**20)
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self._add(cur)
+                cur, size = [], 0
+        if cur:
+            self._add(cur)
+        if self.dp > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _add(self, params) -> None:
+        b = _Bucket(params, params[0].device, params[0].dtype)
+        self.buckets.append(b)
+        for p in params:
+            self._bucket_of[id(p)] = b
+
+    def zero_grad(self) -> None:
+        """Zero the flat buffers (keeps ``param.grad`` views alive; never set them to None)."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            b.ready = 0
+            b.work = None
+
+    def arm(self) -> None:
+        """The next backward is the last of this step: reduce while it runs."""
+        self.armed = True
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params):
+            b.work = all_reduce(b.buffer, self.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce and average over dp."""
+        self.armed = False
+        if self.dp == 1:
+            return
+        for b in self.buckets:  # same order on every rank
+            if b.work is None:
+                b.work = all_reduce(b.buffer, self.dp_group, async_op=True)
+        for b in self.buckets:
+            b.work.wait()
+            b.work = None
+            b.buffer.div_(self.dp)

@@ -1,0 +1,121 @@
+"""Metrics from one rank: console line, ``<out_dir>/metrics.jsonl`` and W&B.
+
+Throughput definitions (per optimizer step):
+    tokens/s            = global batch tokens / step time
+    TFLOP/s per device  = flops_per_token x tokens/s / world size
+    MFU                 = TFLOP/s per device / the device's dense bf16 peak
+                          (reported only for devices whose peak is known)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# Dense bf16 tensor-core peaks, FLOP/s (vendor datasheets).
+PEAK_FLOPS = {
+    "H100 SXM": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+    "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "A10G": 70e12,
+    "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12,
+}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # most specific first
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str, is_main: bool, total_steps: int, flops_per_token: float,
+                 world_size: int, device: torch.device, wandb_cfg=None, run_config: Optional[dict] = None,
+                 resume: bool = False) -> None:
+        self.is_main = is_main
+        self.total = total_steps
+        self.flops_per_token = flops_per_token
+        self.world = world_size
+        self.device = device
+        self.peak = peak_flops(device)
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.wandb = None
+        if not is_main:
+            return
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            self.wandb = _init_wandb(wandb_cfg, out_dir, run_config, resume)
+
+    def log(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
+            tokens: int, extra: Optional[dict] = None, step_times_left: Optional[float] = None) -> dict:
+        """Record optimizer step ``step`` (1-based); returns the record."""
+        tps = tokens / step_time
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world,
+               "tflops_per_device": self.flops_per_token * tps / self.world / 1e12,
+               "step_time_s": step_time}
+        if self.peak:
+            rec["mfu"] = rec["tflops_per_device"] * 1e12 / self.peak
+        if self.device.type == "cuda":
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if extra:
+            rec.update(extra)
+        if not self.is_main:
+            return rec
+        eta = (step_times_left if step_times_left is not None
+               else step_time * (self.total - step))
+        parts = [f"step {step}/{self.total}", f"loss {loss:.4f}", f"lr {lr:.2e}",
+                 f"gnorm {grad_norm:.3f}", f"tok/s {tps:,.0f}", f"tok/s/dev {tps / self.world:,.0f}",
+                 f"TFLOP/s/dev {rec['tflops_per_device']:.3f}"]
+        if "mfu" in rec:
+            parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+        if "peak_mem_gib" in rec:
+            parts.append(f"mem {rec['peak_mem_gib']:.2f}GiB")
+        parts.append(f"ETA {_fmt_time(eta)}")
+        print(" | ".join(parts), flush=True)
+        self._write(rec)
+        return rec
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        if not self.is_main:
+            return
+        print(f"step {step}/{self.total} | val_loss {val_loss:.4f} "
+              f"| val_ppl {math.exp(min(val_loss, 50)):.2f}", flush=True)
+        self._write({"step": step, "val_loss": val_loss})
+
+    def _write(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if k != "step"}, step=rec["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _init_wandb(cfg, out_dir: str, run_config: Optional[dict], resume: bool):
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run_id_file = Path(out_dir) / "wandb_run_id"
+    run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else None
+    run = wandb.init(project=cfg.project, name=cfg.name or Path(out_dir).name, mode=cfg.mode,
+                     dir=out_dir, config=run_config, id=run_id,
+                     resume="allow" if run_id else None)
+    run_id_file.write_text(run.id)
+    return run

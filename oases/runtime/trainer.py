@@ -1,0 +1,224 @@
+"""The training loop: config -> groups -> model -> optimizer -> steps.
+
+Kept flat on purpose: ``run`` sets things up and loops, ``train_step`` is one
+optimizer step (micro-batches, DP reduction, clipping, AdamW), ``evaluate`` the
+validation loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models import build_model
+from oases.config import Config, save_config
+from oases.errors import UserError
+from oases.parallel.comm import all_reduce
+from oases.parallel.groups import ParallelContext, init_distributed
+from oases.parallel.random import TPRNGTracker
+from oases.runtime import checkpoint as ckpt
+from oases.runtime.data import TrainBatches, ValBatches
+from oases.runtime.dp import GradReducer
+from oases.runtime.metrics import MetricsLogger
+from oases.runtime.optim import build_optimizer, clip_grads, lr_at
+
+
+def check_out_dir(cfg: Config) -> None:
+    """Refuse an out_dir that is a file, unwritable, or holds another run (unless resuming)."""
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out_dir {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"out_dir {out} cannot be created: {e.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"out_dir {out} is not writable")
+    if cfg.resume == "none":
+        clash = [p for p in ("metrics.jsonl", "checkpoints") if (out / p).exists()]
+        if clash:
+            raise UserError(f"out_dir {out} already holds a run ({', '.join(clash)}); "
+                            f"pass resume=auto to continue it or choose another out_dir")
+
+
+def model_shape(cfg: Config) -> dict:
+    return {k: getattr(cfg.model, k) for k in ckpt.SHAPE_KEYS}
+
+
+def autocast(cfg: Config, ctx: ParallelContext):
+    if cfg.train.precision == "bf16":
+        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
+               ctx: ParallelContext, lr: float) -> tuple[float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm),
+    the loss averaged over micro-batches and DP ranks."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    reducer.zero_grad()
+    n = cfg.train.grad_accum
+    total = torch.zeros((), device=ctx.device)
+    for i in range(n):
+        x, y = batches.next_batch()
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        if i == n - 1:
+            reducer.arm()  # DP all-reduce overlaps the last backward
+        with autocast(cfg, ctx):
+            loss = model(x, y)
+        (loss / n).backward()
+        total += loss.detach()
+    reducer.finish()
+    norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group)
+    opt.step()
+    total /= n
+    if ctx.dp > 1:
+        all_reduce(total, ctx.dp_group)
+        total /= ctx.dp
+    return float(total), norm
+
+
+@torch.no_grad()
+def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext) -> float:
+    """Mean loss over the val file's first windows, contiguous and in order."""
+    model.eval()
+    s = torch.zeros(2, device=ctx.device)  # (sum of losses, batches)
+    for x, y in val:
+        with autocast(cfg, ctx):
+            s[0] += model(x.to(ctx.device), y.to(ctx.device)).float()
+        s[1] += 1
+    if ctx.dp > 1:
+        all_reduce(s, ctx.dp_group)
+    model.train()
+    return float(s[0] / s[1])
+
+
+def _trim_metrics(out_dir: str, step: int) -> None:
+    """After a resume from step N, drop records of steps > N written before the crash."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines()
+            if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    os.replace(tmp, path)
+
+
+def run(cfg: Config) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)  # before any process group: bad config fails fast on every rank
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_out_dir(cfg)
+    ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
+                           cfg.parallel.timeout_s)
+    try:
+        _run(cfg, ctx)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: Config, ctx: ParallelContext) -> None:
+    torch.use_deterministic_algorithms(ctx.device.type == "cpu", warn_only=True)
+    out = Path(cfg.out_dir)
+    tracker = TPRNGTracker(ctx.device)
+    tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
+
+    # Data first: a bad data file is a user error, found before the model is built.
+    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                           cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+    val = None
+    if cfg.data.val_path:
+        val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
+                         cfg.model.vocab_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp,
+                         cfg.eval.max_batches)
+    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
+                        cfg.parallel.recompute, seed=cfg.seed, device=ctx.device)
+    model.train()
+    opt = build_optimizer(model, cfg.train, ctx.device)
+    reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
+
+    start = 0
+    resumed = False
+    if cfg.resume == "auto":
+        path = ckpt.latest_checkpoint(cfg.out_dir)
+        if path is None:
+            if ctx.is_main:
+                print(f"resume=auto: no checkpoint in {out}; starting from step 0", flush=True)
+        else:
+            meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg))
+            start = meta["step"]
+            batches.load_state_dict(meta["data"])
+            if rng is not None:
+                tracker.set_states(rng)
+            resumed = True
+            if ctx.is_main:
+                print(f"resumed from {path} at step {start}", flush=True)
+                _trim_metrics(cfg.out_dir, start)
+    if ctx.is_main:
+        save_config(cfg, out / "config.yaml")
+
+    tokens_per_step = cfg.global_batch_size * cfg.model.seq_len
+    logger = MetricsLogger(cfg.out_dir, ctx.is_main, cfg.train.steps, model.flops_per_token(),
+                           ctx.world_size, ctx.device, cfg.wandb, cfg.to_dict(), resume=resumed)
+    if ctx.is_main:
+        n = model.num_params()
+        print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n / 1e6:.1f}M params) | "
+              f"world {ctx.world_size} = dp {ctx.dp} x tp {ctx.tp} | {ctx.device.type} | "
+              f"schedule {cfg.parallel.schedule}, recompute {cfg.parallel.recompute} | "
+              f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
+              f"{cfg.train.precision} | out_dir {out}", flush=True)
+
+    def save(step: int) -> None:
+        meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
+                "world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp,
+                "padded_vocab_size": cfg.padded_vocab_size}
+        path = ckpt.save(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
+                         cfg.checkpoint.keep)
+        if ctx.is_main:
+            print(f"saved checkpoint {path}", flush=True)
+
+    if start >= cfg.train.steps:
+        if ctx.is_main:
+            print(f"the run in {out} is complete (step {start}/{cfg.train.steps}); "
+                  f"raise train.steps to continue it", flush=True)
+        logger.close()
+        return
+    has_val = val is not None
+    step_times: list[float] = []
+    try:
+        for step in range(start, cfg.train.steps):
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg.train)
+            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            done = step + 1
+            if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
+                recent = step_times[-10:]
+                eta = sum(recent) / len(recent) * (cfg.train.steps - done)
+                logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta)
+            if has_val and cfg.eval.interval and done % cfg.eval.interval == 0:
+                logger.log_eval(done, evaluate(model, val, cfg, ctx))
+            if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0:
+                save(done)
+        final = cfg.train.steps
+        if has_val and not (cfg.eval.interval and final % cfg.eval.interval == 0) and start < final:
+            logger.log_eval(final, evaluate(model, val, cfg, ctx))
+        if cfg.checkpoint.save_final and start < final and not (
+                cfg.checkpoint.interval and final % cfg.checkpoint.interval == 0):
+            save(final)
+    finally:
+        logger.close()
