@@ -29,6 +29,7 @@ data/pydoc/train.bin: | $(VENV)/.installed
 	$(BIN)/python -m oases.prepare --builtin pydoc --out data/pydoc
 
 train: $(VENV)/.installed data/pydoc/train.bin
+	$(BIN)/python -m oases.config --config $(CONFIG) --nproc $(NPROC) $(ARGS)
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test

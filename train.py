@@ -3,15 +3,18 @@
     torchrun --standalone --nproc_per_node=2 train.py --config configs/gpt-tiny.yaml [key.sub=value ...]
 
 Bad input (config, data, checkpoint, out_dir) prints one line and exits with
-status 2; ``debug=true`` shows the traceback.
+status 2; ``debug=true`` shows the traceback. (Under torchrun the workers exit
+with 2 and torchrun reports their failure with its own status 1;
+``python -m oases.config`` checks a config with status 2 before launching.)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from oases.errors import EXIT_USER_ERROR, UserError
+from oases.errors import EXIT_USER_ERROR, ConfigError, DataError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        elif not isinstance(e, (ConfigError, DataError)):  # those are the same on every rank
+            print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     return 0
 
