@@ -96,19 +96,32 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
-    schedule: str = "megatron"      # "megatron" (ordinary autograd, blocking all-reduce)
-    recompute: str = "none"         # "none" | "full" (checkpoint each transformer layer)
-    sub_batches: int = 2            # oases schedule only
+    # "megatron": ordinary autograd, blocking all-reduce after every row-parallel layer
+    #   (the backward all-reduce of the column input gradient overlaps the weight gradient);
+    # "oases": two sub-batches interleaved so every TP collective overlaps compute.
+    schedule: str = "megatron"
+    # "none": save everything; "full": recompute each transformer layer (forward
+    # all-reduces included); "fine" (oases only): save each forward all-reduce's
+    # output and recompute from there, never re-issuing a forward collective.
+    recompute: str = "none"
+    sub_batches: int = 2            # oases schedule only: micro-batch split along the batch
     backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
     device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
     timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
     dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
+    # Timing only: replace every TP collective by a no-op of the same shape (results are
+    # wrong). Gives the no-communication upper bound in benchmarks.
+    tp_comm_noop: bool = False
+    trace: bool = False             # write a per-rank event trace (trace_rank{r}.json) to out_dir
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
-        _choice("parallel.schedule", self.schedule, ("megatron",))
-        _choice("parallel.recompute", self.recompute, ("none", "full"))
-        _positive("parallel.sub_batches", self.sub_batches)
+        _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
+        _choice("parallel.recompute", self.recompute, ("none", "full", "fine"))
+        if self.recompute == "fine" and self.schedule != "oases":
+            raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
+        if self.sub_batches < 2:
+            raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= 2")
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _positive("parallel.timeout_s", self.timeout_s)
@@ -239,6 +252,11 @@ class Config:
             if n % tp:
                 # kv heads are not replicated across TP ranks: each rank must own whole kv heads
                 raise ConfigError(f"parallel.tp={tp} does not divide {what}={n}")
+        if self.parallel.schedule == "oases":
+            mbs, n = self.train.micro_batch_size, self.parallel.sub_batches
+            if mbs < n or mbs % n:
+                raise ConfigError(f"train.micro_batch_size={mbs} cannot be split into "
+                                  f"parallel.sub_batches={n} equal sub-batches")
         self._world_size = world_size
         return self
 

@@ -53,6 +53,38 @@ class CommCounter:
             c.bytes[kind] += t.numel() * t.element_size()
 
 
+class NoopCollectives:
+    """Timing only: while active, collectives over ``group`` do nothing (same shapes,
+    wrong values). ``with NoopCollectives(tp_group):`` gives the no-communication
+    upper bound of a schedule."""
+
+    _groups: list = []
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __enter__(self) -> "NoopCollectives":
+        NoopCollectives._groups.append(self.group)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        NoopCollectives._groups.remove(self.group)
+
+    @classmethod
+    def active(cls, group) -> bool:
+        return any(g is group for g in cls._groups)
+
+
+class _DoneWork:
+    """Stands in for the work handle of a collective that was skipped."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -64,6 +96,8 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
     """In-place all-reduce of ``t`` over ``group``; returns the work handle if async."""
     CommCounter.record("all_reduce", t)
+    if NoopCollectives.active(group):
+        return _DoneWork() if async_op else None
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
@@ -71,6 +105,8 @@ def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     src = t.movedim(dim, 0).contiguous()
     CommCounter.record("all_gather", src)
+    if NoopCollectives.active(group):
+        return torch.cat([src] * n).movedim(0, dim).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     _all_gather_single(out, src, group=group)
     # rank chunks are concatenated along the moved dim; move it back
@@ -90,6 +126,8 @@ def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
         raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
     src = t.movedim(dim, 0).contiguous()
     CommCounter.record("reduce_scatter", src)
+    if NoopCollectives.active(group):
+        return src.chunk(n)[group_rank(group)].movedim(0, dim).contiguous()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()

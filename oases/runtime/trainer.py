@@ -19,7 +19,7 @@ import torch.distributed as dist
 from models import build_model
 from oases.config import Config, save_config
 from oases.errors import UserError
-from oases.parallel.comm import all_reduce
+from oases.parallel.comm import NoopCollectives, all_reduce
 from oases.parallel.groups import ParallelContext, init_distributed
 from oases.parallel.random import TPRNGTracker
 from oases.runtime import checkpoint as ckpt
@@ -194,7 +194,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         return
     has_val = val is not None
     step_times: list[float] = []
+    noop = (NoopCollectives(ctx.tp_group) if cfg.parallel.tp_comm_noop and ctx.tp > 1
+            else contextlib.nullcontext())
+    if cfg.parallel.tp_comm_noop and ctx.is_main:
+        print("parallel.tp_comm_noop=true: TP collectives are skipped; losses are NOT valid "
+              "(timing only)", flush=True)
     try:
+        noop.__enter__()
         for step in range(start, cfg.train.steps):
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
@@ -221,4 +227,5 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 cfg.checkpoint.interval and final % cfg.checkpoint.interval == 0):
             save(final)
     finally:
+        noop.__exit__(None, None, None)
         logger.close()
