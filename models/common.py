@@ -239,6 +239,11 @@ class CausalLM(nn.Module):
             out += [layer.attn, layer.mlp]
         return out
 
+    def recompute_groups(self) -> list[tuple[int, int]]:
+        """Block index ranges [a, b) recomputed together under recompute=full: one
+        transformer layer each (the embedding block is never recomputed)."""
+        return [(1 + 2 * i, 3 + 2 * i) for i in range(len(self.layers))]
+
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm)."""
         x = self.embed(ids)

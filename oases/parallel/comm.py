@@ -206,9 +206,57 @@ def _trivial(group) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
+class Cut:
+    """Where a TP region was entered under a :class:`CutRecorder`: ``leaf`` replaced
+    ``source`` in the forward graph; its gradient must be all-reduced over ``group``
+    and then fed to ``source`` (``torch.autograd.backward(source, reduced_grad)``)."""
+
+    __slots__ = ("source", "leaf", "group")
+
+    def __init__(self, source: torch.Tensor, leaf: torch.Tensor, group) -> None:
+        self.source, self.leaf, self.group = source, leaf, group
+
+
+class CutRecorder:
+    """While active, :func:`copy_to_tp` cuts the autograd graph instead of inserting
+    its backward all-reduce, and records the cut, so that a schedule can run the
+    backward up to the cut, launch the all-reduce of the cut's gradient itself
+    (asynchronously) and continue later. The same source tensor entering several
+    column-parallel layers is cut once (one all-reduce for their summed gradient)."""
+
+    _active: list["CutRecorder"] = []
+
+    def __init__(self) -> None:
+        self.cuts: list[Cut] = []
+
+    def __enter__(self) -> "CutRecorder":
+        CutRecorder._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        CutRecorder._active.remove(self)
+
+    def cut(self, x: torch.Tensor, group) -> torch.Tensor:
+        for c in self.cuts:
+            if c.source is x and c.group is group:
+                return c.leaf
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        self.cuts.append(Cut(x, leaf, group))
+        return leaf
+
+    @classmethod
+    def current(cls) -> Optional["CutRecorder"]:
+        return cls._active[-1] if cls._active else None
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region: identity forward, all-reduce of the gradient backward."""
-    return x if _trivial(group) else _CopyToTP.apply(x, group)
+    if _trivial(group):
+        return x
+    rec = CutRecorder.current()
+    if rec is not None:
+        return rec.cut(x, group)
+    return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:

@@ -20,9 +20,46 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.parallel.comm import (copy_to_tp, gather_from_tp, group_rank, group_size,
-                                 reduce_from_tp, scatter_to_tp)
+from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, copy_to_tp, gather_from_tp,
+                                 group_rank, group_size, reduce_from_tp, scatter_to_tp)
 from oases.parallel.sharding import TPSpec, divide, set_spec
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class _LinearAsyncGradAllReduce(torch.autograd.Function):
+    """``F.linear`` on a replicated input whose input gradient is all-reduced over TP,
+    overlapped with the weight-gradient matmul (as Megatron-LM does):
+
+        backward:  dX = dY W  -> launch all-reduce(dX)  -> dW = dY^T X, db  -> wait
+
+    The wait happens on the stream that returns dX to autograd (the current one);
+    on CUDA, NCCL's stream already waited for dX's producer at launch.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        dt = _compute_dtype(x)  # autocast is active in forward, not in backward
+        xc, wc = x.to(dt), weight.to(dt)
+        ctx.save_for_backward(xc, wc)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.w_dtype = weight.dtype
+        return F.linear(xc, wc, None if bias is None else bias.to(dt))
+
+    @staticmethod
+    def backward(ctx, g):
+        xc, wc = ctx.saved_tensors
+        g = g.contiguous()
+        dx = g.matmul(wc)
+        work = all_reduce(dx, ctx.group, async_op=True)
+        g2 = g.reshape(-1, g.shape[-1])
+        dw = g2.t().matmul(xc.reshape(-1, xc.shape[-1])).to(ctx.w_dtype)
+        db = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        work.wait()
+        return dx, dw, db, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -70,8 +107,12 @@ class ColumnParallelLinear(nn.Module):
         return tuple(p // self.tp for p in (self.parts or (self.out_features,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        if (_trivial(self.tp_group) or CutRecorder.current() is not None
+                or not torch.is_grad_enabled() or not x.requires_grad):
+            # a schedule cuts the graph here and all-reduces dX itself
+            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out/tp)
+        else:
+            y = _LinearAsyncGradAllReduce.apply(x, self.weight, self.bias, self.tp_group)
         if self.gather_output:
             if self.parts:
                 raise ValueError("gather_output with fused parts would interleave the parts")

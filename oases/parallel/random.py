@@ -41,10 +41,12 @@ class TPRNGTracker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._state: torch.Tensor | None = None
+        self.tp_rank = 0
 
     def seed(self, seed: int, tp_rank: int, dp_rank: int = 0) -> None:
         """Seed the default generator (same across TP, different across DP) and
         the tp stream (different on every rank)."""
+        self.tp_rank = tp_rank
         base = seed + _DP_SEED_STRIDE * dp_rank
         torch.manual_seed(base)
         saved = _get_state(self.device)

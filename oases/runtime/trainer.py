@@ -27,6 +27,8 @@ from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.dp import GradReducer
 from oases.runtime.metrics import MetricsLogger
 from oases.runtime.optim import build_optimizer, clip_grads, lr_at
+from oases.schedule.engines import MegatronSchedule, build_schedule
+from oases.schedule.trace import Tracer
 
 
 def check_out_dir(cfg: Config) -> None:
@@ -58,23 +60,21 @@ def autocast(cfg: Config, ctx: ParallelContext):
 
 
 def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
-               ctx: ParallelContext, lr: float) -> tuple[float, float]:
+               ctx: ParallelContext, lr: float, schedule=None) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm),
     the loss averaged over micro-batches and DP ranks."""
     for g in opt.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
     n = cfg.train.grad_accum
+    schedule = schedule or MegatronSchedule()
     total = torch.zeros((), device=ctx.device)
     for i in range(n):
         x, y = batches.next_batch()
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         if i == n - 1:
             reducer.arm()  # DP all-reduce overlaps the last backward
-        with autocast(cfg, ctx):
-            loss = model(x, y)
-        (loss / n).backward()
-        total += loss.detach()
+        total += schedule.forward_backward(model, x, y, 1.0 / n, amp=lambda: autocast(cfg, ctx))
     reducer.finish()
     norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group)
     opt.step()
@@ -140,8 +140,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
                          cfg.model.vocab_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp,
                          cfg.eval.max_batches)
+    par = cfg.parallel
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                        cfg.parallel.recompute, seed=cfg.seed, device=ctx.device)
+                        par.recompute if par.schedule == "megatron" else "none",
+                        seed=cfg.seed, device=ctx.device)
+    tracer = Tracer(ctx.rank) if par.trace else None
+    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+                              tracker, tracer)
     model.train()
     opt = build_optimizer(model, cfg.train, ctx.device)
     reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
@@ -206,12 +211,17 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train)
-            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr)
+            if tracer is not None:  # trace one step after warm-up
+                tracer.events.clear()
+            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             done = step + 1
+            if tracer is not None and done == min(start + 3, cfg.train.steps):
+                tracer.save(out / f"trace_rank{ctx.rank}.json")
+                tracer = schedule.tracer = None
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
                 recent = step_times[-10:]
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)

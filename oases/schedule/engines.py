@@ -1,0 +1,376 @@
+"""Schedule engines: how a micro-batch's forward and backward run over the blocks.
+
+``megatron``: ordinary autograd. Every row-parallel output is all-reduced in
+place and waited for (blocking); in backward the column-parallel input gradient
+is all-reduced while the weight gradient is computed (as Megatron-LM does).
+
+``oases``: the micro-batch is split along the batch into sub-batches a, b that
+take turns. Each sub-batch is a program of compute *segments* separated by TP
+collectives; when a sub-batch reaches a collective it launches it
+asynchronously and yields, and the other sub-batch computes meanwhile:
+
+    forward     compute  | a:P0 | b:P0 | a:C0 P1 | b:C0 P1 | a:C1 P2 | ...
+                comm            | AR a0 | AR b0   | AR a1   | AR b1   | ...
+
+    (Pi = block i's partial, Ci = its combine; ARxi overlaps the other
+    sub-batch's compute, across layer boundaries too.)
+
+    backward    compute  | a:Bi | b:Bi | a:Ni Ri-1 Bi-1 | b:Ni Ri-1 Bi-1 | ...
+                comm            | ARa  | ARb            | ...
+
+    (Bi = backward of block i down to the point where its column-parallel
+    input gradient must be all-reduced, Ni = the rest of block i's backward
+    (norm, residual), Ri-1 = recompute of block i-1. Recompute and backward of
+    a and b interleave with no barrier between a recompute and a backward pass:
+    cross-pass scheduling.)
+
+Recompute modes under ``oases``:
+* ``none``: the forward keeps every block's autograd graph.
+* ``full``: the forward keeps only each transformer layer's input; backward
+  recomputes the layer, re-issuing its forward all-reduces (as Megatron's full
+  recompute), interleaved with the other sub-batch.
+* ``fine``: the forward keeps each block's input and the output of its forward
+  all-reduce; backward recomputes from there (partial and combine of the same
+  block), so recompute never re-issues a forward collective.
+Recompute replays the RNG states (default and TP streams) captured in forward,
+so dropout masks are identical.
+
+RNG: each sub-batch draws from its own streams, derived at the start of the
+micro-batch (:func:`sub_batch_rng_streams`), and every segment of a sub-batch
+runs with its streams swapped in. Its dropout masks are therefore exactly those
+of plain autograd run on that sub-batch alone from the same streams, whatever
+the interleaving (the parity tests rely on it).
+
+Collective discipline: every rank runs the same programs in the same
+round-robin order, so all ranks issue the same collectives in the same order.
+Each launched collective is waited exactly once, by the runner, before its
+result is handed back to the program that asked for it; no handle outlives
+``forward_backward``. On CUDA, ``work.wait()`` makes the *current* stream (the
+one every segment computes on) wait for the collective; the buffers stay
+referenced by the runner until that wait, so the caching allocator cannot hand
+their memory to another kernel while the communication stream still reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Optional
+
+import torch
+import torch.nn as nn
+
+from oases.parallel.comm import Cut, CutRecorder, _trivial, all_reduce
+from oases.parallel.random import TPRNGTracker
+
+AmpFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+class MegatronSchedule:
+    """Plain autograd over the whole micro-batch (recompute=full lives in the model)."""
+
+    name = "megatron"
+
+    def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+        with amp():
+            loss = model(ids, targets)
+        (loss * scale).backward()
+        return loss.detach()
+
+
+class _Graft(torch.autograd.Function):
+    """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
+    unchanged (the all-reduce's backward is the identity)."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced):
+        return reduced.view_as(reduced)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _rng_snapshot(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
+    if tracker is not None:
+        return tracker.get_states()
+    st = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def _rng_restore(tracker: Optional[TPRNGTracker], device: torch.device, st: dict) -> None:
+    if tracker is not None:
+        tracker.set_states(st)
+        return
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+
+
+def sub_batch_rng_streams(tracker: Optional[TPRNGTracker], device: torch.device,
+                          n: int) -> list[dict]:
+    """Derive ``n`` independent RNG streams (default + TP) from the live generator.
+
+    The seeds come from the default CPU generator, identical across the ranks of a
+    TP group, so the derived default streams agree across TP ranks; the derived TP
+    streams are offset by the TP rank, as in :meth:`TPRNGTracker.seed`.
+    """
+    seeds = torch.randint(0, 2**62, (n,)).tolist()
+    live = _rng_snapshot(tracker, device)
+    streams = []
+    for sd in seeds:
+        if tracker is not None:
+            tracker.seed(sd, tracker.tp_rank)
+        else:
+            torch.manual_seed(sd)
+        streams.append(_rng_snapshot(tracker, device))
+    _rng_restore(tracker, device, live)
+    return streams
+
+
+@dataclass
+class _BlockState:
+    """One block of one sub-batch. ``out`` set = its autograd graph is live."""
+    x_in: Optional[torch.Tensor] = None       # block input (a leaf when the graph is live)
+    saved_x: Optional[torch.Tensor] = None    # stashed input for recompute
+    saved_r: Optional[torch.Tensor] = None    # stashed all-reduce output (fine)
+    rng_partial: Optional[dict] = None
+    rng_combine: Optional[dict] = None
+    cuts: list = field(default_factory=list)
+    out: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _SubBatch:
+    name: str
+    ids: torch.Tensor
+    targets: torch.Tensor
+    blocks: list = field(default_factory=list)
+    head: Optional[tuple] = None
+    loss: Optional[torch.Tensor] = None
+
+
+Program = Generator[list, list, None]
+
+
+class OasesSchedule:
+    name = "oases"
+
+    def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
+                 tracker: Optional[TPRNGTracker] = None, tracer=None) -> None:
+        if recompute not in ("none", "full", "fine"):
+            raise ValueError(f"recompute={recompute!r}")
+        self.tp_group = tp_group
+        self.n = sub_batches
+        self.recompute = recompute
+        self.tracker = tracker
+        self.tracer = tracer
+        self.stash_bytes = 0  # bytes stashed for recompute in the last forward (memory tests)
+
+    # ------------------------------------------------------------------ API
+    def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (detached) mean loss.
+        Parameter gradients accumulate into ``.grad`` scaled by ``scale``."""
+        if ids.shape[0] % self.n:
+            raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
+                             f"sub-batches")
+        blocks = model.blocks()
+        groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
+                  else [(i, i + 1) for i in range(1, len(blocks))])
+        self._device = ids.device
+        self._amp = amp
+        subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y)
+                for s, (x, y) in enumerate(zip(ids.chunk(self.n), targets.chunk(self.n)))]
+        self.stash_bytes = 0
+        self._streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
+        self._run([self._forward(model, blocks, groups, sb) for sb in subs])
+        self._run([self._backward(blocks, groups, sb, scale / self.n) for sb in subs])
+        return torch.stack([sb.loss for sb in subs]).mean()
+
+    # --------------------------------------------------------------- runner
+    def _run(self, programs: list[Program]) -> None:
+        """Round-robin: resume each program with the results of the collectives it
+        launched before the others ran their next segment."""
+        pending: list = [None] * len(programs)
+        alive = [True] * len(programs)
+
+        def advance(s: int, value) -> None:
+            live = self._snap()
+            _rng_restore(self.tracker, self._device, self._streams[s])
+            try:
+                bufs = programs[s].send(value)
+            except StopIteration:
+                alive[s] = False
+                pending[s] = None
+                return
+            finally:  # sub-batch s's streams advance only by its own draws
+                self._streams[s] = self._snap()
+                _rng_restore(self.tracker, self._device, live)
+            pending[s] = self._launch(bufs, s)
+
+        for s in range(len(programs)):
+            advance(s, None)
+        while any(alive):
+            for s in range(len(programs)):
+                if alive[s]:
+                    advance(s, self._wait(pending[s]))
+
+    def _launch(self, bufs: list[torch.Tensor], s: int) -> list:
+        if _trivial(self.tp_group):
+            return [(b, None) for b in bufs]
+        out = []
+        for b in bufs:
+            work = all_reduce(b, self.tp_group, async_op=True)
+            if self.tracer is not None:
+                self.tracer.collective(f"all-reduce {'abcdefgh'[s]}", "comm", work)
+            out.append((b, work))
+        return out
+
+    @staticmethod
+    def _wait(pending: list) -> list[torch.Tensor]:
+        res = []
+        for b, work in pending:
+            if work is not None:
+                work.wait()  # orders the current stream after the collective
+            res.append(b)
+        return res
+
+    def _span(self, name: str):
+        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
+
+    def _snap(self) -> dict:
+        return _rng_snapshot(self.tracker, self._device)
+
+    @contextlib.contextmanager
+    def _replay(self, st: Optional[dict]):
+        if st is None:
+            yield
+            return
+        live = self._snap()
+        _rng_restore(self.tracker, self._device, st)
+        try:
+            yield
+        finally:
+            _rng_restore(self.tracker, self._device, live)
+
+    def _stash(self, t: torch.Tensor) -> torch.Tensor:
+        self.stash_bytes += t.numel() * t.element_size()
+        return t
+
+    # ------------------------------------------------------------- forward
+    def _forward(self, model, blocks, groups, sb: _SubBatch) -> Program:
+        starts = {a for a, _ in groups}
+        in_group = {i for a, b in groups for i in range(a, b)}
+        x = sb.ids
+        for i, blk in enumerate(blocks):
+            keep = self.recompute == "none" or i not in in_group
+            st = _BlockState()
+            if i == 0:
+                x_in = x
+            else:
+                x_in = x.detach().requires_grad_(keep)
+            if not keep:
+                st.rng_partial = self._snap()
+                if self.recompute == "fine" or i in starts:
+                    st.saved_x = self._stash(x_in)
+            with self._span(f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), self._amp(), \
+                    CutRecorder() as rec:
+                p = blk.partial(x_in)
+            buf = p.detach().clone()
+            (reduced,) = yield [buf]          # all-reduce of the partial sum
+            if not keep:
+                st.rng_combine = self._snap()
+                if self.recompute == "fine":
+                    st.saved_r = self._stash(reduced)
+            with self._span(f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), self._amp():
+                r = _Graft.apply(p, reduced) if keep else reduced
+                out = blk.combine(x_in, r)
+            if keep:
+                st.x_in, st.cuts, st.out = x_in, rec.cuts, out
+            sb.blocks.append(st)
+            x = out
+        x_last = x.detach().requires_grad_()
+        with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
+            loss = model.loss_from_hidden(x_last, sb.targets)
+        sb.head = (x_last, rec.cuts, loss)
+        sb.loss = loss.detach()
+
+    # ------------------------------------------------------------ backward
+    def _cut_backward(self, cuts: list[Cut], name: str) -> Program:
+        """All-reduce the gradients at the cuts, then continue backward from them."""
+        cuts = [c for c in cuts if c.leaf.grad is not None]
+        if not cuts:
+            return
+        grads = yield [c.leaf.grad for c in cuts]    # all-reduce of the input gradients
+        with self._span(name):
+            torch.autograd.backward([c.source for c in cuts], grads)
+
+    def _rebuild(self, blk, st: _BlockState, reduced: torch.Tensor, x_in: torch.Tensor, p):
+        with self._replay(st.rng_combine), torch.enable_grad(), self._amp():
+            st.out = blk.combine(x_in, _Graft.apply(p, reduced))
+        st.x_in = x_in
+
+    def _recompute_fine(self, blk, st: _BlockState, name: str) -> None:
+        x_in = st.saved_x.detach().requires_grad_()
+        with self._span(name), self._replay(st.rng_partial), torch.enable_grad(), self._amp(), \
+                CutRecorder() as rec:
+            p = blk.partial(x_in)
+        st.cuts = rec.cuts
+        with self._span(name):
+            self._rebuild(blk, st, st.saved_r, x_in, p)
+        st.saved_x = st.saved_r = None
+
+    def _recompute_group(self, blocks, sbs: list[_BlockState], a: int, b: int,
+                         name: str) -> Program:
+        """Re-run blocks a..b-1 from the stashed group input, forward all-reduces included."""
+        x = sbs[a].saved_x
+        for i in range(a, b):
+            st = sbs[i]
+            x_in = x.detach().requires_grad_()
+            with self._span(f"{name} P{i}"), self._replay(st.rng_partial), torch.enable_grad(), \
+                    self._amp(), CutRecorder() as rec:
+                p = blocks[i].partial(x_in)
+            buf = p.detach().clone()
+            (reduced,) = yield [buf]           # forward all-reduce, re-issued
+            st.cuts = rec.cuts
+            with self._span(f"{name} C{i}"):
+                self._rebuild(blocks[i], st, reduced, x_in, p)
+            x = st.out
+        sbs[a].saved_x = None
+
+    def _backward(self, blocks, groups, sb: _SubBatch, scale: float) -> Program:
+        group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
+        x_last, cuts, loss = sb.head
+        with self._span(f"B{sb.name} loss"):
+            torch.autograd.backward(loss, torch.full_like(loss, scale))
+        yield from self._cut_backward(cuts, f"B{sb.name} head")
+        sb.head = None
+        g = x_last.grad
+        for i in reversed(range(len(blocks))):
+            st = sb.blocks[i]
+            if st.out is None:
+                if self.recompute == "fine":
+                    self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
+                else:
+                    a, b = group_of[i]
+                    yield from self._recompute_group(blocks, sb.blocks, a, b, f"R{sb.name}")
+            with self._span(f"B{sb.name} {i}"):
+                torch.autograd.backward(st.out, g)
+            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in")
+            g = st.x_in.grad if i > 0 else None
+            sb.blocks[i] = None
+
+
+def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
+                   tracker: Optional[TPRNGTracker] = None, tracer=None):
+    """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
+    business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
+    if name == "megatron":
+        return MegatronSchedule()
+    if name == "oases":
+        return OasesSchedule(tp_group, sub_batches, recompute, tracker, tracer)
+    raise ValueError(f"unknown schedule {name!r}")
