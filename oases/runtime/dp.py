@@ -4,8 +4,13 @@ Gradients live in flat per-bucket buffers (``param.grad`` is a view into them),
 so one all-reduce covers a whole bucket. Buckets are filled in reverse
 parameter order, roughly the order backward produces gradients. During the
 backward of the *last* micro-batch of a step (``arm()``), a post-accumulate
-hook counts ready parameters; when a bucket is complete its all-reduce starts
-asynchronously and runs while backward continues with earlier layers.
+hook counts how often each parameter's gradient was accumulated; once every
+parameter of a bucket has had all its accumulations, the bucket's all-reduce
+starts asynchronously and runs while backward continues with earlier layers.
+How many accumulations a parameter gets per backward depends on the schedule
+(one under plain autograd; one per sub-batch, and more for tied weights, under
+``oases``), so the first armed backward only counts (calibration) and its
+buckets are all reduced in ``finish()``.
 ``finish()`` launches any bucket that never completed (unused parameters),
 then waits on every handle exactly once and divides by dp.
 
@@ -30,7 +35,8 @@ class _Bucket:
         self.params = params
         n = sum(p.numel() for p in params)
         self.buffer = torch.zeros(n, device=device, dtype=dtype)
-        self.ready = 0
+        self.ready = 0      # params whose accumulations are complete
+        self.need = 0       # params that get gradients at all (known after calibration)
         self.work = None
         off = 0
         for p in params:
@@ -43,6 +49,8 @@ class GradReducer:
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
+        self._hits: dict[int, int] = {}
+        self._expected: dict[int, int] | None = None
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
@@ -73,6 +81,7 @@ class GradReducer:
             b.buffer.zero_()
             b.ready = 0
             b.work = None
+        self._hits = {}
 
     def arm(self) -> None:
         """The next backward is the last of this step: reduce while it runs."""
@@ -81,9 +90,13 @@ class GradReducer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self.armed:
             return
-        b = self._bucket_of[id(p)]
+        k = id(p)
+        self._hits[k] = self._hits.get(k, 0) + 1
+        if self._expected is None or self._hits[k] != self._expected.get(k):
+            return
+        b = self._bucket_of[k]
         b.ready += 1
-        if b.ready == len(b.params):
+        if b.ready == b.need and b.work is None:
             b.work = all_reduce(b.buffer, self.dp_group, async_op=True)
 
     def finish(self) -> None:
@@ -91,6 +104,10 @@ class GradReducer:
         self.armed = False
         if self.dp == 1:
             return
+        if self._expected is None:  # calibration: all ranks count the same hooks
+            self._expected = dict(self._hits)
+            for b in self.buckets:
+                b.need = sum(1 for p in b.params if self._expected.get(id(p), 0) > 0)
         for b in self.buckets:  # same order on every rank
             if b.work is None:
                 b.work = all_reduce(b.buffer, self.dp_group, async_op=True)

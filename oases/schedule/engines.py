@@ -62,6 +62,7 @@ import torch.nn as nn
 
 from oases.parallel.comm import Cut, CutRecorder, _trivial, all_reduce
 from oases.parallel.random import TPRNGTracker
+from oases.schedule.memory import SavedTensorMeter
 
 AmpFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -75,6 +76,7 @@ class MegatronSchedule:
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
         with amp():
             loss = model(ids, targets)
+        SavedTensorMeter.end_of_forward()
         (loss * scale).backward()
         return loss.detach()
 
@@ -188,6 +190,7 @@ class OasesSchedule:
         self.stash_bytes = 0
         self._streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
         self._run([self._forward(model, blocks, groups, sb) for sb in subs])
+        SavedTensorMeter.end_of_forward()
         self._run([self._backward(blocks, groups, sb, scale / self.n) for sb in subs])
         return torch.stack([sb.loss for sb in subs]).mean()
 
@@ -259,6 +262,7 @@ class OasesSchedule:
 
     def _stash(self, t: torch.Tensor) -> torch.Tensor:
         self.stash_bytes += t.numel() * t.element_size()
+        SavedTensorMeter.track(t)
         return t
 
     # ------------------------------------------------------------- forward
