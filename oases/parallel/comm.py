@@ -16,6 +16,7 @@ which a :class:`CommCounter` can observe (tests count collectives per step).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from typing import Optional
 
@@ -51,6 +52,24 @@ class CommCounter:
         for c in cls._active:
             c.counts[kind] += 1
             c.bytes[kind] += t.numel() * t.element_size()
+
+
+class CommObserver:
+    """Base for observers of collective lifetimes (the schedule tracer): while one is
+    entered (``with obs:``), :func:`all_reduce` reports each collective to
+    ``obs.collective(name, lane, work, start)``."""
+
+    _active: list["CommObserver"] = []
+
+    def __enter__(self):
+        CommObserver._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        CommObserver._active.remove(self)
+
+    def collective(self, name: str, lane: str, work, start: Optional[float] = None) -> None:
+        raise NotImplementedError
 
 
 class NoopCollectives:
@@ -98,7 +117,16 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
     CommCounter.record("all_reduce", t)
     if NoopCollectives.active(group):
         return _DoneWork() if async_op else None
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    if not CommObserver._active:
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    start = time.perf_counter()
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    for tr in CommObserver._active:
+        tr.collective("all-reduce", "comm", work, start)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:

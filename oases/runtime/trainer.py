@@ -211,16 +211,21 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train)
-            if tracer is not None:  # trace one step after warm-up
+            traced = tracer is not None and step == min(start + 2, cfg.train.steps - 1)
+            if traced:  # trace one step after warm-up
                 tracer.events.clear()
-            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule)
+                tracer.t0 = time.perf_counter()
+            with tracer if traced else contextlib.nullcontext():
+                loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             done = step + 1
-            if tracer is not None and done == min(start + 3, cfg.train.steps):
+            if traced:
                 tracer.save(out / f"trace_rank{ctx.rank}.json")
+                if ctx.is_main:
+                    print(f"wrote {out}/trace_rank*.json (step {done})", flush=True)
                 tracer = schedule.tracer = None
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
                 recent = step_times[-10:]

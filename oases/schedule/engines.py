@@ -72,12 +72,19 @@ class MegatronSchedule:
 
     name = "megatron"
 
+    def __init__(self, tracer=None) -> None:
+        self.tracer = tracer
+
+    def _span(self, name: str):
+        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
+
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
-        with amp():
+        with self._span("forward"), amp():
             loss = model(ids, targets)
         SavedTensorMeter.end_of_forward()
-        (loss * scale).backward()
+        with self._span("backward"):
+            (loss * scale).backward()
         return loss.detach()
 
 
@@ -225,13 +232,8 @@ class OasesSchedule:
     def _launch(self, bufs: list[torch.Tensor], s: int) -> list:
         if _trivial(self.tp_group):
             return [(b, None) for b in bufs]
-        out = []
-        for b in bufs:
-            work = all_reduce(b, self.tp_group, async_op=True)
-            if self.tracer is not None:
-                self.tracer.collective(f"all-reduce {'abcdefgh'[s]}", "comm", work)
-            out.append((b, work))
-        return out
+        # (an active Tracer sees these through all_reduce)
+        return [(b, all_reduce(b, self.tp_group, async_op=True)) for b in bufs]
 
     @staticmethod
     def _wait(pending: list) -> list[torch.Tensor]:
@@ -374,7 +376,7 @@ def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "
     """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
     business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
     if name == "megatron":
-        return MegatronSchedule()
+        return MegatronSchedule(tracer)
     if name == "oases":
         return OasesSchedule(tp_group, sub_batches, recompute, tracker, tracer)
     raise ValueError(f"unknown schedule {name!r}")

@@ -15,8 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+from oases.parallel.comm import CommObserver
 
-class Tracer:
+
+class Tracer(CommObserver):
+    """``with tracer:`` also records the collectives issued through
+    :func:`oases.parallel.comm.all_reduce` (e.g. inside autograd under ``megatron``)."""
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.t0 = time.perf_counter()
@@ -40,9 +45,9 @@ class Tracer:
             self._add({"name": name, "cat": "compute", "ph": "X", "pid": self.rank,
                        "tid": lane, "ts": self._us(start), "dur": self._us(end) - self._us(start)})
 
-    def collective(self, name: str, lane: str, work) -> None:
-        """Record a collective from now until ``work`` completes."""
-        start = time.perf_counter()
+    def collective(self, name: str, lane: str, work, start: float | None = None) -> None:
+        """Record a collective from ``start`` (default: now) until ``work`` completes."""
+        start = time.perf_counter() if start is None else start
 
         def done(_fut):
             end = time.perf_counter()
