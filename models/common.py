@@ -27,6 +27,9 @@ from oases.schedule.block import TPBlock
 from oases.schedule.recompute import recompute
 
 
+IGNORE_INDEX = -100
+
+
 class LayerNorm(nn.Module):
     def __init__(self, d: int, eps: float, bias: bool = True) -> None:
         super().__init__()
@@ -262,7 +265,10 @@ class CausalLM(nn.Module):
 
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head_logits(x)
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.vocab_size).mean()
+        per_token = vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.vocab_size,
+                                                 ignore_index=IGNORE_INDEX)
+        # mean over the tokens that count (targets == IGNORE_INDEX contribute nothing)
+        return per_token.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean next-token loss if ``targets`` is given, else this rank's logits slice."""

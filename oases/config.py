@@ -33,7 +33,8 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    ok = value >= 0 if allow_zero else value > 0  # False for NaN too
+    if not ok:
         raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
@@ -66,9 +67,13 @@ class ModelConfig:
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"model.name={self.name!r} is not a known size{hint}; "
                               f"known: {', '.join(MODEL_SIZES)}")
-        for k, v in MODEL_SIZES[self.name].items():
+        size = MODEL_SIZES[self.name]
+        kv_given = self.n_kv_heads is not None
+        for k, v in size.items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
+        if not kv_given and self.arch == "gpt":
+            self.n_kv_heads = self.n_head  # GPT has no GQA: follow an overridden n_head
 
     @property
     def head_dim(self) -> int:
@@ -91,6 +96,9 @@ class ModelConfig:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        _positive("model.init_std", self.init_std)
+        _positive("model.norm_eps", self.norm_eps)
+        _positive("model.rope_theta", self.rope_theta)
 
 
 @dataclass
@@ -150,7 +158,7 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.lr", self.lr)
         _positive("train.min_lr", self.min_lr, allow_zero=True)
-        if self.min_lr > self.lr:
+        if not self.min_lr <= self.lr:
             raise ConfigError(f"train.min_lr={self.min_lr} is larger than train.lr={self.lr}")
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
