@@ -59,6 +59,9 @@ class ModelConfig:
     # The embedding/head vocabulary is padded to a multiple of vocab_pad_to * tp;
     # padded logits are masked out of the loss, so padding never changes results.
     vocab_pad_to: int = 64
+    # "hf:<dir>": initialise from a local Hugging Face checkpoint directory; the shape
+    # fields then come from its config.json
+    init_from: str = ""
 
     def resolve(self) -> None:
         """Fill the None fields from the named size."""
@@ -151,8 +154,10 @@ class TrainConfig:
     grad_clip: float = 1.0          # 0 disables clipping
     precision: str = "fp32"         # "fp32" | "bf16" (autocast; master weights fp32)
     log_interval: int = 1
+    on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (clear message) | "skip" the step
 
     def validate(self) -> None:
+        _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         for k in ("steps", "micro_batch_size", "grad_accum", "log_interval"):
             _positive(f"train.{k}", getattr(self, k))
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
@@ -186,6 +191,7 @@ class DataConfig:
 class EvalConfig:
     interval: int = 0               # run validation every N steps (0: never); also at the end
     max_batches: int = 8            # val windows used: max_batches x micro_batch_size x dp
+    only: bool = False              # evaluate (init_from or resume) and exit, no training
 
     def validate(self) -> None:
         _positive("eval.interval", self.interval, allow_zero=True)
