@@ -19,10 +19,13 @@ ARCHS = {"gpt": GPT, "llama": Llama}
 
 def build_model(cfg: ModelConfig, padded_vocab: int, tp_group=None,
                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
-                seed: Optional[int] = 0, device: torch.device | str = "cpu") -> CausalLM:
+                seed: Optional[int] = 0, device: torch.device | str = "cpu",
+                degrees: Optional[list[int]] = None, degree_groups=None) -> CausalLM:
     """Build the TP-sharded model for ``cfg`` (already resolved) and initialise it from
-    ``seed`` (``None``: leave it uninitialised, e.g. before loading a checkpoint)."""
-    model = ARCHS[cfg.arch](cfg, padded_vocab, tp_group, tracker, recompute)
+    ``seed`` (``None``: leave it uninitialised, e.g. before loading a checkpoint).
+    ``degrees``: per-block TP degrees of a plan (``ctx.degree_groups()`` holds the groups)."""
+    model = ARCHS[cfg.arch](cfg, padded_vocab, tp_group, tracker, recompute, degrees,
+                            degree_groups)
     if seed is not None:
         init_parameters(model, seed, group_rank(tp_group), group_size(tp_group))
     return model.to(device)

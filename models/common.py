@@ -185,12 +185,16 @@ class TokenEmbedding(TPBlock):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, attn: TPBlock, mlp: TPBlock) -> None:
+    def __init__(self, attn: TPBlock, mlp: TPBlock, resharder=None) -> None:
         super().__init__()
         self.attn, self.mlp = attn, mlp
+        self.resharder = resharder  # DegreeGroups when attn and mlp may differ in degree
 
     def forward(self, x):
-        return self.mlp(self.attn(x))
+        x = self.attn(x)
+        if self.attn.degree != self.mlp.degree:
+            x = self.resharder.reshard(x, self.attn.degree, self.mlp.degree)
+        return self.mlp(x)
 
 
 class CausalLM(nn.Module):
@@ -202,7 +206,11 @@ class CausalLM(nn.Module):
     learned_positions = False
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group=None,
-                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none") -> None:
+                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
+                 degrees: Optional[list[int]] = None, degree_groups=None) -> None:
+        """``degrees``: a TP degree per transformer block (attn, mlp of each layer, in
+        order; see oases.parallel.reshard), with ``degree_groups`` holding the groups.
+        None: every block uses the whole TP group."""
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
@@ -210,12 +218,26 @@ class CausalLM(nn.Module):
         self.recompute = recompute
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
         self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
+        T = group_size(tp_group)
+        if degrees is not None and len(degrees) != 2 * cfg.n_layer:
+            raise ValueError(f"{len(degrees)} block degrees for {2 * cfg.n_layer} blocks")
+        self.resharder = degree_groups if degrees is not None and set(degrees) != {T} else None
+
+        def group(j: int):
+            return tp_group if self.resharder is None else degree_groups.sub[degrees[j]]
+
         rotary = self.make_rotary(cfg)
         self.layers = nn.ModuleList(
-            TransformerLayer(ParallelAttention(cfg, self.make_norm(cfg), tp_group, tracker, rotary),
-                             self.make_mlp(cfg, self.make_norm(cfg), tp_group))
-            for _ in range(cfg.n_layer))
+            TransformerLayer(
+                ParallelAttention(cfg, self.make_norm(cfg), group(2 * i), tracker, rotary),
+                self.make_mlp(cfg, self.make_norm(cfg), group(2 * i + 1)), self.resharder)
+            for i in range(cfg.n_layer))
+        for blk in self.blocks():  # the reduction group of every gradient follows from it
+            for p in blk.parameters():
+                p.tp_degree = blk.degree
         self.norm = self.make_norm(cfg)
+        for p in self.norm.parameters():
+            p.tp_degree = T
         if cfg.tie_embeddings:
             self.head = None
         else:
@@ -223,6 +245,7 @@ class CausalLM(nn.Module):
                                              init_std=cfg.init_std)
             self.head.weight.tp_spec = type(self.head.weight.tp_spec)(
                 0, (padded_vocab, cfg.d_model), logical=cfg.vocab_size)
+            self.head.weight.tp_degree = T
 
     # -- what a subclass chooses --
     def make_norm(self, cfg: ModelConfig) -> nn.Module:  # pragma: no cover - abstract
@@ -247,15 +270,21 @@ class CausalLM(nn.Module):
         transformer layer each (the embedding block is never recomputed)."""
         return [(1 + 2 * i, 3 + 2 * i) for i in range(len(self.layers))]
 
+    def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
+        return x if t_from == t_to else self.resharder.reshard(x, t_from, t_to)
+
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm)."""
         x = self.embed(ids)
+        prev = self.embed.degree
         for layer in self.layers:
+            x = self.reshard(x, prev, layer.attn.degree)
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
                 x = recompute(layer, x, tracker=self.tracker)
             else:
                 x = layer(x)
-        return x
+            prev = layer.mlp.degree
+        return self.reshard(x, prev, self.embed.degree)
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, T, V_pad/tp) logits of this rank's vocabulary slice."""

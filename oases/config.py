@@ -64,7 +64,12 @@ class ModelConfig:
     init_from: str = ""
 
     def resolve(self) -> None:
-        """Fill the None fields from the named size."""
+        """Fill the None fields from ``init_from=hf:<dir>``'s config.json, then from the
+        named size."""
+        if self.init_from:
+            from oases.hf_config import apply_init_from
+
+            apply_init_from(self)
         if self.name not in MODEL_SIZES:
             near = difflib.get_close_matches(self.name, MODEL_SIZES, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
@@ -256,6 +261,8 @@ class Config:
                     self.checkpoint, self.wandb):
             sec.validate()
         _choice("resume", self.resume, ("none", "auto"))
+        if self.eval.only and not self.data.val_path:
+            raise ConfigError("eval.only=true needs data.val_path (the token file to evaluate)")
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
         tp, m = self.parallel.tp, self.model

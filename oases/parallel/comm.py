@@ -129,6 +129,22 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
     return None
 
 
+def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
+    """Start an all-gather along dim 0; returns (output, work). The output is valid
+    after ``work.wait()``."""
+    n = group_size(group)
+    src = t.contiguous()
+    CommCounter.record("all_gather", src)
+    if NoopCollectives.active(group):
+        return torch.cat([src] * n), _DoneWork()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    start = time.perf_counter()
+    work = _all_gather_single(out, src, group=group, async_op=True)
+    for obs in CommObserver._active:
+        obs.collective("all-gather", "comm", work, start)
+    return out, work
+
+
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     src = t.movedim(dim, 0).contiguous()

@@ -34,6 +34,17 @@ class ParallelContext:
     dp_group: Optional[dist.ProcessGroup]
     device: torch.device
     mesh: Optional[object] = None   # DeviceMesh ("dp", "tp"), used for DTensor checkpoints
+    _degree_groups: Optional[object] = None
+
+    def degree_groups(self):
+        """Groups for per-block TP degrees (built on first use; collective: every rank
+        must call it at the same point)."""
+        if self._degree_groups is None:
+            from oases.parallel.reshard import DegreeGroups
+
+            self._degree_groups = DegreeGroups(self.rank, self.world_size, self.tp, self.dp,
+                                               self.tp_group, self.dp_group)
+        return self._degree_groups
 
     @property
     def is_main(self) -> bool:

@@ -25,6 +25,12 @@ from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, copy_to_tp, 
 from oases.parallel.sharding import TPSpec, divide, set_spec
 
 
+def _set_coords(layer: nn.Module, group) -> None:
+    """Record (rank, size) of the group each sharded parameter is split over."""
+    for p in layer.parameters(recurse=False):
+        p.tp_coords = (group_rank(group), group_size(group))
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -100,6 +106,7 @@ class ColumnParallelLinear(nn.Module):
                                  TPSpec(0, (out_features,), self.parts), ("zeros",))
         else:
             self.register_parameter("bias", None)
+        _set_coords(self, tp_group)
 
     @property
     def local_parts(self) -> tuple:
@@ -152,6 +159,7 @@ class RowParallelLinear(nn.Module):
             self.bias = set_spec(nn.Parameter(torch.empty(out_features, **kw)), None, ("zeros",))
         else:
             self.register_parameter("bias", None)
+        _set_coords(self, tp_group)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced partial sum, without the bias."""
@@ -200,6 +208,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = set_spec(
             nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype)),
             TPSpec(0, (num_embeddings, embedding_dim), logical=logical), ("normal", init_std))
+        _set_coords(self, tp_group)
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:

@@ -86,6 +86,8 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp: int) -> None:
     """Initialise every parameter from a per-name seeded full tensor, then shard.
 
     Same seed -> same full weights at every TP degree (the parity tests rely on it).
+    A parameter of a layer built on a sub-group (per-block degrees) records its own
+    ``tp_coords = (rank, size)``, which wins over ``tp_rank``/``tp``.
     """
     for name, p in model.named_parameters():
         rule = getattr(p, "init_rule", None)
@@ -95,7 +97,8 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp: int) -> None:
         shape = spec.full_shape if spec else tuple(p.shape)
         full = _full_init(name, shape, rule, seed, spec.logical if spec else None,
                           spec.dim if spec else 0)
-        p.copy_(shard(full, spec, tp_rank, tp).to(p.dtype))
+        rank, size = getattr(p, "tp_coords", (tp_rank, tp))  # per-block degrees
+        p.copy_(shard(full, spec, rank, size).to(p.dtype))
 
 
 def divide(n: int, d: int, what: str) -> int:

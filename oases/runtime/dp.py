@@ -23,6 +23,8 @@ optimizer then runs on, wait for it.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,8 +33,9 @@ from oases.parallel.comm import all_reduce
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device, dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], group, device, dtype) -> None:
         self.params = params
+        self.group = group
         n = sum(p.numel() for p in params)
         self.buffer = torch.zeros(n, device=device, dtype=dtype)
         self.ready = 0      # params whose accumulations are complete
@@ -45,35 +48,51 @@ class _Bucket:
 
 
 class GradReducer:
-    def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0) -> None:
+    """``group_of(param)`` gives the group a parameter's gradient is summed over
+    (default: the DP group); the sum is divided by dp. With per-block TP degrees
+    that group also spans the replicas of the block (oases.parallel.reshard)."""
+
+    def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0,
+                 group_of: Optional[Callable[[nn.Parameter], object]] = None) -> None:
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
         self._hits: dict[int, int] = {}
         self._expected: dict[int, int] | None = None
         params = [p for p in model.parameters() if p.requires_grad]
+        group_of = group_of or (lambda p: dp_group)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit = int(bucket_mb * 2**20)
-        cur: list[nn.Parameter] = []
-        size = 0
+        open_: dict[int, tuple[object, list, int]] = {}  # per group: (group, params, bytes)
         for p in reversed(params):
+            g = group_of(p)
+            key = id(g)
+            grp, cur, size = open_.get(key, (g, [], 0))
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= limit:
-                self._add(cur)
+                self._add(cur, grp)
                 cur, size = [], 0
-        if cur:
-            self._add(cur)
-        if self.dp > 1:
+            open_[key] = (grp, cur, size)
+        for grp, cur, _ in open_.values():
+            if cur:
+                self._add(cur, grp)
+        self.active = any(b.group is not None and dist.get_world_size(b.group) > 1
+                          for b in self.buckets)
+        if self.active:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def _add(self, params) -> None:
-        b = _Bucket(params, params[0].device, params[0].dtype)
+    def _add(self, params, group) -> None:
+        b = _Bucket(params, group, params[0].device, params[0].dtype)
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b
+
+    @staticmethod
+    def _trivial(b: _Bucket) -> bool:
+        return b.group is None or dist.get_world_size(b.group) == 1
 
     def zero_grad(self) -> None:
         """Zero the flat buffers (keeps ``param.grad`` views alive; never set them to None)."""
@@ -96,22 +115,24 @@ class GradReducer:
             return
         b = self._bucket_of[k]
         b.ready += 1
-        if b.ready == b.need and b.work is None:
-            b.work = all_reduce(b.buffer, self.dp_group, async_op=True)
+        if b.ready == b.need and b.work is None and not self._trivial(b):
+            b.work = all_reduce(b.buffer, b.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and average over dp."""
         self.armed = False
-        if self.dp == 1:
+        if not self.active:
             return
         if self._expected is None:  # calibration: all ranks count the same hooks
             self._expected = dict(self._hits)
             for b in self.buckets:
                 b.need = sum(1 for p in b.params if self._expected.get(id(p), 0) > 0)
         for b in self.buckets:  # same order on every rank
-            if b.work is None:
-                b.work = all_reduce(b.buffer, self.dp_group, async_op=True)
+            if b.work is None and not self._trivial(b):
+                b.work = all_reduce(b.buffer, b.group, async_op=True)
         for b in self.buckets:
-            b.work.wait()
-            b.work = None
-            b.buffer.div_(self.dp)
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if self.dp > 1:
+                b.buffer.div_(self.dp)

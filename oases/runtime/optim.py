@@ -43,12 +43,18 @@ def grad_norm(model: nn.Module, tp_group) -> torch.Tensor:
     replicated parameters hold identical gradients on every TP rank and count once.
     (DP replicas hold identical gradients after the DP reduction: no DP term.)
     """
+    T = 1 if tp_group is None else dist.get_world_size(tp_group)
     sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is not None:
-            (sharded if getattr(p, "tp_spec", None) is not None else replicated).append(p.grad)
+            if getattr(p, "tp_spec", None) is not None:
+                # a block of degree t < T is replicated over T/t subgroups: count it once
+                t = getattr(p, "tp_coords", (0, T))[1]
+                sharded.append((p.grad, t / T))
+            else:
+                replicated.append(p.grad)
     dev = next(model.parameters()).device
-    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), torch.zeros((), device=dev))
+    sq_sharded = sum((g.float().pow(2).sum() * w for g, w in sharded), torch.zeros((), device=dev))
     sq_repl = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=dev))
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         all_reduce(sq_sharded, tp_group)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from oases.parallel.comm import reduce_from_tp
+from oases.parallel.comm import group_size, reduce_from_tp
 
 
 class TPBlock(nn.Module):
     def __init__(self, tp_group=None) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.degree = group_size(tp_group)  # TP degree this block runs at
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

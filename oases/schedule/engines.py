@@ -60,7 +60,7 @@ from typing import Callable, Generator, Optional
 import torch
 import torch.nn as nn
 
-from oases.parallel.comm import Cut, CutRecorder, _trivial, all_reduce
+from oases.parallel.comm import Cut, CutRecorder, _trivial, all_gather_async, all_reduce
 from oases.parallel.random import TPRNGTracker
 from oases.schedule.memory import SavedTensorMeter
 
@@ -198,7 +198,7 @@ class OasesSchedule:
         self._streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
         self._run([self._forward(model, blocks, groups, sb) for sb in subs])
         SavedTensorMeter.end_of_forward()
-        self._run([self._backward(blocks, groups, sb, scale / self.n) for sb in subs])
+        self._run([self._backward(model, blocks, groups, sb, scale / self.n) for sb in subs])
         return torch.stack([sb.loss for sb in subs]).mean()
 
     # --------------------------------------------------------------- runner
@@ -229,11 +229,20 @@ class OasesSchedule:
                 if alive[s]:
                     advance(s, self._wait(pending[s]))
 
-    def _launch(self, bufs: list[torch.Tensor], s: int) -> list:
-        if _trivial(self.tp_group):
-            return [(b, None) for b in bufs]
-        # (an active Tracer sees these through all_reduce)
-        return [(b, all_reduce(b, self.tp_group, async_op=True)) for b in bufs]
+    @staticmethod
+    def _launch(reqs: list[tuple], s: int) -> list:
+        """Start each requested collective: ("ar", buf, group) all-reduces ``buf`` in
+        place; ("ag", t, group) all-gathers ``t`` along dim 0 into a new tensor.
+        (An active Tracer sees them through the comm functions.)"""
+        out = []
+        for kind, t, group in reqs:
+            if _trivial(group):
+                out.append((t, None))
+            elif kind == "ar":
+                out.append((t, all_reduce(t, group, async_op=True)))
+            else:
+                out.append(all_gather_async(t, group))
+        return out
 
     @staticmethod
     def _wait(pending: list) -> list[torch.Tensor]:
@@ -268,11 +277,41 @@ class OasesSchedule:
         return t
 
     # ------------------------------------------------------------- forward
+    def _to_degree(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """Forward transition of an activation between block degrees: a local slice
+        when the degree drops, an all-gather (overlapped like any collective) when it
+        grows. Returns the new activation (through ``yield from``). Block inputs are
+        detached leaves, so the backward of a transition is :meth:`_grad_to_degree`."""
+        if t_from == t_to:
+            return x
+        rs = model.resharder
+        group = rs.reshard_group(t_from, t_to)
+        if t_to < t_from:
+            piece, k = rs.piece(t_from, t_to)
+            return x.chunk(k)[piece]
+        (gathered,) = yield [("ag", x.detach(), group)]
+        return gathered
+
+    def _grad_to_degree(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """Backward of the transition t_to -> t_from (gradient of a degree-``t_from``
+        block input, wanted at degree ``t_to``): all-gather where the forward sliced,
+        slice where it gathered."""
+        if t_from == t_to or g is None:
+            return g
+        rs = model.resharder
+        piece, k = rs.piece(t_from, t_to)
+        if t_to < t_from:
+            return g.chunk(k)[piece]
+        (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
+        return gathered
+
     def _forward(self, model, blocks, groups, sb: _SubBatch) -> Program:
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
         x = sb.ids
         for i, blk in enumerate(blocks):
+            if i > 0:
+                x = yield from self._to_degree(model, x, blocks[i - 1].degree, blk.degree)
             keep = self.recompute == "none" or i not in in_group
             st = _BlockState()
             if i == 0:
@@ -287,7 +326,7 @@ class OasesSchedule:
                     CutRecorder() as rec:
                 p = blk.partial(x_in)
             buf = p.detach().clone()
-            (reduced,) = yield [buf]          # all-reduce of the partial sum
+            (reduced,) = yield [("ar", buf, blk.tp_group)]   # all-reduce of the partial sum
             if not keep:
                 st.rng_combine = self._snap()
                 if self.recompute == "fine":
@@ -299,6 +338,7 @@ class OasesSchedule:
                 st.x_in, st.cuts, st.out = x_in, rec.cuts, out
             sb.blocks.append(st)
             x = out
+        x = yield from self._to_degree(model, x, blocks[-1].degree, blocks[0].degree)
         x_last = x.detach().requires_grad_()
         with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
             loss = model.loss_from_hidden(x_last, sb.targets)
@@ -311,7 +351,7 @@ class OasesSchedule:
         cuts = [c for c in cuts if c.leaf.grad is not None]
         if not cuts:
             return
-        grads = yield [c.leaf.grad for c in cuts]    # all-reduce of the input gradients
+        grads = yield [("ar", c.leaf.grad, c.group) for c in cuts]  # input-gradient all-reduce
         with self._span(name):
             torch.autograd.backward([c.source for c in cuts], grads)
 
@@ -330,32 +370,35 @@ class OasesSchedule:
             self._rebuild(blk, st, st.saved_r, x_in, p)
         st.saved_x = st.saved_r = None
 
-    def _recompute_group(self, blocks, sbs: list[_BlockState], a: int, b: int,
+    def _recompute_group(self, model, blocks, sbs: list[_BlockState], a: int, b: int,
                          name: str) -> Program:
-        """Re-run blocks a..b-1 from the stashed group input, forward all-reduces included."""
+        """Re-run blocks a..b-1 from the stashed group input, forward all-reduces (and
+        resharding all-gathers) included."""
         x = sbs[a].saved_x
         for i in range(a, b):
             st = sbs[i]
+            if i > a:
+                x = yield from self._to_degree(model, x, blocks[i - 1].degree, blocks[i].degree)
             x_in = x.detach().requires_grad_()
             with self._span(f"{name} P{i}"), self._replay(st.rng_partial), torch.enable_grad(), \
                     self._amp(), CutRecorder() as rec:
                 p = blocks[i].partial(x_in)
             buf = p.detach().clone()
-            (reduced,) = yield [buf]           # forward all-reduce, re-issued
+            (reduced,) = yield [("ar", buf, blocks[i].tp_group)]  # forward all-reduce, re-issued
             st.cuts = rec.cuts
             with self._span(f"{name} C{i}"):
                 self._rebuild(blocks[i], st, reduced, x_in, p)
             x = st.out
         sbs[a].saved_x = None
 
-    def _backward(self, blocks, groups, sb: _SubBatch, scale: float) -> Program:
+    def _backward(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         x_last, cuts, loss = sb.head
         with self._span(f"B{sb.name} loss"):
             torch.autograd.backward(loss, torch.full_like(loss, scale))
         yield from self._cut_backward(cuts, f"B{sb.name} head")
         sb.head = None
-        g = x_last.grad
+        g = yield from self._grad_to_degree(model, x_last.grad, blocks[0].degree, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
             if st.out is None:
@@ -363,11 +406,13 @@ class OasesSchedule:
                     self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
                 else:
                     a, b = group_of[i]
-                    yield from self._recompute_group(blocks, sb.blocks, a, b, f"R{sb.name}")
+                    yield from self._recompute_group(model, blocks, sb.blocks, a, b, f"R{sb.name}")
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
             yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in")
             g = st.x_in.grad if i > 0 else None
+            if i > 0:
+                g = yield from self._grad_to_degree(model, g, blocks[i].degree, blocks[i - 1].degree)
             sb.blocks[i] = None
 
 

@@ -1,0 +1,177 @@
+"""Read a local Hugging Face model directory's ``config.json`` as oases model fields.
+
+Pure (json only, no torch): ``oases.config`` uses it to resolve
+``model.init_from=hf:<dir>``, and ``models.hf`` to check the weights against it.
+
+    hf_model_fields("ckpt/gpt2")  ->  {"arch": "gpt", "n_layer": 12, "d_model": 768, ...}
+
+Supported: ``GPT2LMHeadModel`` (``model_type: gpt2``) and ``LlamaForCausalLM``
+(``model_type: llama``). Anything oases cannot reproduce exactly (another
+activation, biased LLaMA projections, RoPE scaling, ...) is refused with a
+one-line :class:`~oases.errors.ConfigError` rather than imported approximately.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from oases.errors import ConfigError
+
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM")
+_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+# Fields whose value comes from config.json (all of ModelConfig's shape fields).
+HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
+             "seq_len", "norm_eps", "rope_theta", "tie_embeddings", "bias")
+
+
+def hf_dir_of(init_from: str) -> str:
+    """``"hf:<dir>"`` -> ``"<dir>"``; anything else is a config error."""
+    if not init_from.startswith("hf:") or not init_from[3:]:
+        raise ConfigError(f"model.init_from={init_from!r} is not of the form hf:<dir> "
+                          f"(a local Hugging Face model directory)")
+    return init_from[3:]
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """The parsed ``<hf_dir>/config.json``; a missing directory or file is an error."""
+    d = Path(hf_dir)
+    where = f"init_from hf:{hf_dir}"
+    if not d.exists():
+        raise ConfigError(f"{where}: directory does not exist")
+    if not d.is_dir():
+        raise ConfigError(f"{where}: not a directory")
+    path = d / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{where}: no config.json (expected a directory written by "
+                          f"save_pretrained)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: config.json is not readable JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: config.json is not a JSON object")
+    return cfg
+
+
+def _get(cfg: dict, key: str, where: str, default: Any = ...) -> Any:
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise ConfigError(f"{where}: config.json has no {key!r}")
+    return default
+
+
+def _architecture(cfg: dict, where: str) -> str:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    if archs:
+        name = archs[0]
+        if name not in SUPPORTED:
+            raise ConfigError(f"{where}: unsupported architecture {name} "
+                              f"(supported: {', '.join(SUPPORTED)})")
+        if model_type is not None and _MODEL_TYPES.get(model_type) != name:
+            raise ConfigError(f"{where}: config.json says architecture {name} but "
+                              f"model_type {model_type!r}")
+        return name
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ConfigError(f"{where}: unsupported architecture {model_type or '<none>'} "
+                      f"(supported: {', '.join(SUPPORTED)})")
+
+
+def _gpt2(cfg: dict, where: str) -> dict:
+    act = _get(cfg, "activation_function", where, "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"{where}: activation_function={act!r} is not supported "
+                          f"(oases GPT uses tanh GELU: gelu_new or gelu_pytorch_tanh)")
+    if cfg.get("scale_attn_by_inverse_layer_idx"):
+        raise ConfigError(f"{where}: scale_attn_by_inverse_layer_idx=true is not supported")
+    if cfg.get("scale_attn_weights") is False:
+        raise ConfigError(f"{where}: scale_attn_weights=false is not supported")
+    if cfg.get("add_cross_attention"):
+        raise ConfigError(f"{where}: add_cross_attention=true is not supported")
+    d = int(_get(cfg, "n_embd", where))
+    return dict(arch="gpt", n_layer=int(_get(cfg, "n_layer", where)), d_model=d,
+                n_head=int(_get(cfg, "n_head", where)),
+                n_kv_heads=int(_get(cfg, "n_head", where)),
+                ffn_hidden=int(_get(cfg, "n_inner", where, 4 * d)),
+                vocab_size=int(_get(cfg, "vocab_size", where)),
+                seq_len=int(_get(cfg, "n_positions", where)),
+                norm_eps=float(_get(cfg, "layer_norm_epsilon", where, 1e-5)),
+                rope_theta=10000.0,  # unused by GPT
+                tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, True)),
+                bias=True)
+
+
+def _llama(cfg: dict, where: str) -> dict:
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ConfigError(f"{where}: {key}=true is not supported (oases LLaMA has no "
+                              f"projection biases)")
+    act = _get(cfg, "hidden_act", where, "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act={act!r} is not supported (SwiGLU needs silu)")
+    if cfg.get("rope_scaling") is not None:
+        raise ConfigError(f"{where}: rope_scaling={cfg['rope_scaling']!r} is not supported "
+                          f"(only plain RoPE)")
+    theta = cfg.get("rope_theta")
+    rp = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and the type here
+    if isinstance(rp, dict):
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"{where}: rope_type={kind!r} is not supported (only plain RoPE)")
+        theta = rp.get("rope_theta", theta)
+    d = int(_get(cfg, "hidden_size", where))
+    n_head = int(_get(cfg, "num_attention_heads", where))
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and n_head and int(head_dim) * n_head != d:
+        raise ConfigError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != "
+                          f"hidden_size={d} is not supported")
+    return dict(arch="llama", n_layer=int(_get(cfg, "num_hidden_layers", where)), d_model=d,
+                n_head=n_head,
+                n_kv_heads=int(_get(cfg, "num_key_value_heads", where, n_head)),
+                ffn_hidden=int(_get(cfg, "intermediate_size", where)),
+                vocab_size=int(_get(cfg, "vocab_size", where)),
+                seq_len=int(_get(cfg, "max_position_embeddings", where)),
+                norm_eps=float(_get(cfg, "rms_norm_eps", where, 1e-6)),
+                rope_theta=float(theta if theta is not None else 10000.0),
+                tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, False)),
+                bias=False)
+
+
+def hf_model_fields(hf_dir: str | Path) -> dict:
+    """ModelConfig shape fields from ``<hf_dir>/config.json`` (see :data:`HF_FIELDS`)."""
+    where = f"init_from hf:{hf_dir}"
+    cfg = read_hf_config(hf_dir)
+    arch = _architecture(cfg, where)
+    return _gpt2(cfg, where) if arch == "GPT2LMHeadModel" else _llama(cfg, where)
+
+
+def apply_init_from(model_cfg) -> None:
+    """Fill a ``ModelConfig``'s shape fields from ``model.init_from=hf:<dir>``.
+
+    The HF config wins: a field the user left unset takes its value; a field the user
+    set to something else is an error naming both values, except ``seq_len``, which may
+    be set smaller than the checkpoint's maximum (positions beyond it are not loaded).
+    """
+    if not model_cfg.init_from:
+        return
+    hf_dir = hf_dir_of(model_cfg.init_from)
+    fields = hf_model_fields(hf_dir)
+    for k in HF_FIELDS:
+        hf, mine = fields[k], getattr(model_cfg, k)
+        if mine is None:
+            setattr(model_cfg, k, hf)
+            continue
+        if k == "seq_len" and 0 < mine <= hf:
+            continue
+        if k == "rope_theta" and fields["arch"] == "gpt":
+            continue  # unused by GPT
+        same = (float(mine) == float(hf)) if isinstance(hf, float) else mine == hf
+        if not same:
+            extra = " (it may be smaller, not larger)" if k == "seq_len" else ""
+            raise ConfigError(f"model.{k}={mine} disagrees with {k}={hf} from "
+                              f"hf:{hf_dir}/config.json{extra}; drop the override")

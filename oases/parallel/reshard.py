@@ -1,0 +1,117 @@
+"""Per-block TP degrees: the process groups and the resharding between degrees.
+
+Let T be the TP group size and t a degree dividing T. A block of degree t runs
+on T/t *subgroups* of t contiguous ranks; subgroup g processes part g of the
+(sub-)batch, split into T/t parts along the batch dimension. Inside one TP group
+(ranks 0..T-1 of a DP replica), rank r at degree t is in subgroup r // t, at
+position r % t, and holds batch part r // t:
+
+    T = 4     degree 4: {0 1 2 3} whole batch
+              degree 2: {0 1} part 0 of 2     {2 3} part 1 of 2
+              degree 1: {0} {1} {2} {3}       part r of 4
+
+Between blocks of degrees t_a and t_b (k = ratio of the larger to the smaller):
+
+* the degree drops (t_b < t_a): each rank keeps piece (r // t_b) % k of its
+  batch part -- a slice, no communication. Backward all-gathers the gradient.
+* the degree grows (t_b > t_a): the k ranks {same t_b subgroup, same r % t_a}
+  all-gather their parts. Backward keeps this rank's piece.
+
+Either way the pieces are exchanged inside the *reshard group* of (t_small,
+t_big): the ranks r' in this rank's t_big subgroup with r' = r mod t_small,
+ordered by rank, which is exactly the order of the batch pieces.
+
+The weights of a degree-t block are replicated over the T/t subgroups, each of
+which saw a different batch part: their gradients are *summed* over those
+replicas and averaged over DP, in one all-reduce over the *gradient group*
+{d*T + g*t + j : all DP replicas d, all subgroups g} of this rank's position j.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.parallel.comm import gather_from_tp, scatter_to_tp
+
+
+def divisors_pow2(T: int) -> list[int]:
+    """The degrees a block may take: powers of two dividing T."""
+    return [t for t in (2 ** i for i in range(T.bit_length())) if T % t == 0]
+
+
+class DegreeGroups:
+    """All process groups for per-block degrees. Built collectively: every rank
+    creates every group in the same order (``new_group`` is collective)."""
+
+    def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group) -> None:
+        self.T, self.dp, self.rank = T, dp, rank
+        self.degrees = divisors_pow2(T)
+        d_idx, r = divmod(rank, T)
+        self.tp_rank = r
+        self.sub: dict[int, Optional[dist.ProcessGroup]] = {T: tp_group, 1: None}
+        self._reshard: dict[tuple[int, int], Optional[dist.ProcessGroup]] = {}
+        self.grad: dict[int, Optional[dist.ProcessGroup]] = {T: dp_group}
+        for t in self.degrees:
+            if t in (1, T):
+                continue
+            for d in range(dp):
+                for g in range(T // t):
+                    ranks = [d * T + g * t + j for j in range(t)]
+                    grp = dist.new_group(ranks)
+                    if rank in ranks:
+                        self.sub[t] = grp
+        for a in self.degrees:
+            for b in self.degrees:
+                if a >= b:
+                    continue
+                for d in range(dp):
+                    for g in range(T // b):
+                        for j in range(a):
+                            ranks = [d * T + g * b + m * a + j for m in range(b // a)]
+                            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+                            if rank in ranks:
+                                self._reshard[(a, b)] = grp
+        for t in self.degrees:
+            if t == T:
+                continue
+            for j in range(t):
+                ranks = [d * T + g * t + j for d in range(dp) for g in range(T // t)]
+                grp = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self.grad[t] = grp
+
+    def position(self, t: int) -> tuple[int, int]:
+        """(subgroup index = batch part, position in the subgroup) at degree t."""
+        return divmod(self.tp_rank, t)
+
+    def reshard_group(self, t_from: int, t_to: int):
+        return self._reshard[(min(t_from, t_to), max(t_from, t_to))]
+
+    def piece(self, t_from: int, t_to: int) -> tuple[int, int]:
+        """(this rank's piece index, number of pieces) of a transition."""
+        small, big = min(t_from, t_to), max(t_from, t_to)
+        return (self.tp_rank // small) % (big // small), big // small
+
+    def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
+        """Autograd-aware transition of a (batch, ...) activation between degrees."""
+        if t_from == t_to:
+            return x
+        group = self.reshard_group(t_from, t_to)
+        if t_to < t_from:
+            return scatter_to_tp(x, group, dim=0)    # slice; backward all-gathers
+        return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
+
+
+def grad_group_of(ctx, T: int):
+    """For GradReducer: the group a parameter's gradient is summed over, from the
+    degree of the block that owns it (``param.tp_degree``)."""
+    dg = ctx._degree_groups
+
+    def group_of(p):
+        t = getattr(p, "tp_degree", T)
+        return ctx.dp_group if t == T or dg is None else dg.grad[t]
+
+    return group_of
