@@ -129,6 +129,11 @@ class ParallelConfig:
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
     trace: bool = False             # write a per-rank event trace (trace_rank{r}.json) to out_dir
+    # Per-block TP degrees: a Plan YAML path (python -m oases.plan), or "auto": profile
+    # this cluster, solve on rank 0 and broadcast. Empty: every block at degree tp.
+    plan: str = ""
+    cluster: str = ""               # cluster file for plan=auto (memory limit, names)
+    memory_limit_gib: float = 0.0   # plan=auto memory limit per device (0: cluster file / device)
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)

@@ -1,0 +1,301 @@
+"""The overlap-aware cost model (after Oases section 4). Pure Python, no torch.
+
+A plan gives every transformer block i (attn, mlp of each layer) a TP degree
+t_i dividing T. Per block and degree the model knows, per sub-batch:
+forward compute ``cf``, backward compute ``cb`` (recompute included), and the
+all-reduce ``m`` that ends the block (forward) and the one of its input
+gradient (backward), both of rows x seq x d activations.
+
+``oases`` runs sub-batches a, b in turn on one compute stream; a's next segment
+waits for a's last collective, which ran while b computed. The compute stream
+therefore sees, per block, one segment whose length is the pairwise max of the
+block's compute and its own collective, and one paired with the previous
+block's collective:
+
+    forward   sum_i max(cf_i, m_i)  +  sum_i max(cf_i, m_{i-1})
+    backward  sum_i max(cb_i, m_i)  +  sum_i max(cb_{i-1}, m_i)
+
+The first sum are *node* costs (one block's choice), the second *edge* costs
+(two adjacent choices). Where adjacent degrees differ, the edge also pays the
+resharding all-gather, in forward when the degree grows, in backward when it
+drops, for both sub-batches and without much compute to hide behind (the
+overlap it breaks). ``recompute=full`` adds, per block, the re-issued forward
+all-reduce paired with the recompute. Gradients of a block of degree t < T are
+summed over its T/t replicas (and DP): a node cost.
+
+``megatron`` (no overlap) is modelled too: compute + blocking collectives.
+
+Memory per device: parameters, gradients and Adam state (16 B/param) of each
+block at its degree, saved activations of the recompute mode, and a runtime
+peak term (the largest graph rebuilt during backward, the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from oases.planner.cluster import CommModel
+
+ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
+
+
+@dataclass
+class ModelShape:
+    arch: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    seq_len: int
+    tie_embeddings: bool = True
+    bias: bool = True
+
+    @classmethod
+    def from_config(cls, m) -> "ModelShape":
+        return cls(m.arch, m.n_layer, m.d_model, m.n_head, m.n_kv_heads, m.ffn_hidden,
+                   m.vocab_size, m.seq_len, bool(m.tie_embeddings), bool(m.bias))
+
+    def block_params(self, kind: str) -> int:
+        d, hd = self.d_model, self.d_model // self.n_head
+        b = 1 if self.bias else 0
+        norm = d * (2 if self.arch == "gpt" else 1)
+        if kind == "attn":
+            qkv = d * (self.n_head + 2 * self.n_kv_heads) * hd + b * (self.n_head + 2 * self.n_kv_heads) * hd
+            return norm + qkv + self.n_head * hd * d + b * d
+        up = (2 if self.arch == "llama" else 1) * self.ffn_hidden
+        return norm + d * up + b * up + self.ffn_hidden * d + b * d
+
+    def other_params(self) -> int:
+        """Embedding (+ positions), final norm, untied head."""
+        d = self.d_model
+        n = self.vocab_size * d + (self.seq_len * d if self.arch == "gpt" else 0)
+        n += d * (2 if self.arch == "gpt" else 1)
+        if not self.tie_embeddings:
+            n += self.vocab_size * d
+        return n
+
+    def kinds(self) -> list[str]:
+        return [k for _ in range(self.n_layer) for k in ("attn", "mlp")]
+
+    def valid_degrees(self, T: int) -> list[int]:
+        out = []
+        t = 1
+        while t <= T:
+            if T % t == 0 and self.n_head % t == 0 and self.n_kv_heads % t == 0 \
+                    and self.ffn_hidden % t == 0:
+                out.append(t)
+            t *= 2
+        return out
+
+
+@dataclass
+class RunShape:
+    tp: int                      # T
+    dp: int
+    micro_batch_size: int        # per DP rank
+    grad_accum: int
+    sub_batches: int
+    schedule: str                # "oases" | "megatron"
+    recompute: str               # "none" | "full" | "fine"
+    act_bytes: int = 4           # bytes per activation element (fp32 4, bf16 2)
+
+
+@dataclass
+class Profile:
+    """Measured costs. ``blocks[kind][t] = {"fwd": s, "bwd": s, "saved": bytes}`` per
+    *sub-batch* at degree t (rows = micro_batch / sub_batches * t / T); ``constant``:
+    ``{"fwd": s, "bwd": s}`` per micro-batch for embedding + head + loss, ``"step"`` per
+    optimizer step, ``"peak": bytes`` of the head's transient (logits, loss)."""
+    blocks: dict
+    constant: dict
+    comm: dict = field(default_factory=dict)   # measured collective fits (CommModel)
+
+
+class CostModel:
+    def __init__(self, shape: ModelShape, run: RunShape, cluster, profile: Profile,
+                 degrees: Optional[list[int]] = None) -> None:
+        self.shape, self.run, self.cluster, self.profile = shape, run, cluster, profile
+        self.comm = CommModel(cluster, profile.comm)
+        self.T = run.tp
+        self.degrees = degrees or shape.valid_degrees(self.T)
+        self.kinds = shape.kinds()
+        self.n = len(self.kinds)
+        self._precompute()
+
+    # ------------------------------------------------------------ ingredients
+    def rows(self, t: int) -> float:
+        """Batch rows a rank processes per sub-batch at degree t."""
+        return self.run.micro_batch_size / self.run.sub_batches * t / self.T
+
+    def _act_bytes(self, t: int) -> float:
+        return self.rows(t) * self.shape.seq_len * self.shape.d_model * self.run.act_bytes
+
+    def _subgroups(self, t: int) -> list[list[int]]:
+        return [list(range(g * t, g * t + t)) for g in range(self.T // t)]
+
+    def ar_time(self, t: int, nbytes: float) -> float:
+        """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
+        if t == 1:
+            return 0.0
+        fit = self.profile.comm.get("all_reduce", {}).get(str(t))
+        if fit:
+            return fit[0] + fit[1] * nbytes
+        return max(self.comm.all_reduce(nbytes, g) for g in self._subgroups(t))
+
+    def ag_time(self, a: int, b: int, nbytes_total: float) -> float:
+        """All-gather of the reshard groups between degrees a < b."""
+        fit = self.profile.comm.get("all_gather", {}).get(f"{a}-{b}")
+        if fit:
+            return fit[0] + fit[1] * nbytes_total
+        groups = [[g * b + m * a + j for m in range(b // a)]
+                  for g in range(self.T // b) for j in range(a)]
+        return max(self.comm.all_gather(nbytes_total, grp) for grp in groups)
+
+    def _grad_sync(self, kind: str, t: int) -> float:
+        """Summing a degree-t block's gradients over its T/t replicas x dp."""
+        n = self.run.dp * self.T // t
+        if n < 2:
+            return 0.0
+        nbytes = self.shape.block_params(kind) / t * 4
+        ranks = [d * self.T + g * t for d in range(self.run.dp) for g in range(self.T // t)]
+        fit = self.profile.comm.get("grad_all_reduce", {}).get(str(t))
+        if fit:
+            return fit[0] + fit[1] * nbytes
+        return self.comm.all_reduce(nbytes, ranks)
+
+    def _precompute(self) -> None:
+        r, nsub = self.run, self.run.sub_batches
+        self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
+        for kind in ("attn", "mlp"):
+            for t in self.degrees:
+                prof = self.profile.blocks[kind][str(t)]
+                fwd, bwd = prof["fwd"], prof["bwd"]
+                if r.recompute in ("fine", "full"):
+                    bwd = bwd + fwd  # recompute the block before its backward
+                self.cf[kind, t], self.cb[kind, t] = fwd, bwd
+                self.m[kind, t] = self.ar_time(t, self._act_bytes(t))
+                self.sync[kind, t] = self._grad_sync(kind, t)
+                static = ADAM_BYTES_PER_PARAM * self.shape.block_params(kind) / t
+                act = self._act_bytes(t)
+                if r.recompute == "none":
+                    saved = prof["saved"]
+                elif r.recompute == "fine":
+                    saved = 2 * act                      # block input + all-reduce output
+                else:
+                    saved = act if kind == "attn" else 0.0   # one input per layer
+                self.mem[kind, t] = static + nsub * saved
+                # rebuilt during backward: one block's graph per sub-batch
+                self.trans[kind, t] = nsub * prof["saved"] if r.recompute != "none" else 0.0
+        mb = self._act_bytes(self.T)
+        self.m_edge = self.ar_time(self.T, mb)     # embedding's forward / head's backward all-reduce
+
+    # ------------------------------------------------------------- the model
+    def node_cost(self, i: int, t: int) -> float:
+        k, r = self.kinds[i], self.run
+        cf, cb, m = self.cf[k, t], self.cb[k, t], self.m[k, t]
+        if r.schedule == "megatron":
+            n = r.sub_batches
+            m_full = self.ar_time(t, self._act_bytes(t) * n)
+            fwd = n * self.profile.blocks[k][str(t)]["fwd"] + m_full
+            bwd = n * self.profile.blocks[k][str(t)]["bwd"] + max(0.0, m_full - 0.5 * n * cb)
+            if r.recompute == "full":
+                bwd += n * self.profile.blocks[k][str(t)]["fwd"] + m_full
+            cost = fwd + bwd
+        else:
+            cost = max(cf, m) + max(cb, m)
+            if r.recompute == "full":
+                cost += max(self.profile.blocks[k][str(t)]["fwd"], m)  # re-issued all-reduce
+        if i == 0:
+            cost += self.edge_in(t)
+        if i == self.n - 1:
+            cost += self.edge_out(t)
+        return cost * r.grad_accum + self.sync[k, t]
+
+    def _reshard(self, i: int, ta: int, tb: int) -> float:
+        """All-gathers between block i-1 (degree ta) and block i (degree tb), per micro-batch."""
+        if ta == tb:
+            return 0.0
+        small, big = min(ta, tb), max(ta, tb)
+        nbytes = self._act_bytes(big)  # the gathered activation, at the larger degree
+        n = self.run.sub_batches if self.run.schedule == "oases" else 1
+        size = nbytes * (1 if self.run.schedule == "oases" else self.run.sub_batches)
+        return n * self.ag_time(small, big, size)
+
+    def edge_cost(self, i: int, ta: int, tb: int) -> float:
+        """Edge between block i-1 at degree ta and block i at degree tb."""
+        k0, k1, r = self.kinds[i - 1], self.kinds[i], self.run
+        cost = self._reshard(i, ta, tb)
+        if r.schedule == "oases":
+            cost += max(self.cf[k1, tb], self.m[k0, ta]) + max(self.cb[k0, ta], self.m[k1, tb])
+        return cost * r.grad_accum
+
+    def edge_in(self, t: int) -> float:
+        """Embedding (degree T) -> first block."""
+        k = self.kinds[0]
+        c = self._reshard(0, self.T, t)
+        if self.run.schedule == "oases":
+            c += max(self.cf[k, t], self.m_edge) + max(self.profile.constant.get("embed_bwd", 0.0),
+                                                      self.m[k, t])
+        return c
+
+    def edge_out(self, t: int) -> float:
+        """Last block -> head (degree T)."""
+        k = self.kinds[-1]
+        c = self._reshard(self.n, t, self.T)
+        if self.run.schedule == "oases":
+            c += max(self.profile.constant.get("head_fwd", 0.0), self.m[k, t]) + \
+                max(self.cb[k, t], self.m_edge)
+        return c
+
+    def constant_time(self) -> float:
+        c = self.profile.constant
+        per_mb = c.get("fwd", 0.0) + c.get("bwd", 0.0)
+        return per_mb * self.run.grad_accum + c.get("step", 0.0)
+
+    def plan_time(self, degrees: list[int]) -> float:
+        """Predicted step time (s) of a plan."""
+        t = self.constant_time()
+        t += sum(self.node_cost(i, d) for i, d in enumerate(degrees))
+        t += sum(self.edge_cost(i, degrees[i - 1], degrees[i]) for i in range(1, self.n))
+        return t
+
+    def static_memory(self) -> float:
+        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.T + \
+            self.profile.constant.get("peak", 0.0)
+
+    def plan_memory(self, degrees: list[int]) -> float:
+        """Predicted peak memory (bytes) per device of a plan."""
+        mem = self.static_memory() + sum(self.mem[self.kinds[i], d] for i, d in enumerate(degrees))
+        return mem + max((self.trans[self.kinds[i], d] for i, d in enumerate(degrees)), default=0.0)
+
+    def block_table(self, degrees: list[int]) -> list[dict]:
+        return [{"block": i, "kind": self.kinds[i], "degree": d,
+                 "time_s": self.node_cost(i, d) + (self.edge_cost(i, degrees[i - 1], d) if i else 0.0),
+                 "memory_bytes": self.mem[self.kinds[i], d]} for i, d in enumerate(degrees)]
+
+
+def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
+                     flops_per_s: float = 50e9) -> Profile:
+    """A profile from FLOP counts at a given throughput (for tests and a first look;
+    the real planner measures). Saved bytes follow Korthikanti et al. in fp32."""
+    blocks: dict = {"attn": {}, "mlp": {}}
+    s, d = shape.seq_len, shape.d_model
+    for t in degrees:
+        rows = run.micro_batch_size / run.sub_batches * t / run.tp
+        for kind in ("attn", "mlp"):
+            p = shape.block_params(kind) / t
+            flops = 2 * rows * s * p
+            if kind == "attn":
+                flops += 4 * rows * s * s * d / t
+            saved = rows * s * d * run.act_bytes * (5 if kind == "attn" else 6) + \
+                (rows * shape.n_head / t * s * s * 4 if kind == "attn" else 0)
+            blocks[kind][str(t)] = {"fwd": flops / flops_per_s, "bwd": 2 * flops / flops_per_s,
+                                    "saved": saved}
+    head = 2 * run.micro_batch_size * s * shape.vocab_size * d / run.tp
+    return Profile(blocks, {"fwd": head / flops_per_s, "bwd": 2 * head / flops_per_s,
+                            "step": 0.0, "peak": 3 * run.micro_batch_size * s *
+                            shape.vocab_size / run.tp * 4})
+

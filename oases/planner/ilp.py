@@ -1,0 +1,109 @@
+"""The planner's integer linear program (PuLP; CBC bundled, HiGHS when highspy is there).
+
+Variables: x[i][k] = 1 if block i takes degree k (one-hot per block); for each
+adjacent pair a joint y[i][k][l] in [0, 1] with sum_l y = x[i-1][k] and
+sum_k y = x[i][l] (the product of two one-hots: with integral x these margins
+force y to that product, so y needs no integrality); z >= the transient memory
+of every block's choice (the runtime peak is a max, linearised).
+
+    minimise   sum node[i,k] x[i,k] + sum edge[i,k,l] y[i,k,l]
+    subject to sum mem[i,k] x[i,k] + z + static <= memory limit
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import pulp
+
+from oases.errors import UserError
+from oases.planner.cost import CostModel
+
+
+@dataclass
+class Solution:
+    degrees: list[int]
+    time_s: float
+    memory_bytes: float
+    solver: str
+    solve_s: float
+
+
+def _solver(msg: bool = False):
+    try:
+        import highspy  # noqa: F401
+
+        return pulp.HiGHS(msg=msg)
+    except Exception:
+        return pulp.PULP_CBC_CMD(msg=msg)
+
+
+def min_memory(cm: CostModel) -> float:
+    """The least memory any plan needs (every block at its cheapest degree)."""
+    best = [min(cm.degrees, key=lambda t: cm.mem[k, t] + cm.trans[k, t]) for k in cm.kinds]
+    return cm.plan_memory(best)
+
+
+def solve(cm: CostModel, memory_limit_bytes: Optional[float] = None, msg: bool = False) -> Solution:
+    t0 = time.perf_counter()
+    n, D = cm.n, cm.degrees
+    prob = pulp.LpProblem("oases_plan", pulp.LpMinimize)
+    x = [[pulp.LpVariable(f"x_{i}_{t}", cat="Binary") for t in D] for i in range(n)]
+    y = [None] + [[[pulp.LpVariable(f"y_{i}_{a}_{b}", lowBound=0, upBound=1) for b in D]
+                   for a in D] for i in range(1, n)]
+    z = pulp.LpVariable("z_transient", lowBound=0)
+    obj = [cm.node_cost(i, t) * x[i][k] for i in range(n) for k, t in enumerate(D)]
+    obj += [cm.edge_cost(i, a, b) * y[i][ka][kb] for i in range(1, n)
+            for ka, a in enumerate(D) for kb, b in enumerate(D)]
+    prob += pulp.lpSum(obj) + cm.constant_time()
+    for i in range(n):
+        prob += pulp.lpSum(x[i]) == 1
+        prob += z >= pulp.lpSum(cm.trans[cm.kinds[i], t] * x[i][k] for k, t in enumerate(D))
+    for i in range(1, n):
+        for ka in range(len(D)):
+            prob += pulp.lpSum(y[i][ka]) == x[i - 1][ka]
+        for kb in range(len(D)):
+            prob += pulp.lpSum(y[i][ka][kb] for ka in range(len(D))) == x[i][kb]
+    if memory_limit_bytes is not None:
+        prob += (pulp.lpSum(cm.mem[cm.kinds[i], t] * x[i][k] for i in range(n)
+                            for k, t in enumerate(D)) + z + cm.static_memory()
+                 <= memory_limit_bytes)
+    solver = _solver(msg)
+    status = prob.solve(solver)
+    if pulp.LpStatus[status] != "Optimal":
+        need = min_memory(cm)
+        if memory_limit_bytes is not None and need > memory_limit_bytes:
+            raise UserError(f"no plan fits in {memory_limit_bytes / 2**30:.2f} GiB per device: "
+                            f"the smallest plan needs {need / 2**30:.2f} GiB")
+        raise RuntimeError(f"ILP solver ended with status {pulp.LpStatus[status]}")
+    degrees = [D[max(range(len(D)), key=lambda k: x[i][k].value() or 0)] for i in range(n)]
+    return Solution(degrees, cm.plan_time(degrees), cm.plan_memory(degrees),
+                    solver.name, time.perf_counter() - t0)
+
+
+def brute_force(cm: CostModel, memory_limit_bytes: Optional[float] = None) -> Optional[Solution]:
+    """Every plan, for checking the ILP on small instances."""
+    best = None
+    for plan in itertools.product(cm.degrees, repeat=cm.n):
+        plan = list(plan)
+        if memory_limit_bytes is not None and cm.plan_memory(plan) > memory_limit_bytes:
+            continue
+        t = cm.plan_time(plan)
+        if best is None or t < best.time_s - 1e-12:
+            best = Solution(plan, t, cm.plan_memory(plan), "brute-force", 0.0)
+    return best
+
+
+def best_uniform(cm: CostModel, memory_limit_bytes: Optional[float] = None) -> Optional[Solution]:
+    best = None
+    for t in cm.degrees:
+        plan = [t] * cm.n
+        if memory_limit_bytes is not None and cm.plan_memory(plan) > memory_limit_bytes:
+            continue
+        s = Solution(plan, cm.plan_time(plan), cm.plan_memory(plan), "uniform", 0.0)
+        if best is None or s.time_s < best.time_s:
+            best = s
+    return best

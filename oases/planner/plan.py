@@ -1,0 +1,113 @@
+"""The Plan file: per-block TP degrees plus what they were planned for.
+
+    degrees: [4, 4, 2, 2, 1, 1, 2, 4]     # attn, mlp of layer 0, then layer 1, ...
+    tp: 4
+    model: {arch: gpt, n_layer: 4, d_model: 512, ...}
+    schedule: oases
+    recompute: fine
+    micro_batch_size: 8
+    sub_batches: 2
+    cluster: two-nodes-1g
+    predicted: {step_time_s: 0.41, memory_gib: 1.2, blocks: [...]}
+
+The planner writes it, the runtime consumes it (``parallel.plan=<path>``), and a
+test can write one by hand: only ``degrees`` (and ``model``/``tp`` for checking)
+matter to the runtime. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+import yaml
+
+from oases.errors import UserError
+
+SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
+              "seq_len")
+
+
+@dataclass
+class Plan:
+    degrees: list[int]
+    tp: int
+    model: dict
+    schedule: str = "oases"
+    recompute: str = "fine"
+    micro_batch_size: int = 0
+    sub_batches: int = 2
+    cluster: str = ""
+    predicted: dict = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+        tmp.replace(p)
+
+
+def load_plan(path: str) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"plan file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError:
+        raise UserError(f"plan file {path} is not valid YAML") from None
+    if not isinstance(data, dict) or "degrees" not in data:
+        raise UserError(f"plan file {path} has no 'degrees' list")
+    known = set(Plan.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"plan file {path} has unknown keys: {', '.join(unknown)}")
+    degrees = data["degrees"]
+    if not isinstance(degrees, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                for d in degrees):
+        raise UserError(f"plan file {path}: degrees must be a list of integers")
+    return Plan(**{k: data[k] for k in data if k in known and k != "tp"} | {
+        "tp": int(data.get("tp", max(degrees) if degrees else 1)),
+        "model": data.get("model") or {}})
+
+
+def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:
+    """Reject a plan that does not fit this model and TP degree; return its degrees."""
+    m = model_cfg
+    n_blocks = 2 * m.n_layer
+    mismatch = [f"{k}: plan {plan.model[k]} vs model {getattr(m, k)}" for k in SHAPE_KEYS
+                if k in plan.model and plan.model[k] != getattr(m, k)]
+    if mismatch:
+        raise UserError(f"{path} was made for another model ({'; '.join(mismatch)})")
+    if len(plan.degrees) != n_blocks:
+        raise UserError(f"{path} has {len(plan.degrees)} degrees but the model has {n_blocks} "
+                        f"blocks (attn and mlp of {m.n_layer} layers)")
+    if plan.tp != tp:
+        raise UserError(f"{path} was made for parallel.tp={plan.tp}, this run has tp={tp}")
+    for i, t in enumerate(plan.degrees):
+        what = "attn" if i % 2 == 0 else "mlp"
+        if t < 1 or tp % t or t & (t - 1):
+            raise UserError(f"{path}: block {i} ({what}) has degree {t}, which is not a power "
+                            f"of two dividing parallel.tp={tp}")
+        for name, n in (("n_head", m.n_head), ("n_kv_heads", m.n_kv_heads),
+                        ("ffn_hidden", m.ffn_hidden)):
+            if n % t:
+                raise UserError(f"{path}: block {i} ({what}) has degree {t}, which does not "
+                                f"divide model.{name}={n}")
+    return list(plan.degrees)
+
+
+def batch_divisor(degrees: list[int], tp: int) -> int:
+    """Blocks of degree t split each (sub-)batch into tp/t parts."""
+    return max((tp // t for t in degrees), default=1)
+
+
+def model_dict(model_cfg) -> dict:
+    return {k: getattr(model_cfg, k) for k in SHAPE_KEYS + ("tie_embeddings", "bias")}
+
+
+def fmt_table(rows: list[dict]) -> str:
+    out = [f"{'block':>5} {'kind':<5} {'degree':>6} {'time (ms)':>10} {'memory (MiB)':>13}"]
+    for r in rows:
+        out.append(f"{r['block']:>5} {r['kind']:<5} {r['degree']:>6} {1e3 * r['time_s']:>10.2f} "
+                   f"{r['memory_bytes'] / 2**20:>13.1f}")
+    return "\n".join(out)
+

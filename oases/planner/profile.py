@@ -1,0 +1,261 @@
+"""The profiler: measured block compute per degree, constants, and collectives.
+
+Compute is measured in one process on the device it runs on: a block at degree
+t is a block with 1/t of the heads and of the MLP width, fed the rows a rank
+processes at that degree (``micro_batch / sub_batches * t / T``). Forward and
+backward are timed (median of a few repeats after warm-up); the saved-tensor
+bytes of its forward come from :class:`SavedTensorMeter`. Collectives are
+measured only inside a distributed run (``parallel.plan=auto``): all-reduce
+over each degree's subgroups, all-gather over each resharding group and the
+gradient all-reduce over each degree's replicas, at a few message sizes, the
+slowest rank's time, fitted to alpha + beta * bytes.
+
+Results go to a profile DB (JSON), keyed by hardware and model/run shape, and
+are reused when present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.config import Config, ModelConfig
+from oases.planner.cost import ModelShape, Profile, RunShape
+from oases.schedule.memory import SavedTensorMeter
+
+DEFAULT_DB = Path.home() / ".cache" / "oases" / "profile_db.json"
+
+
+def hardware_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        dev = torch.cuda.get_device_name(device)
+    else:
+        dev = f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    return f"{platform.node()} | {dev} | torch {torch.__version__}"
+
+
+def profile_key(device: torch.device, shape: ModelShape, run: RunShape, precision: str) -> str:
+    s = dataclasses.asdict(shape)
+    return json.dumps({"hw": hardware_key(device), "shape": s, "tp": run.tp,
+                       "mbs": run.micro_batch_size, "sub_batches": run.sub_batches,
+                       "precision": precision}, sort_keys=True)
+
+
+def load_db(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def save_db(path: Path, db: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(db, indent=1))
+    tmp.replace(path)
+
+
+@dataclasses.dataclass
+class _ShardShape(ModelConfig):
+    """A ModelConfig whose heads/width are one rank's share at some degree, with the
+    head dimension of the full model."""
+    fixed_head_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:  # type: ignore[override]
+        return self.fixed_head_dim
+
+
+def _timeit(fn: Callable[[], None], device: torch.device, reps: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return min(times)  # the least-disturbed run: contention only ever adds time
+
+
+def _block(kind: str, cfg: ModelConfig, t: int):
+    from models import ARCHS
+    from models.common import ParallelAttention, Rotary
+
+    sc = _ShardShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)},
+                     fixed_head_dim=cfg.head_dim)
+    sc.n_head, sc.n_kv_heads, sc.ffn_hidden = cfg.n_head // t, cfg.n_kv_heads // t, cfg.ffn_hidden // t
+    proto = ARCHS[cfg.arch]
+    lm = proto.__new__(proto)  # only for make_norm / make_mlp / make_rotary
+    if kind == "attn":
+        rot = proto.make_rotary(lm, cfg)
+        return ParallelAttention(sc, proto.make_norm(lm, cfg), None, None,
+                                 Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if rot else None)
+    return proto.make_mlp(lm, sc, proto.make_norm(lm, cfg), None)
+
+
+def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int = 7,
+                    warmup: int = 3, log: Callable[[str], None] = print) -> Profile:
+    """Measure every (block kind, degree) and the constant parts on this device."""
+    from models import build_model
+    from oases.parallel.sharding import init_parameters
+
+    m = cfg.model
+    shape = ModelShape.from_config(m)
+    degrees = shape.valid_degrees(run.tp)
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.train.precision == "bf16"
+           else torch.autocast(device.type, enabled=False))
+    blocks: dict = {"attn": {}, "mlp": {}}
+    todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
+    t_start = time.perf_counter()
+    for n_done, (kind, t) in enumerate(todo, 1):
+        rows = run.micro_batch_size / run.sub_batches * t / run.tp
+        if rows < 1 or rows != int(rows):
+            continue  # this degree cannot split the sub-batch: not a candidate
+        rows = int(rows)
+        blk = _block(kind, m, t).to(device)
+        init_parameters(blk, 0, 0, 1)
+        x = torch.randn(rows, m.seq_len, m.d_model, device=device, requires_grad=True)
+        g = torch.randn_like(x)
+
+        def fwd():
+            with amp:
+                return blk(x)
+
+        def fwd_bwd():
+            fwd().backward(g)
+
+        t_f = _timeit(lambda: fwd(), device, reps, warmup)
+        t_fb = max(_timeit(fwd_bwd, device, reps, warmup), t_f)
+        with SavedTensorMeter() as meter:
+            out = fwd()
+            SavedTensorMeter.end_of_forward()
+        del out
+        blocks[kind][str(t)] = {"fwd": t_f, "bwd": max(t_fb - t_f, 0.0),
+                                "saved": meter.forward_bytes, "rows": rows}
+        log(f"profile [{n_done}/{len(todo)}] {kind:<4} degree {t}: rows {rows}, "
+            f"fwd {1e3 * t_f:.2f} ms, bwd {1e3 * (t_fb - t_f):.2f} ms, "
+            f"saved {meter.forward_bytes / 2**20:.1f} MiB ({time.perf_counter() - t_start:.0f}s)")
+    # Constant parts at degree T: embedding + final norm + head + loss, one micro-batch.
+    head_cfg = dataclasses.replace(m, n_layer=1)
+    vocab_local = cfg.padded_vocab_size // run.tp
+    model = build_model(dataclasses.replace(head_cfg, vocab_size=min(m.vocab_size, vocab_local)),
+                        vocab_local, None, seed=0, device=device)
+    model.layers = torch.nn.ModuleList()  # embedding -> norm -> head only
+    ids = torch.randint(0, min(m.vocab_size, vocab_local), (run.micro_batch_size, m.seq_len),
+                        device=device)
+
+    def head_fwd():
+        with amp:
+            return model(ids, ids)
+
+    c_f = _timeit(head_fwd, device, reps, warmup)
+    c_fb = max(_timeit(lambda: head_fwd().backward(), device, reps, warmup), c_f)
+    n_params = sum((shape.block_params(k) for k in shape.kinds()), 0) / run.tp + \
+        shape.other_params() / run.tp
+    p = torch.zeros(int(n_params), device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], fused=device.type == "cuda")
+    c_step = _timeit(opt.step, device, 3, 1)
+    log(f"profile constants: embedding+head fwd {1e3 * c_f:.2f} ms, bwd {1e3 * (c_fb - c_f):.2f} ms, "
+        f"optimizer {1e3 * c_step:.2f} ms")
+    peak = 3 * run.micro_batch_size * m.seq_len * vocab_local * 4
+    const = {"fwd": c_f, "bwd": max(c_fb - c_f, 0.0), "step": c_step, "peak": peak,
+             "head_fwd": c_f / run.sub_batches, "embed_bwd": 0.0}
+    return Profile(blocks, const)
+
+
+def _fit(points: list[tuple[float, float]]) -> list[float]:
+    """Least-squares alpha + beta * bytes (alpha, beta >= 0)."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    beta = max(sum((p[0] - mx) * (p[1] - my) for p in points) / var, 0.0) if var else 0.0
+    return [max(my - beta * mx, 0.0), beta]
+
+
+def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
+                 log: Callable[[str], None] = print) -> dict:
+    """Collective fits on the live cluster; every rank must call it (collective)."""
+    dg = ctx.degree_groups()
+    T = ctx.tp
+    out: dict = {"all_reduce": {}, "all_gather": {}, "grad_all_reduce": {}}
+
+    def measure(kind: str, key: str, group, make) -> None:
+        pts = []
+        for nbytes in sizes:
+            t = 0.0
+            if group is not None and dist.get_world_size(group) > 1:
+                buf = make(nbytes)
+                op = (lambda: dist.all_reduce(buf, group=group)) if kind != "all_gather" else \
+                    (lambda: dist.all_gather_into_tensor(
+                        torch.empty(buf.numel() * dist.get_world_size(group), device=ctx.device),
+                        buf, group=group))
+                op()  # warm-up
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    op()
+                    if ctx.device.type == "cuda":
+                        torch.cuda.synchronize(ctx.device)
+                    ts.append(time.perf_counter() - t0)
+                t = statistics.median(ts)
+            slow = torch.tensor([t], dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(slow, op=dist.ReduceOp.MAX)  # the slowest group sets the pace
+            total = nbytes if kind != "all_gather" else nbytes * (
+                dist.get_world_size(group) if group is not None else 1)
+            pts.append((float(total), float(slow)))
+        out[kind][key] = _fit(pts)
+        if ctx.is_main:
+            a, b = out[kind][key]
+            log(f"profile {kind} {key}: alpha {1e3 * a:.3f} ms, {b and 1 / b / 1e6:.1f} MB/s")
+
+    def f32(nbytes):
+        return torch.ones(max(nbytes // 4, 1), device=ctx.device)
+
+    for t in dg.degrees:
+        if t > 1:
+            measure("all_reduce", str(t), dg.sub[t], f32)
+    for a in dg.degrees:
+        for b in dg.degrees:
+            if a < b:
+                measure("all_gather", f"{a}-{b}", dg.reshard_group(a, b),
+                        lambda nbytes, k=b // a: f32(nbytes // k))
+    for t in dg.degrees:
+        if t < T or ctx.dp > 1:
+            measure("grad_all_reduce", str(t), dg.grad[t], f32)
+    return out
+
+
+def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optional[Path],
+                log: Callable[[str], None] = print, force: bool = False) -> Profile:
+    """Compute profile from the DB, or measured now (and stored)."""
+    shape = ModelShape.from_config(cfg.model)
+    key = profile_key(device, shape, run, cfg.train.precision)
+    db = load_db(db_path) if db_path else {}
+    if not force and key in db:
+        e = db[key]
+        log(f"profile: reusing {db_path}")
+        return Profile(e["blocks"], e["constant"], {})
+    log(f"profile: measuring {cfg.model.name} blocks at degrees "
+        f"{shape.valid_degrees(run.tp)} on {hardware_key(device)}")
+    prof = profile_compute(cfg, run, device, log=log)
+    if db_path:
+        db = load_db(db_path)
+        db[key] = {"blocks": prof.blocks, "constant": prof.constant}
+        save_db(db_path, db)
+        log(f"profile: saved to {db_path}")
+    return prof
+
