@@ -1,0 +1,74 @@
+"""``parallel.plan`` at run time: load a Plan file, or make one (``auto``).
+
+``auto`` profiles on the live cluster: block compute on rank 0, collectives on
+all ranks (they are collective), then rank 0 solves the ILP and broadcasts the
+degrees; the plan is written to ``<out_dir>/plan.yaml``. Every rank returns the
+same degrees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.config import Config
+from oases.errors import ConfigError, UserError
+from oases.parallel.groups import ParallelContext
+from oases.planner.plan import batch_divisor, check_plan, load_plan
+
+
+def resolve_plan(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
+    """The per-block degrees for this run, or None (every block at degree tp)."""
+    p = cfg.parallel
+    if not p.plan:
+        return None
+    if p.plan == "auto":
+        degrees = _auto(cfg, ctx)
+    else:
+        degrees = check_plan(load_plan(p.plan), cfg.model, p.tp, f"plan file {p.plan}")
+    k = batch_divisor(degrees, p.tp)
+    rows = cfg.train.micro_batch_size // (p.sub_batches if p.schedule == "oases" else 1)
+    if rows % k:
+        raise ConfigError(f"the plan runs blocks at degree {p.tp // k}, which splits each "
+                          f"{'sub-' if p.schedule == 'oases' else ''}batch of {rows} into {k} "
+                          f"parts: train.micro_batch_size must allow that")
+    if set(degrees) == {p.tp}:
+        return None
+    return degrees
+
+
+def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
+    from oases.plan import make_plan, report, run_shape
+    from oases.planner.cluster import Cluster, load_cluster
+    from oases.planner.cost import Profile
+    from oases.planner.profile import DEFAULT_DB, get_profile, profile_comm
+
+    log = print if ctx.is_main else (lambda *_: None)
+    comm = profile_comm(ctx, log=log)            # collective: every rank measures
+    obj: list = [None]
+    if ctx.is_main:
+        try:
+            prof = get_profile(cfg, run_shape(cfg), ctx.device, DEFAULT_DB, log=log)
+            profile = Profile(prof.blocks, prof.constant, comm)
+            if cfg.parallel.cluster:
+                cluster = load_cluster(cfg.parallel.cluster)
+            else:  # links come from the measured collectives; only the memory matters
+                mem = (torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+                       if ctx.device.type == "cuda" else 1e6)
+                cluster = Cluster("this-cluster", ctx.world_size, 1, mem, 1.0, 1.0)
+            limit_gib = cfg.parallel.memory_limit_gib or cluster.device_memory_gib
+            plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
+            report(plan, cm, uni)
+            path = Path(cfg.out_dir) / "plan.yaml"
+            plan.save(path)
+            print(f"plan=auto: wrote {path}", flush=True)
+            obj[0] = plan.degrees
+        except UserError as e:
+            obj[0] = e
+    dist.broadcast_object_list(obj, src=0)
+    if isinstance(obj[0], UserError):
+        raise obj[0]
+    return obj[0]
