@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,12 @@ def min_memory(cm: CostModel) -> float:
 
 
 def solve(cm: CostModel, memory_limit_bytes: Optional[float] = None, msg: bool = False) -> Solution:
+    with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on every variable
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(cm, memory_limit_bytes, msg)
+
+
+def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Solution:
     t0 = time.perf_counter()
     n, D = cm.n, cm.degrees
     prob = pulp.LpProblem("oases_plan", pulp.LpMinimize)

@@ -1,0 +1,210 @@
+"""Planner: ILP exactness and speed, memory infeasibility, plan files, mixed-degree
+runtime parity with tp=1 under both schedules, and the CLI."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from models import build_model
+from oases.config import load_config
+from oases.errors import UserError
+from oases.parallel.reshard import grad_group_of
+from oases.parallel.sharding import unshard
+from oases.planner import ilp
+from oases.planner.cluster import Cluster, load_cluster
+from oases.planner.cost import CostModel, ModelShape, Profile, RunShape, analytic_profile
+from oases.planner.plan import Plan, check_plan, load_plan
+from oases.runtime.dp import GradReducer
+from oases.schedule.engines import build_schedule
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _random_profile(shape, run, degrees, rng) -> Profile:
+    """Costs that make every degree plausible somewhere (forces real trade-offs)."""
+    blocks = {k: {str(t): {"fwd": rng.uniform(1e-3, 2e-2), "bwd": rng.uniform(2e-3, 4e-2),
+                           "saved": rng.uniform(1e6, 4e7)} for t in degrees}
+              for k in ("attn", "mlp")}
+    return Profile(blocks, {"fwd": 1e-3, "bwd": 2e-3, "step": 1e-3, "peak": 1e6})
+
+
+@pytest.mark.parametrize("schedule,recompute", [("oases", "fine"), ("oases", "full"),
+                                                ("oases", "none"), ("megatron", "none")])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ilp_equals_brute_force(schedule, recompute, seed):
+    rng = random.Random(seed)
+    shape = ModelShape("gpt", 3, 256, 8, 8, 1024, 512, 64)
+    run = RunShape(4, 1, 8, 1, 2, schedule, recompute)
+    cluster = load_cluster(str(ROOT / "configs/cluster/hetero-4.yaml"))
+    cm = CostModel(shape, run, cluster, _random_profile(shape, run, [1, 2, 4], rng))
+    free = ilp.brute_force(cm)
+    sol = ilp.solve(cm)
+    assert sol.time_s == pytest.approx(free.time_s, rel=1e-9)
+    # a memory limit between the smallest and the unconstrained optimum's memory
+    lo = ilp.min_memory(cm)
+    limit = lo + 0.5 * (free.memory_bytes - lo) if free.memory_bytes > lo else lo * 1.001
+    want = ilp.brute_force(cm, limit)
+    got = ilp.solve(cm, limit)
+    assert got.memory_bytes <= limit
+    assert got.time_s == pytest.approx(want.time_s, rel=1e-9)
+
+
+def test_ilp_solves_96_blocks_by_4_degrees_fast():
+    shape = ModelShape("gpt", 48, 2048, 16, 16, 8192, 50257, 2048)
+    run = RunShape(8, 1, 8, 1, 2, "oases", "fine")
+    cluster = Cluster("box", 1, 8, 80, 200, 25)
+    cm = CostModel(shape, run, cluster, analytic_profile(shape, run, [1, 2, 4, 8]))
+    t0 = time.perf_counter()
+    sol = ilp.solve(cm, 80 * 2**30)
+    elapsed = time.perf_counter() - t0
+    assert len(sol.degrees) == 96 and len(cm.degrees) == 4
+    # the issue's target is < 1 s on 2 cores; leave headroom for a loaded CI machine
+    assert elapsed < 5.0, elapsed
+
+
+def test_infeasible_memory_names_the_minimum():
+    shape = ModelShape("gpt", 2, 256, 8, 8, 1024, 512, 64)
+    run = RunShape(4, 1, 8, 1, 2, "oases", "fine")
+    cm = CostModel(shape, run, Cluster("c", 4, 1, 1, 100, 1), analytic_profile(shape, run, [1, 2, 4]))
+    need = ilp.min_memory(cm)
+    with pytest.raises(UserError, match=r"smallest plan needs [0-9.]+ GiB"):
+        ilp.solve(cm, need * 0.5)
+    assert ilp.solve(cm, need * 1.0001).memory_bytes <= need * 1.0001
+
+
+def test_memory_limit_makes_mixed_plan_win():
+    """When low uniform degrees don't fit, the ILP mixes degrees and beats every
+    uniform plan that fits (the cost model's view)."""
+    shape = ModelShape("gpt", 4, 1024, 16, 16, 4096, 512, 256)
+    run = RunShape(4, 1, 8, 32, 2, "oases", "fine")
+    cluster = Cluster("slow", 4, 1, 1, 100, 0.2)  # slow links favour low degrees
+    cm = CostModel(shape, run, cluster, analytic_profile(shape, run, [1, 2, 4], 20e9))
+    mem = {t: cm.plan_memory([t] * cm.n) for t in cm.degrees}
+    assert mem[1] > mem[2] > mem[4]
+    limit = (mem[2] + mem[4]) / 2            # degree 1 and 2 do not fit uniformly
+    sol = ilp.solve(cm, limit)
+    uni = ilp.best_uniform(cm, limit)
+    assert uni.degrees[0] == 4
+    assert len(set(sol.degrees)) > 1 and sol.time_s < uni.time_s
+
+
+def test_plan_file_checks(tmp_path):
+    cfg = load_config(None, ["model.name=gpt-tiny", "parallel.tp=4"]).validate(4)
+    p = tmp_path / "plan.yaml"
+    Plan([4, 4, 2, 2, 1, 1, 2, 4], 4, {"arch": "gpt", "n_layer": 4}).save(p)
+    assert check_plan(load_plan(str(p)), cfg.model, 4) == [4, 4, 2, 2, 1, 1, 2, 4]
+    bad = [([4, 4], "has 2 degrees"), ([3] * 8, "not a power of two"),
+           ([8] * 8, "not a power of two dividing")]
+    for degrees, msg in bad:
+        Plan(degrees, 4, {}).save(p)
+        with pytest.raises(UserError, match=msg):
+            check_plan(load_plan(str(p)), cfg.model, 4)
+    Plan([4] * 8, 4, {"d_model": 512}).save(p)
+    with pytest.raises(UserError, match="another model.*d_model: plan 512 vs model 128"):
+        check_plan(load_plan(str(p)), cfg.model, 4)
+    cfg2 = load_config(None, ["model.name=llama-tiny", "parallel.tp=2"]).validate(2)
+    Plan([2, 2, 1, 1, 2, 2, 1, 1], 2, {}).save(p)
+    check_plan(load_plan(str(p)), cfg2.model, 2)
+    p.write_text("degrees: [1, 2]\nfoo: 1\n")
+    with pytest.raises(UserError, match="unknown keys: foo"):
+        load_plan(str(p))
+
+
+def _full_grads(model, ctx):
+    dg = ctx.degree_groups()
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad.contiguous()
+        t = p.tp_coords[1] if p.tp_spec is not None else 1
+        if t > 1:
+            gs = [torch.empty_like(g) for _ in range(t)]
+            dist.all_gather(gs, g, group=dg.sub[t])
+            g = unshard(gs, p.tp_spec)
+        out[n] = g
+    return out
+
+
+def _mixed_body(ctx, degrees, name):
+    cfg = load_config(None, [f"model.name={name}", f"parallel.tp={ctx.tp}", "model.n_layer=4"]
+                      ).validate(ctx.world_size)
+    ref_cfg = load_config(None, [f"model.name={name}", "model.n_layer=4"]).validate(1)
+    g = torch.Generator().manual_seed(1)
+    # each DP replica gets its own half of the global batch
+    ids = torch.randint(0, 256, (8 * ctx.dp, 32), generator=g)
+    y = torch.randint(0, 256, (8 * ctx.dp, 32), generator=g)
+    mine = slice(8 * ctx.dp_rank, 8 * ctx.dp_rank + 8)
+    ref = build_model(ref_cfg.model, ref_cfg.padded_vocab_size, None, seed=4)
+    ref_loss = ref(ids, y)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for sched, rc in [("megatron", "none"), ("megatron", "full"), ("oases", "fine"),
+                      ("oases", "full")]:
+        dg = ctx.degree_groups()
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, None,
+                            rc if sched == "megatron" else "none", seed=4, degrees=degrees,
+                            degree_groups=dg)
+        red = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
+        red.zero_grad()
+        red.arm()
+        loss = build_schedule(sched, ctx.tp_group, 2, rc).forward_backward(model, ids[mine], y[mine])
+        red.finish()
+        mean = loss.clone()
+        if ctx.dp > 1:
+            dist.all_reduce(mean, group=ctx.dp_group)
+            mean /= ctx.dp
+        # fp32: the same sums in a different order (sharded matmuls, replica sums)
+        torch.testing.assert_close(mean, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        grads = _full_grads(model, ctx)
+        for k, v in grads.items():
+            torch.testing.assert_close(v, ref_grads[k], rtol=1e-4, atol=2e-6, msg=f"{sched} {rc} {k}")
+
+
+@pytest.mark.parametrize("world,tp,degrees,name", [
+    (4, 4, [4, 4, 2, 2, 1, 1, 2, 4], "gpt-tiny"),
+    (4, 4, [1, 2, 4, 1, 2, 1, 4, 4], "gpt-tiny"),
+    (4, 2, [1, 2, 2, 1, 2, 1, 1, 2], "llama-tiny"),   # dp 2 x tp 2
+])
+def test_mixed_plan_matches_tp1(world, tp, degrees, name):
+    run_distributed(_mixed_body, world=world, tp=tp, args=(degrees, name))
+
+
+@pytest.mark.slow
+def test_plan_cli_and_bad_plan_exit_2(tmp_path):
+    out = tmp_path / "plan.yaml"
+    r = subprocess.run([sys.executable, "-m", "oases.plan", "--config", "configs/gpt-tiny.yaml",
+                        "--cluster", "configs/cluster/hetero-4.yaml", "--profile",
+                        str(tmp_path / "db.json"), "--out", str(out), "parallel.tp=4",
+                        "parallel.schedule=oases", "parallel.recompute=fine",
+                        "model.n_layer=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "best uniform plan" in r.stdout and "predicted step" in r.stdout
+    plan = yaml.safe_load(out.read_text())
+    assert len(plan["degrees"]) == 4 and all(d in (1, 2, 4) for d in plan["degrees"])
+    assert plan["predicted"]["step_time_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert (tmp_path / "db.json").exists()  # the profile DB, reused next time
+    r2 = subprocess.run([sys.executable, "-m", "oases.plan", "--config", "configs/gpt-tiny.yaml",
+                         "--cluster", "configs/cluster/hetero-4.yaml", "--profile",
+                         str(tmp_path / "db.json"), "--out", str(tmp_path / "p2.yaml"),
+                         "parallel.tp=4", "parallel.schedule=oases", "parallel.recompute=fine",
+                         "model.n_layer=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and "reusing" in r2.stdout
+    # a plan for another model: one line, exit 2
+    r3 = subprocess.run([sys.executable, "train.py", "--config", "configs/gpt-tiny.yaml",
+                         f"out_dir={tmp_path / 'run'}", "parallel.tp=1", f"parallel.plan={out}",
+                         "wandb.mode=disabled"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+    assert r3.returncode == 2
+    lines = r3.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another model" in lines[0] or "tp=4" in lines[0], r3.stderr
+    assert "Traceback" not in r3.stderr
