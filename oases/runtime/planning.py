@@ -1,13 +1,16 @@
 """``parallel.plan`` at run time: load a Plan file, or make one (``auto``).
 
-``auto`` profiles on the live cluster: block compute on rank 0, collectives on
-all ranks (they are collective), then rank 0 solves the ILP and broadcasts the
-degrees; the plan is written to ``<out_dir>/plan.yaml``. Every rank returns the
-same degrees.
+``auto`` profiles on the live cluster: collectives on all ranks (they are
+collective), block compute on every rank at once (so that the measurement sees
+the contention of a real step; rank 0's figures are used), unless rank 0's
+profile DB already holds this model and machine. Rank 0 solves the ILP and
+broadcasts the degrees. The plan goes to ``<out_dir>/plan.yaml``, the whole
+profile (compute and collectives) to ``<out_dir>/profile.json``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -44,15 +47,26 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
     from oases.plan import make_plan, report, run_shape
     from oases.planner.cluster import Cluster, load_cluster
     from oases.planner.cost import Profile
-    from oases.planner.profile import DEFAULT_DB, get_profile, profile_comm
+    from oases.planner.cost import ModelShape
+    from oases.planner.profile import DEFAULT_DB, get_profile, load_db, profile_comm, profile_key
 
     log = print if ctx.is_main else (lambda *_: None)
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
+    run = run_shape(cfg)
+    key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
+    cached = [ctx.is_main and key in load_db(DEFAULT_DB)]
+    dist.broadcast_object_list(cached, src=0)
+    if cached[0]:
+        prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
+    else:  # every rank measures at once; rank 0 keeps its figures
+        prof = get_profile(cfg, run, ctx.device, DEFAULT_DB if ctx.is_main else None, log=log,
+                           force=True)
     obj: list = [None]
     if ctx.is_main:
         try:
-            prof = get_profile(cfg, run_shape(cfg), ctx.device, DEFAULT_DB, log=log)
             profile = Profile(prof.blocks, prof.constant, comm)
+            (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(
+                {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}, indent=1))
             if cfg.parallel.cluster:
                 cluster = load_cluster(cfg.parallel.cluster)
             else:  # links come from the measured collectives; only the memory matters

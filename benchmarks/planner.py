@@ -1,0 +1,275 @@
+"""Planner validation on the emulated cluster: predicted vs measured step time.
+
+    sudo .venv/bin/python benchmarks/planner.py                      # 2 nodes, 4 nodes, hetero-4
+    sudo .venv/bin/python benchmarks/planner.py --clusters configs/cluster/two-nodes-1g.yaml --repeats 1
+
+Per topology (tp = every node, one process per node, oases + fine):
+1. ``train.py parallel.plan=auto`` for one step profiles the live cluster
+   (block compute, measured collectives) and writes ``profile.json``;
+2. from that profile the cost model predicts the planner's plan, every uniform
+   plan and ``--random`` random valid plans; a memory limit where the low
+   uniform degrees do not fit adds the planner's plan under that limit;
+3. each plan trains ``--steps`` steps, ``--repeats`` times round-robin; the
+   measured step time is the median over repeats of the median step time after
+   ``--warmup`` steps;
+4. reports Spearman rank correlation and mean relative error of predicted vs
+   measured, and whether the planner's plan is at least as fast as the best
+   uniform plan, to ``benchmarks/results/planner.{md,json,png}``.
+
+Needs root and iproute2 (network namespaces), like benchmarks/cluster.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from cluster import ClusterError, EmulatedCluster, check_prerequisites, free_port  # noqa: E402
+
+from oases.config import load_config  # noqa: E402
+from oases.plan import make_plan, run_shape  # noqa: E402
+from oases.planner import ilp  # noqa: E402
+from oases.planner.cluster import load_cluster  # noqa: E402
+from oases.planner.cost import CostModel, ModelShape, Profile  # noqa: E402
+from oases.planner.plan import Plan, model_dict  # noqa: E402
+
+DEFAULT_CLUSTERS = ["configs/cluster/two-nodes-200m.yaml", "configs/cluster/four-nodes-1g.yaml",
+                    "configs/cluster/hetero-4.yaml"]
+
+
+def overrides(args, tp: int, out_dir: Path, extra: list[str]) -> list[str]:
+    return ["--config", "configs/gpt-tiny.yaml", "model.name=gpt-tiny",
+            f"model.d_model={args.d_model}", f"model.n_layer={args.n_layer}",
+            f"model.n_head={args.n_head}", f"model.n_kv_heads={args.n_head}",
+            f"model.ffn_hidden={4 * args.d_model}", f"model.seq_len={args.seq_len}",
+            f"parallel.tp={tp}", "parallel.schedule=oases", "parallel.recompute=fine",
+            "parallel.device=cpu", f"train.micro_batch_size={args.mbs}", "train.log_interval=1",
+            "wandb.mode=disabled", "data.kind=synthetic", "data.val_path=", "eval.interval=0",
+            "checkpoint.save_final=false", "checkpoint.interval=0", "resume=none",
+            f"out_dir={out_dir}", *extra]
+
+
+def run_train(c: EmulatedCluster, args, tp: int, out_dir: Path, extra: list[str]) -> list[float]:
+    ov = overrides(args, tp, out_dir, extra)
+    port = free_port()
+    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=args.run_timeout)
+    (out_dir.parent / f"{out_dir.name}.log").write_text(res[0].output)
+    if not all(r.ok for r in res):
+        tail = "\n".join(res[0].output.strip().splitlines()[-5:])
+        raise RuntimeError(f"run {out_dir.name} failed:\n{tail}")
+    recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):  # average ranks for ties
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def topology(path: str, args, work: Path) -> dict:
+    cluster = load_cluster(path)
+    T = cluster.world
+    work = work / cluster.name
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, overrides(args, T, work / "x", [])[2:]).validate(T)
+    res: dict = {"cluster": cluster.name, "file": path, "tp": T, "plans": []}
+    with EmulatedCluster(path) as c:
+        print(f"[{cluster.name}] profiling (parallel.plan=auto, 1 step)", flush=True)
+        run_train(c, args, T, work / "auto", ["parallel.plan=auto", "train.steps=1"])
+        prof = json.loads((work / "auto" / "profile.json").read_text())
+        profile = Profile(prof["blocks"], prof["constant"], prof["comm"])
+        cm = CostModel(ModelShape.from_config(cfg.model), run_shape(cfg), cluster, profile)
+        plans: dict[str, list[int]] = {}
+        sol = ilp.solve(cm)
+        plans["planner"] = sol.degrees
+        for t in cm.degrees:
+            plans[f"uniform-{t}"] = [t] * cm.n
+        rng = random.Random(args.seed)
+        tries = 0
+        while sum(k.startswith("random") for k in plans) < args.random and tries < 1000:
+            tries += 1
+            p = [rng.choice(cm.degrees) for _ in range(cm.n)]
+            if p not in plans.values():
+                plans[f"random-{sum(k.startswith('random') for k in plans) + 1}"] = p
+        mem = {t: cm.plan_memory([t] * cm.n) for t in cm.degrees}
+        order = sorted(cm.degrees, key=lambda t: mem[t])  # cheapest memory first
+        limit = None
+        if len(order) >= 2:
+            # a limit that only the most memory-frugal uniform plan fits
+            limit = (mem[order[0]] + mem[order[1]]) / 2
+            try:
+                lim_sol = ilp.solve(cm, limit)
+                plans["planner-memlimit"] = lim_sol.degrees
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                res["memlimit_error"] = str(e)
+        res["memory_limit_bytes"] = limit
+        res["uniform_memory_bytes"] = {str(t): mem[t] for t in cm.degrees}
+        measured: dict[str, list[float]] = {k: [] for k in plans}
+        for rep in range(args.repeats):
+            for name, degrees in plans.items():
+                pf = work / f"{name}.yaml"
+                Plan(degrees, T, model_dict(cfg.model)).save(pf)
+                t0 = time.monotonic()
+                times = run_train(c, args, T, work / f"{name}-r{rep}",
+                                  [f"parallel.plan={pf}", f"train.steps={args.steps}"])
+                measured[name].append(statistics.median(times))
+                print(f"[{cluster.name}] rep {rep + 1}/{args.repeats} {name} {degrees}: "
+                      f"{1e3 * measured[name][-1]:.1f} ms/step (predicted "
+                      f"{1e3 * cm.plan_time(degrees):.1f}) [{time.monotonic() - t0:.0f}s]",
+                      flush=True)
+    for name, degrees in plans.items():
+        res["plans"].append({"name": name, "degrees": degrees,
+                             "predicted_s": cm.plan_time(degrees),
+                             "memory_bytes": cm.plan_memory(degrees),
+                             "fits_limit": limit is None or cm.plan_memory(degrees) <= limit,
+                             "measured_s": statistics.median(measured[name]),
+                             "measured_repeats_s": measured[name]})
+    pred = [p["predicted_s"] for p in res["plans"]]
+    meas = [p["measured_s"] for p in res["plans"]]
+    res["spearman"] = spearman(pred, meas)
+    res["mean_rel_error"] = statistics.mean(abs(p - m) / m for p, m in zip(pred, meas))
+    by = {p["name"]: p for p in res["plans"]}
+    uni = [p for p in res["plans"] if p["name"].startswith("uniform")]
+    best_uni = min(uni, key=lambda p: p["measured_s"])
+    noise = max(statistics.pstdev(p["measured_repeats_s"]) if len(p["measured_repeats_s"]) > 1
+                else 0.0 for p in res["plans"])
+    res["best_uniform"] = best_uni["name"]
+    res["planner_vs_best_uniform"] = best_uni["measured_s"] / by["planner"]["measured_s"]
+    res["planner_at_least_as_fast"] = by["planner"]["measured_s"] <= best_uni["measured_s"] + 2 * noise
+    if "planner-memlimit" in by:
+        fitting = [p for p in uni if p["fits_limit"]]
+        res["memlimit"] = {
+            "plan": by["planner-memlimit"]["degrees"],
+            "measured_s": by["planner-memlimit"]["measured_s"],
+            "uniform_that_fit": {p["name"]: p["measured_s"] for p in fitting},
+            "beats_all_fitting_uniform": all(by["planner-memlimit"]["measured_s"] < p["measured_s"]
+                                             for p in fitting)}
+    return res
+
+
+def write(results: list[dict], args, out: Path) -> None:
+    meta = {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
+            "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+            "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len", "mbs")},
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "topologies": results}, indent=1))
+    lines = ["# Planner validation on the emulated cluster", "",
+             f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}).",
+             f"GPT d_model {args.d_model}, {args.n_layer} layers ({2 * args.n_layer} blocks), "
+             f"{args.n_head} heads, seq {args.seq_len}, micro-batch {args.mbs}, oases + fine, "
+             f"tp = all nodes. Measured: median over {args.repeats} runs of the median step time "
+             f"after {args.warmup} warm-up steps ({args.steps} steps per run). Predicted: the cost "
+             f"model on the profile that `parallel.plan=auto` measured on the same cluster.", ""]
+    for r in results:
+        lines += [f"## {r['cluster']} (tp={r['tp']})", "",
+                  "| plan | degrees | predicted (ms) | measured (ms) | rel. error | memory (MiB) |",
+                  "|---|---|---|---|---|---|"]
+        for p in r["plans"]:
+            err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
+            lines.append(f"| {p['name']} | {p['degrees']} | {1e3 * p['predicted_s']:.1f} | "
+                         f"{1e3 * p['measured_s']:.1f} | {100 * err:+.1f}% | "
+                         f"{p['memory_bytes'] / 2**20:.1f} |")
+        lines += ["", f"- Spearman rank correlation: **{r['spearman']:.3f}** (target >= 0.9)",
+                  f"- Mean relative estimation error: **{100 * r['mean_rel_error']:.1f}%** "
+                  f"(target <= 10%)",
+                  f"- Planner vs best uniform ({r['best_uniform']}): "
+                  f"{r['planner_vs_best_uniform']:.3f}x; at least as fast within noise: "
+                  f"**{r['planner_at_least_as_fast']}**"]
+        if "memlimit" in r:
+            m = r["memlimit"]
+            lines.append(f"- Memory limit {r['memory_limit_bytes'] / 2**20:.1f} MiB: planner plan "
+                         f"{m['plan']} measured {1e3 * m['measured_s']:.1f} ms; uniform plans that "
+                         f"fit: {', '.join(f'{k} {1e3 * v:.1f} ms' for k, v in m['uniform_that_fit'].items()) or 'none'}; "
+                         f"beats every fitting uniform plan: **{m['beats_all_fitting_uniform']}**")
+        lines.append("")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
+        for ax, r in zip(axes[0], results):
+            for p in r["plans"]:
+                c = ("tab:red" if p["name"].startswith("planner") else
+                     "tab:blue" if p["name"].startswith("uniform") else "tab:gray")
+                ax.scatter(1e3 * p["predicted_s"], 1e3 * p["measured_s"], color=c)
+                ax.annotate(p["name"], (1e3 * p["predicted_s"], 1e3 * p["measured_s"]), fontsize=7)
+            lo = min(min(p["predicted_s"], p["measured_s"]) for p in r["plans"]) * 1e3 * 0.9
+            hi = max(max(p["predicted_s"], p["measured_s"]) for p in r["plans"]) * 1e3 * 1.1
+            ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
+            ax.set_xlabel("predicted step (ms)")
+            ax.set_ylabel("measured step (ms)")
+            ax.set_title(f"{r['cluster']}: rho {r['spearman']:.2f}, err {100 * r['mean_rel_error']:.0f}%")
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clusters", nargs="+", default=DEFAULT_CLUSTERS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--random", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--d-model", dest="d_model", type=int, default=512)
+    ap.add_argument("--n-layer", dest="n_layer", type=int, default=2)
+    ap.add_argument("--n-head", dest="n_head", type=int, default=8)
+    ap.add_argument("--seq-len", dest="seq_len", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--work", default="/tmp/oases-planner-bench")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "planner"))
+    args = ap.parse_args(argv)
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for path in args.clusters:
+        results.append(topology(path, args, Path(args.work)))
+        write(results, args, Path(args.out))  # partial results survive a later failure
+    for r in results:
+        print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
+              f"{100 * r['mean_rel_error']:.1f}%, planner vs best uniform "
+              f"{r['planner_vs_best_uniform']:.3f}x")
+    print(f"wrote {Path(args.out).with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
