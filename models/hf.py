@@ -65,7 +65,10 @@ def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
     shapes: dict[str, tuple] = {}
 
     def put(ours: str, parts: list[_Part], hf_shapes: dict[str, tuple], have: bool = True):
-        shapes.update(hf_shapes)
+        # GPT-2 always has biases (export writes zeros for a bias=false GPT); LLaMA has
+        # projection biases only when attention_bias/mlp_bias are set
+        if have or f["arch"] == "gpt":
+            shapes.update(hf_shapes)
         if have:
             m[ours] = parts
 
@@ -253,8 +256,10 @@ def model_fields(model_cfg) -> dict:
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int, tp: int) -> None:
     """Overwrite every parameter of the (TP-sharded) ``model`` with this rank's shard of the
-    HF checkpoint in ``hf_dir``. Missing tensors and tensors whose shape disagrees with
-    ``config.json`` are :class:`~oases.errors.CheckpointError` (a one-line user error)."""
+    HF checkpoint in ``hf_dir`` (a parameter's own ``tp_coords``, set by layers built on a
+    sub-group, win over ``tp_rank``/``tp``). Missing tensors and tensors whose shape
+    disagrees with ``config.json`` are :class:`~oases.errors.CheckpointError` (a one-line
+    user error)."""
     where = f"init_from hf:{hf_dir}"
     f = hf_model_fields(hf_dir)
     ours = model_fields(model.cfg)
@@ -279,7 +284,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int, tp
                 raise CheckpointError(f"{where}: tensor {key} has shape {_fmt(have)} in the "
                                       f"weights but config.json implies {_fmt(shapes[name])}")
         for name, p in params.items():
-            t = _read_param(w, p, layout[name], tp_rank, tp)
+            rank, size = getattr(p, "tp_coords", (tp_rank, tp))  # per-block TP degrees
+            t = _read_param(w, p, layout[name], rank, size)
             if tuple(t.shape) != tuple(p.shape):  # pragma: no cover - a mapping bug
                 raise RuntimeError(f"{name}: read {tuple(t.shape)} for a shard of {tuple(p.shape)}")
             p.copy_(t)
