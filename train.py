@@ -3,9 +3,13 @@
     torchrun --standalone --nproc_per_node=2 train.py --config configs/gpt-tiny.yaml [key.sub=value ...]
 
 Bad input (config, data, checkpoint, out_dir) prints one line and exits with
-status 2; ``debug=true`` shows the traceback. (Under torchrun the workers exit
-with 2 and torchrun reports their failure with its own status 1;
-``python -m oases.config`` checks a config with status 2 before launching.)
+status 2; ``debug=true`` shows the traceback. A run that cannot go on prints one
+line too: status 3 for a non-finite loss or gradient with
+``train.on_nonfinite=stop``, status 4 for a collective that failed or timed out
+(``parallel.timeout_s``: a peer rank died or hangs). (Under torchrun the workers
+exit with these and torchrun reports their failure with its own status 1, or
+restarts them with ``--max-restarts``; ``python -m oases.config`` checks a config
+with status 2 before launching.)
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import argparse
 import os
 import sys
 
-from oases.errors import EXIT_USER_ERROR, ConfigError, DataError, UserError
+from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError,
+                          TrainingError, UserError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,10 +32,12 @@ def main(argv: list[str] | None = None) -> int:
                 for o in args.overrides)
     try:
         from oases.config import load_config
-        from oases.runtime.trainer import run
 
         cfg = load_config(args.config, args.overrides)
         debug = cfg.debug
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before torch is even imported
+        from oases.runtime.trainer import run
+
         run(cfg)
     except UserError as e:
         if debug:
@@ -41,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         elif not isinstance(e, (ConfigError, DataError)):  # those are the same on every rank
             print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except TrainingError as e:
+        if debug:
+            raise
+        # a non-finite step is seen alike by every rank; a collective failure names its rank
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, CollectiveError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     return 0
 
 

@@ -25,3 +25,27 @@ class CheckpointError(UserError):
 
 
 EXIT_USER_ERROR = 2
+
+
+class TrainingError(Exception):
+    """The run cannot go on for a reason other than bad input (reported as one line;
+    the exit status is ``exit_code``)."""
+
+    exit_code = 1
+
+
+class NonFiniteError(TrainingError):
+    """A non-finite loss or gradient norm with ``train.on_nonfinite=stop``. Exit status 3."""
+
+    exit_code = 3
+
+
+class CollectiveError(TrainingError):
+    """A collective failed or timed out (``parallel.timeout_s``): a peer rank died or
+    hangs. Exit status 4."""
+
+    exit_code = 4
+
+
+EXIT_NONFINITE = NonFiniteError.exit_code
+EXIT_COLLECTIVE = CollectiveError.exit_code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from models import build_model
 from oases.config import Config, save_config
-from oases.errors import UserError
+from oases.errors import CollectiveError, NonFiniteError, UserError
 from oases.parallel.comm import NoopCollectives, all_reduce
 from oases.parallel.groups import ParallelContext, init_distributed
 from oases.parallel.random import TPRNGTracker
@@ -26,7 +27,9 @@ from oases.runtime import checkpoint as ckpt
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.dp import GradReducer
 from oases.runtime.metrics import MetricsLogger
+from oases.parallel.reshard import grad_group_of
 from oases.runtime.optim import build_optimizer, clip_grads, lr_at
+from oases.runtime.planning import resolve_plan
 from oases.schedule.engines import MegatronSchedule, build_schedule
 from oases.schedule.trace import Tracer
 
@@ -39,10 +42,12 @@ def check_out_dir(cfg: Config) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"out_dir {out} cannot be created: {e.strerror}") from None
+        blocker = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror
+        raise UserError(f"out_dir {out} cannot be created: {why}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"out_dir {out} is not writable")
-    if cfg.resume == "none":
+    if cfg.resume == "none" and not cfg.eval.only:  # eval.only only appends to metrics.jsonl
         clash = [p for p in ("metrics.jsonl", "checkpoints") if (out / p).exists()]
         if clash:
             raise UserError(f"out_dir {out} already holds a run ({', '.join(clash)}); "
@@ -62,7 +67,13 @@ def autocast(cfg: Config, ctx: ParallelContext):
 def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
                ctx: ParallelContext, lr: float, schedule=None) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm),
-    the loss averaged over micro-batches and DP ranks."""
+    the loss averaged over micro-batches and DP ranks.
+
+    A non-finite loss or gradient norm leaves the step out: no optimizer update (weights
+    and Adam state untouched) and zeroed gradients; the caller sees the non-finite
+    values and decides (``train.on_nonfinite``). Every rank decides alike: the norm is
+    reduced over TP and identical over DP after the DP reduction, the loss is reduced
+    over DP and identical over TP (the vocab-parallel loss reduces it)."""
     for g in opt.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
@@ -77,12 +88,16 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
         total += schedule.forward_backward(model, x, y, 1.0 / n, amp=lambda: autocast(cfg, ctx))
     reducer.finish()
     norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group)
-    opt.step()
     total /= n
     if ctx.dp > 1:
         all_reduce(total, ctx.dp_group)
         total /= ctx.dp
-    return float(total), norm
+    loss = float(total)
+    if math.isfinite(loss) and math.isfinite(norm):
+        opt.step()
+    else:
+        reducer.zero_grad()
+    return loss, norm
 
 
 @torch.no_grad()
@@ -105,11 +120,46 @@ def _trim_metrics(out_dir: str, step: int) -> None:
     path = Path(out_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines()
-            if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    keep = []
+    for ln in path.read_text().splitlines():
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError:  # a line torn by the crash
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+            keep.append(ln)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     os.replace(tmp, path)
+
+
+def _init_torchelastic_attempt(cfg: Config) -> None:
+    """Under ``torchrun`` the workers share the agent's rendezvous TCPStore, which lives
+    across ``--max-restarts`` restarts: a restarted group would read the dead group's
+    gloo/NCCL addresses from it and fail to connect (pytorch/pytorch#135712). Give each
+    restart attempt its own key namespace. Single node only (one agent, so one restart
+    count); multi-node runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead."""
+    env = os.environ
+    if (dist.is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")):
+        return
+    import datetime
+
+    from oases.parallel.groups import pick_device
+
+    dev = pick_device(cfg.parallel.device)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        return  # init_distributed refuses it with a clear message
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"oases/attempt_{attempt}/", store),
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                            timeout=timeout)
 
 
 def run(cfg: Config) -> None:
@@ -117,13 +167,45 @@ def run(cfg: Config) -> None:
     cfg.validate(world)  # before any process group: bad config fails fast on every rank
     if int(os.environ.get("RANK", "0")) == 0:
         check_out_dir(cfg)
+    _init_torchelastic_attempt(cfg)
     ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
                            cfg.parallel.timeout_s)
     try:
         _run(cfg, ctx)
+    except (RuntimeError, ckpt.CheckpointException) as e:
+        if not _collective_failure(e):
+            raise
+        raise CollectiveError(
+            f"[rank {ctx.rank}] a collective failed or did not complete within "
+            f"parallel.timeout_s={cfg.parallel.timeout_s:g}: a peer rank died or hangs "
+            f"({_first_line(e)})") from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_COMM_FAILURE = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
+                 "gloo", "nccl", "socket")
+
+
+def _collective_failure(e: BaseException) -> bool:
+    """A collective timed out or lost its peer (gloo, NCCL and DCP word it differently)."""
+    if isinstance(e, ckpt.CheckpointException):  # DCP wraps each rank's exception
+        return any(_collective_failure(v[0] if isinstance(v, tuple) else v)
+                   for v in e.failures.values())
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
+
+
+def _first_line(e: BaseException) -> str:
+    for exc in (e, *(v[0] if isinstance(v, tuple) else v
+                     for v in (getattr(e, "failures", None) or {}).values())):
+        if not isinstance(exc, ckpt.CheckpointException):
+            lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+            return lines[0] if lines else type(exc).__name__
+    return type(e).__name__
 
 
 def _run(cfg: Config, ctx: ParallelContext) -> None:
@@ -141,26 +223,64 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                          cfg.model.vocab_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp,
                          cfg.eval.max_batches)
     par = cfg.parallel
+    degrees = resolve_plan(cfg, ctx)  # per-block TP degrees, or None: all at tp
+    if degrees is not None and ctx.is_main:
+        print(f"plan: per-block TP degrees {degrees}", flush=True)
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
                         par.recompute if par.schedule == "megatron" else "none",
-                        seed=cfg.seed, device=ctx.device)
+                        seed=None if cfg.model.init_from else cfg.seed, device=ctx.device,
+                        degrees=degrees,
+                        degree_groups=ctx.degree_groups() if degrees is not None else None)
+    if cfg.model.init_from:  # every parameter is overwritten (no random init above)
+        existing = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
+        if existing is not None:  # resume wins: the checkpoint loaded below overwrites all
+            if ctx.is_main:
+                print(f"model.init_from={cfg.model.init_from} not loaded: resume=auto "
+                      f"continues from {existing}", flush=True)
+        else:
+            from models.hf import load_hf_weights
+            from oases.hf_config import hf_dir_of
+
+            load_hf_weights(model, hf_dir_of(cfg.model.init_from), ctx.tp_rank, ctx.tp)
+            if ctx.is_main:
+                print(f"model.init_from: loaded {cfg.model.init_from}", flush=True)
     tracer = Tracer(ctx.rank) if par.trace else None
     schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
                               tracker, tracer)
     model.train()
     opt = build_optimizer(model, cfg.train, ctx.device)
-    reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
+    reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb,
+                          group_of=grad_group_of(ctx, ctx.tp))
+
+    if cfg.eval.only:
+        # Validation loss of the loaded weights (resume=auto's checkpoint, else init_from
+        # or the seeded init), then exit: one metrics.jsonl record is all that is written.
+        step, src = 0, cfg.model.init_from or f"seed {cfg.seed}"
+        path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
+        if path is not None:
+            step, src = ckpt.load(path, model, opt, ctx, model_shape(cfg))[0]["step"], str(path)
+        val_loss = evaluate(model, val, cfg, ctx)
+        if ctx.is_main:
+            print(f"eval.only: val_loss {val_loss:.4f} | step {step} | weights {src} | "
+                  f"{len(val)} batches x {cfg.train.micro_batch_size * ctx.dp} x "
+                  f"{cfg.model.seq_len} tokens of {cfg.data.val_path}", flush=True)
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        return
 
     start = 0
+    skipped = 0  # steps left out for a non-finite loss or gradient (train.on_nonfinite=skip)
     resumed = False
     if cfg.resume == "auto":
         path = ckpt.latest_checkpoint(cfg.out_dir)
         if path is None:
             if ctx.is_main:
                 print(f"resume=auto: no checkpoint in {out}; starting from step 0", flush=True)
+                _trim_metrics(cfg.out_dir, 0)  # records of a run that crashed before saving
         else:
             meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg))
             start = meta["step"]
+            skipped = int(meta.get("skipped_steps", 0))
             batches.load_state_dict(meta["data"])
             if rng is not None:
                 tracker.set_states(rng)
@@ -183,9 +303,14 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
     def save(step: int) -> None:
+        if not ckpt.all_finite(model, ctx):  # never replace a good checkpoint by a broken one
+            if ctx.is_main:
+                print(f"step {step}: the weights are not finite; checkpoint not saved",
+                      flush=True)
+            return
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
                 "world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp,
-                "padded_vocab_size": cfg.padded_vocab_size}
+                "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": skipped}
         path = ckpt.save(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
                          cfg.checkpoint.keep)
         if ctx.is_main:
@@ -222,6 +347,17 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             done = step + 1
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # train_step did not update
+                last = ckpt.latest_name(cfg.out_dir) or "none"
+                if cfg.train.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"step {done}: non-finite loss ({loss}) or gradient norm ({norm}); "
+                        f"stopped before updating the weights (train.on_nonfinite=stop); last "
+                        f"checkpoint: {last}")
+                skipped += 1
+                if ctx.is_main:
+                    print(f"step {done}: non-finite loss ({loss}) or gradient norm ({norm}); "
+                          f"step skipped ({skipped} so far, train.on_nonfinite=skip)", flush=True)
             if traced:
                 tracer.save(out / f"trace_rank{ctx.rank}.json")
                 if ctx.is_main:
@@ -230,7 +366,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
                 recent = step_times[-10:]
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)
-                logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta)
+                logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
+                           extra={"skipped_steps": skipped})
             if has_val and cfg.eval.interval and done % cfg.eval.interval == 0:
                 logger.log_eval(done, evaluate(model, val, cfg, ctx))
             if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0:

@@ -1,0 +1,196 @@
+"""Checkpoints load at another (dp, tp) layout, and consolidate to one unsharded file.
+
+Run A trains gpt-tiny at tp=2 (world 2) for 4 steps with a checkpoint every 2
+steps and a metrics record every step. Each resharded run resumes A's step-2
+checkpoint at another layout and trains steps 3 and 4. The step-3 loss is the
+forward of the *same weights* on the *same global batch* (the data position is a
+global sample counter; at dp=2 the micro-batch is halved so the global batch is
+the same 4 sequences), so it must equal A's step-3 loss up to fp32 rounding.
+
+Tolerance: the layouts differ only in the order of fp32 reductions (row-parallel
+partial sums all-reduced over 1, 2 or 4 ranks, the vocab-parallel logsumexp
+over 1..4 shards, the DP mean of two half-batch means), a relative error of a
+few ulp (6e-8) per op. Measured on CPU: the step-3 loss came out bit-identical at
+every layout, the step-3 grad norm within 7e-8 and the step-4 loss within 9e-8
+(relative). rtol=1e-5 for the loss (1e-4 for the grad norm and for step 4, which
+follows a resharded Adam update) leaves >100x margin for other BLAS kernels,
+while a misplaced shard, a wrong vocab row, garbage in a padding row or a lost
+Adam moment moves these numbers by > 1e-3.
+
+vocab_size=300 makes the padded vocabulary differ with tp (vocab_pad_to=64:
+320 rows at tp=1, 384 at tp=2, 512 at tp=4), so the embedding and its Adam
+moments change shape between layouts.
+
+Everything runs in forked gloo workers (tests/distributed.py), so no process
+re-imports torch: the whole module takes ~15 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oases.runtime import trainer
+from tests.conftest import REPO, subprocess_env
+from tests.distributed import run_distributed
+
+# trainer._run calls torch.use_deterministic_algorithms, which imports torch._inductor
+# (~2 s of CPU); imported here once, every forked worker inherits it.
+import torch._inductor.config  # noqa: E402,F401  isort: skip
+
+STEPS = 4
+BASE = ["model.name=gpt-tiny", "model.vocab_size=300", "model.seq_len=64", "data.kind=synthetic",
+        f"train.steps={STEPS}", "train.lr=3e-3", "train.warmup_steps=2", "train.log_interval=1",
+        "checkpoint.interval=2", "checkpoint.keep=2", "eval.interval=0", "wandb.mode=disabled",
+        "seed=7"]
+
+
+def _train(ctx, overrides):
+    """The real training loop (trainer._run) on the workers' process groups."""
+    from oases.config import load_config
+
+    cfg = load_config(None, overrides).validate(ctx.world_size)
+    if ctx.is_main:
+        trainer.check_out_dir(cfg)
+    dist.barrier()
+    trainer._run(cfg, ctx)
+
+
+def train(out: Path, world: int, tp: int, *extra: str) -> None:
+    run_distributed(_train, world=world, tp=tp,
+                    args=([*BASE, f"out_dir={out}", f"parallel.tp={tp}", *extra],))
+
+
+def records(out: Path) -> dict[int, dict]:
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(set(steps)), steps
+    return {r["step"]: r for r in recs}
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reshard") / "a"
+    train(out, 2, 2, "train.micro_batch_size=4")
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert json.loads((root / "step_000002" / "meta.json").read_text())["padded_vocab_size"] == 384
+    assert sorted(records(out)) == [1, 2, 3, 4]
+    return out
+
+
+def resume_copy(run_a: Path, dest: Path) -> Path:
+    """A's out_dir as it was right after the step-2 checkpoint."""
+    shutil.copytree(run_a, dest)
+    root = dest / "checkpoints"
+    shutil.rmtree(root / "step_000004")
+    (root / "latest").write_text("step_000002\n")
+    return dest
+
+
+LAYOUTS = {  # name: (world, tp, micro-batch size): every layout has a global batch of 4
+    "tp1": (1, 1, 4),
+    "tp4": (4, 4, 4),
+    "dp2xtp1": (2, 1, 2),
+    "dp2xtp2": (4, 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_at_another_layout(layout, run_a, tmp_path):
+    world, tp, mbs = LAYOUTS[layout]
+    b = resume_copy(run_a, tmp_path / "b")
+    train(b, world, tp, f"train.micro_batch_size={mbs}", "resume=auto")
+
+    a_recs, b_recs = records(run_a), records(b)
+    assert sorted(b_recs) == [1, 2, 3, 4]
+    for s in (1, 2):  # A's records up to the checkpoint are kept as they were
+        assert b_recs[s] == a_recs[s]
+    # step 3: same weights, same batch, another layout -> the same loss up to fp32 rounding
+    assert b_recs[3]["loss"] == pytest.approx(a_recs[3]["loss"], rel=1e-5, abs=0), layout
+    assert b_recs[3]["grad_norm"] == pytest.approx(a_recs[3]["grad_norm"], rel=1e-4), layout
+    assert b_recs[3]["lr"] == a_recs[3]["lr"]
+    # step 4 follows an optimizer step whose Adam moments were resharded too: a moment
+    # lost on the way (zeros) would change the update and this loss by ~1e-3
+    assert math.isfinite(b_recs[4]["loss"])
+    assert b_recs[4]["loss"] == pytest.approx(a_recs[4]["loss"], rel=1e-4), layout
+
+    meta = json.loads((b / "checkpoints" / "step_000004" / "meta.json").read_text())
+    assert (meta["tp"], meta["dp"], meta["world_size"]) == (tp, world // tp, world)
+    assert meta["padded_vocab_size"] == {1: 320, 2: 384, 4: 512}[tp]
+    assert meta["data"]["consumed"] == STEPS * 4  # 4 global samples per step, any dp
+
+
+def _batch(consumed: int, mbs: int = 4):
+    from oases.config import DataConfig
+    from oases.runtime.data import TrainBatches
+
+    batches = TrainBatches(DataConfig(), 64, 300, mbs, 0, 1, seed=7)
+    batches.load_state_dict({"consumed": consumed})
+    return batches.next_batch()
+
+
+def _unsharded_model(vocab_rows: int):
+    from models import build_model
+    from oases.config import load_config
+
+    cfg = load_config(None, BASE).validate(1)
+    return build_model(cfg.model, vocab_rows, seed=None)
+
+
+def test_consolidate_matches_the_sharded_run(run_a, tmp_path):
+    """`python -m oases.consolidate` (no process group) writes full tensors that give an
+    unsharded model (no vocab padding at all) the loss the tp=2 run computed."""
+    ck = run_a / "checkpoints" / "step_000002"
+    out = tmp_path / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "oases.consolidate", str(ck), "--out", str(out)],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"wrote {out}" in proc.stdout and "Traceback" not in proc.stderr
+    state = torch.load(out, weights_only=True)
+    assert state["embed.wte.weight"].shape == (300, 128)  # padding removed
+    assert state["layers.0.attn.qkv.weight"].shape == (3 * 128, 128)  # parts reassembled
+    assert not any(".part" in k for k in state)
+
+    model = _unsharded_model(300)
+    model.load_state_dict(state)  # strict: exactly our parameter names and shapes
+    meta = json.loads((ck / "meta.json").read_text())
+    x, y = _batch(meta["data"]["consumed"])
+    with torch.no_grad():
+        loss = float(model(x, y))
+    assert loss == pytest.approx(records(run_a)[3]["loss"], rel=1e-5, abs=0)
+
+    # the QKV parts sit where an unsharded model expects them: q rows, then k, then v
+    from oases.runtime.checkpoint import full_model_state
+
+    again = full_model_state(ck)
+    assert again.keys() == state.keys()
+    assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_consolidate_run_dir_and_errors(run_a, tmp_path):
+    from oases.consolidate import main
+
+    out = tmp_path / "m.pt"
+    assert main([str(run_a), "--out", str(out)]) == 0  # a run dir: its latest checkpoint
+    state = torch.load(out, weights_only=True)
+    model = _unsharded_model(300)
+    model.load_state_dict(state)
+    x, y = _batch(4 * 4)
+    with torch.no_grad():
+        assert math.isfinite(float(model(x, y)))
+
+    assert main([str(tmp_path / "nope"), "--out", str(out)]) == 2
+    partial = tmp_path / "partial"
+    shutil.copytree(run_a / "checkpoints" / "step_000004", partial)
+    (partial / ".metadata").unlink()
+    assert main([str(partial), "--out", str(out)]) == 2
