@@ -47,6 +47,7 @@ from oases.runtime.data import TrainBatches
 from oases.runtime.dp import GradReducer
 from oases.runtime.optim import build_optimizer, lr_at
 from oases.runtime.trainer import train_step
+from oases.schedule.engines import build_schedule
 from tests.distributed import run_distributed
 
 SEED = 7
@@ -55,8 +56,10 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL, PARAM_RTOL = 1e-5, 0.0
 
 
-def _cfg(tp: int, world: int, mbs: int, grad_accum: int):
+def _cfg(tp: int, world: int, mbs: int, grad_accum: int, schedule: str = "megatron",
+         recompute: str = "none"):
     return load_config(None, [
+        f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
         "model.name=gpt-tiny", "model.dropout=0", "model.seq_len=64", f"parallel.tp={tp}",
         "data.kind=synthetic", f"train.micro_batch_size={mbs}", f"train.grad_accum={grad_accum}",
         f"train.steps={STEPS}", "train.warmup_steps=0", "train.lr=1e-3", "train.min_lr=1e-4",
@@ -71,13 +74,16 @@ def _gather(t: torch.Tensor, group, n: int) -> list[torch.Tensor]:
     return out
 
 
-def _train_body(ctx, runs: list[tuple[int, int, str]]):
+def _train_body(ctx, runs: list[tuple], schedule: tuple = ("megatron", "none")):
     """For each (micro_batch_size, grad_accum, result file): train STEPS steps from
-    SEED, then save the losses, norms and full parameters (rank 0)."""
+    SEED under ``schedule`` = (name, recompute), then save the losses, norms and full
+    parameters (rank 0)."""
     for mbs, grad_accum, path in runs:
-        cfg = _cfg(ctx.tp, ctx.world_size, mbs, grad_accum)
+        cfg = _cfg(ctx.tp, ctx.world_size, mbs, grad_accum, *schedule)
+        engine = build_schedule(schedule[0], ctx.tp_group, cfg.parallel.sub_batches, schedule[1])
         assert (cfg.dp, cfg.parallel.tp) == (ctx.dp, ctx.tp)
-        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED)
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED,
+                            recompute=schedule[1] if schedule[0] == "megatron" else "none")
         model.train()
         opt = build_optimizer(model, cfg.train, ctx.device)
         reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
@@ -87,7 +93,7 @@ def _train_body(ctx, runs: list[tuple[int, int, str]]):
         losses, norms = [], []
         for step in range(STEPS):
             loss, norm = train_step(model, batches, opt, reducer, cfg, ctx,
-                                    lr_at(step, cfg.train))
+                                    lr_at(step, cfg.train), engine)
             losses.append(loss)
             norms.append(norm)
         assert batches.consumed == STEPS * cfg.global_batch_size
@@ -139,10 +145,13 @@ def _initial_distance(ref: dict) -> float:
     return max(float((ref["params"][n] - p.detach()).abs().max()) for n, p in init.items())
 
 
-@pytest.mark.parametrize("world,tp", [(4, 2), (2, 1)], ids=["dp2xtp2", "dp2xtp1"])
-def test_dp_matches_single_process(world, tp, reference, tmp_path):
+@pytest.mark.parametrize("world,tp,schedule", [
+    (4, 2, ("megatron", "none")), (2, 1, ("megatron", "none")), (4, 2, ("oases", "fine")),
+    (4, 2, ("oases", "full"))], ids=["dp2xtp2", "dp2xtp1", "dp2xtp2-oases-fine",
+                                     "dp2xtp2-oases-full"])
+def test_dp_matches_single_process(world, tp, schedule, reference, tmp_path):
     path = tmp_path / "dp.pt"
-    run_distributed(_train_body, world=world, tp=tp, args=([(2, 2, str(path))],))
+    run_distributed(_train_body, world=world, tp=tp, args=([(2, 2, str(path))], schedule))
     got = torch.load(path)
     assert got["global_batch"] == 8
     _compare(got, reference["ref"])
