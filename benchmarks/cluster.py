@@ -1,0 +1,630 @@
+"""An emulated multi-node cluster on one Linux machine: network namespaces, veth, tc.
+
+    sudo .venv/bin/python benchmarks/cluster.py --cluster configs/cluster/two-nodes-1g.yaml -- \\
+        --config configs/gpt-tiny.yaml parallel.tp=2 data.kind=synthetic wandb.mode=disabled
+
+runs ``train.py`` with those arguments on every node of the cluster
+(``torchrun --nnodes N --node-rank i --nproc-per-node D`` in each node, gloo over
+the emulated link) and prints node 0's output. ``--cleanup`` removes what a
+crashed run left behind and exits. Needs root and iproute2 (``ip``, ``tc``).
+
+Topology (nothing is created in the host's own network namespace)::
+
+      netns oases<pid>-n0          netns oases<pid>-sw            netns oases<pid>-n1
+    +---------------------+     +------------------------+     +---------------------+
+    | oases-v0 10.231.0.1 |=====| p0 --+                 |     |                     |
+    |  tc: tbf/htb egress |     |  tbf |  bridge         |=====| oases-v1 10.231.0.2 |
+    +---------------------+     |  p1 -+  (no address)   |     |  tc: tbf/htb egress |
+                                +------------------------+     +---------------------+
+
+* Every node is a network namespace with loopback up and one veth whose peer
+  is a port of a bridge that lives in a separate "switch" namespace. The bridge
+  has no address and the host namespace holds no part of the cluster, so the
+  subnet (a private /24, ``emulation.subnet``) exists only inside the cluster,
+  and deleting the namespaces removes every veth and the bridge with them.
+* Uniform cluster (no ``bandwidth_matrix_gbps``): a NIC model. Each node's veth
+  egress is a ``tbf`` at ``inter_node_bandwidth_gbps`` (with a ``netem delay`` of
+  ``latency_ms`` as its child when > 0), and so is the switch port towards the
+  node (its ingress), so a node sends and receives at most the link rate, in each
+  direction at once (full duplex).
+* ``bandwidth_matrix_gbps`` (heterogeneous): a per-pair link model. Each node's
+  veth egress is an ``htb`` with one class per peer j (rate = ceil = matrix[i][j])
+  selected by a ``u32`` filter on the destination IP, each class with its own
+  ``netem delay`` leaf when ``latency_ms`` > 0; unclassified traffic (ARP) goes to a
+  default class at the fastest rate. Switch ports are not shaped, so a node can
+  receive from two peers at their two link rates at once.
+
+Names: namespaces are ``oases<pid>-n<i>`` and ``oases<pid>-sw`` (``<pid>`` = the
+launcher's process id, so concurrent clusters never clash); at start-up the
+namespaces of launchers that no longer run are removed (their processes killed
+first). Teardown runs on ``__exit__``, on any exception, on SIGINT/SIGTERM/SIGHUP
+(handlers installed while the cluster is up) and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = "oases"
+NS_RE = re.compile(rf"^{PREFIX}(\d+)-(sw|n\d+)$")
+EXIT_USAGE = 2
+
+
+class ClusterError(Exception):
+    """The cluster cannot be set up (not root, no iproute2, bad cluster file)."""
+
+
+# ---------------------------------------------------------------------------
+# The cluster file
+
+
+@dataclasses.dataclass
+class ClusterSpec:
+    """One ``configs/cluster/*.yaml`` file (schema in its header comment and README)."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory_gib: float
+    intra_node_bandwidth_gbps: float
+    inter_node_bandwidth_gbps: float
+    latency_ms: float = 0.0
+    bandwidth_matrix_gbps: Optional[list] = None
+    subnet: str = "10.231.0.0/24"
+    bridge: str = "oasesbr0"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClusterSpec":
+        p = Path(path)
+        if not p.is_file():
+            raise ClusterError(f"cluster file {path} does not exist")
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ClusterError(f"cluster file {path} is not valid YAML: {e}") from None
+        if not isinstance(d, dict):
+            raise ClusterError(f"cluster file {path} must be a mapping")
+        known = {f.name for f in dataclasses.fields(cls)} - {"subnet", "bridge"} | {"emulation"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(unknown)}")
+        emu = d.pop("emulation", None) or {}
+        if not isinstance(emu, dict) or set(emu) - {"subnet", "bridge"}:
+            raise ClusterError(f"cluster file {path}: emulation takes only subnet and bridge")
+        required = ("name", "nodes", "devices_per_node", "device_memory_gib",
+                    "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ClusterError(f"cluster file {path}: missing key(s) {', '.join(missing)}")
+        spec = cls(**d, **emu)
+        spec.validate(str(path))
+        return spec
+
+    def validate(self, where: str = "cluster") -> None:
+        def bad(msg: str) -> ClusterError:
+            return ClusterError(f"{where}: {msg}")
+
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise bad(f"nodes={self.nodes!r} must be a positive integer")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise bad(f"devices_per_node={self.devices_per_node!r} must be a positive integer")
+        for k in ("device_memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise bad(f"{k}={v!r} must be a positive number")
+        if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
+            raise bad(f"latency_ms={self.latency_ms!r} must be >= 0")
+        m = self.bandwidth_matrix_gbps
+        if m is not None:
+            if (not isinstance(m, list) or len(m) != self.nodes
+                    or any(not isinstance(r, list) or len(r) != self.nodes for r in m)):
+                raise bad(f"bandwidth_matrix_gbps must be {self.nodes} x {self.nodes}")
+            for i, row in enumerate(m):
+                for j, v in enumerate(row):
+                    if i != j and (not isinstance(v, (int, float)) or v <= 0):
+                        raise bad(f"bandwidth_matrix_gbps[{i}][{j}]={v!r} must be positive")
+        try:
+            net = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise bad(f"emulation.subnet={self.subnet!r} is not a network") from None
+        if not (net.version == 4 and net.is_private and net.prefixlen >= 16
+                and net.num_addresses - 2 >= self.nodes):
+            raise bad(f"emulation.subnet={self.subnet} must be a private IPv4 network "
+                      f"(/16../30) with room for {self.nodes} nodes")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.bridge):
+            raise bad(f"emulation.bridge={self.bridge!r} is not a valid interface name")
+
+    def link_gbps(self, i: int, j: int) -> float:
+        """Rate from node i to node j (Gbit/s)."""
+        if self.bandwidth_matrix_gbps is not None:
+            return float(self.bandwidth_matrix_gbps[i][j])
+        return float(self.inter_node_bandwidth_gbps)
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+
+
+def check_prerequisites() -> None:
+    """Raise ClusterError (one line) unless we are root with ``ip`` and ``tc``."""
+    if not sys.platform.startswith("linux"):
+        raise ClusterError("the emulated cluster needs Linux (network namespaces)")
+    if os.geteuid() != 0:
+        raise ClusterError("the emulated cluster needs root (network namespaces, tc): "
+                           "run it with sudo")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise ClusterError(f"the emulated cluster needs iproute2: {' and '.join(missing)} "
+                           f"not found on PATH (apt-get install iproute2)")
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if check and r.returncode:
+        raise ClusterError(f"`{' '.join(args)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def _netem(*args: str) -> None:
+    r = _sh(*args, check=False)
+    if r.returncode and "unknown" in r.stderr.lower():
+        raise ClusterError("latency_ms > 0 needs the netem qdisc (CONFIG_NET_SCH_NETEM), which "
+                           "this kernel lacks: set latency_ms: 0 in the cluster file")
+    if r.returncode:
+        raise ClusterError(f"`{' '.join(args)}` failed: {r.stderr.strip()}")
+
+
+def _kbit(gbps: float) -> str:
+    return f"{max(1, round(gbps * 1e6))}kbit"
+
+
+def _burst_bytes(gbps: float) -> int:
+    # 2 ms at the link rate, at least 32 KiB: enough for tbf/htb at HZ=250..1000
+    # and a few MTU packets, small against the MB-sized TP messages.
+    return max(32 * 1024, int(gbps * 1e9 / 8 * 0.002))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_namespaces() -> list[str]:
+    r = _sh("ip", "netns", "list", check=False)
+    return [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def _ns_pids(ns: str) -> list[int]:
+    r = _sh("ip", "netns", "pids", ns, check=False)
+    return [int(x) for x in r.stdout.split() if x.isdigit()]
+
+
+def _kill_ns_processes(ns: str, grace_s: float = 3.0) -> None:
+    pids = _ns_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            pids = [p for p in _ns_pids(ns) if _pid_alive(p)]
+            if not pids:
+                return
+            time.sleep(0.05)
+
+
+def _delete_namespace(ns: str) -> None:
+    _kill_ns_processes(ns)
+    _sh("ip", "netns", "del", ns, check=False)
+
+
+def cleanup_stale(everything: bool = False) -> list[str]:
+    """Remove the namespaces of launchers that are no longer running (all ``oases<pid>-*``
+    namespaces with ``everything``); returns the names removed."""
+    removed = []
+    for ns in list_namespaces():
+        m = NS_RE.match(ns)
+        if not m:
+            continue
+        owner = int(m.group(1))
+        if everything or (owner != os.getpid() and not _pid_alive(owner)):
+            _delete_namespace(ns)
+            removed.append(ns)
+    return removed
+
+
+def free_port() -> int:
+    """A TCP port free on this host. (Each node namespace is fresh, so it is free there too.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class NodeResult:
+    node: int
+    returncode: Optional[int]   # None: killed by the launcher (timeout or a failed peer)
+    output: str                 # stdout and stderr, interleaved
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+# ---------------------------------------------------------------------------
+# The cluster
+
+
+class EmulatedCluster:
+    """``with EmulatedCluster(spec) as c: c.run(lambda i: [...])`` — see the module doc."""
+
+    _live: list["EmulatedCluster"] = []   # for the signal/atexit handlers
+
+    def __init__(self, spec: ClusterSpec | str | Path, tag: Optional[str] = None) -> None:
+        self.spec = spec if isinstance(spec, ClusterSpec) else ClusterSpec.load(spec)
+        self.tag = tag or f"{PREFIX}{os.getpid()}"
+        if not NS_RE.match(f"{self.tag}-sw"):
+            raise ClusterError(f"tag {self.tag!r} must be {PREFIX}<pid>")
+        net = ipaddress.ip_network(self.spec.subnet)
+        self.prefixlen = net.prefixlen
+        self.ips = [str(net.network_address + i + 1) for i in range(self.spec.nodes)]
+        self.switch_ns = f"{self.tag}-sw"
+        self.node_ns = [f"{self.tag}-n{i}" for i in range(self.spec.nodes)]
+        self._procs: list[subprocess.Popen] = []
+        self._up = False
+        self._torn_down = False
+        self._old_handlers: dict = {}
+        self._lock = threading.Lock()
+
+    # names ---------------------------------------------------------------
+    def ifname(self, i: int) -> str:
+        """The node's veth, inside its namespace (GLOO_SOCKET_IFNAME)."""
+        return f"{PREFIX}-v{i}"
+
+    @property
+    def master_addr(self) -> str:
+        return self.ips[0]
+
+    # lifecycle -----------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        check_prerequisites()
+        cleanup_stale()
+        EmulatedCluster._live.append(self)
+        self._install_handlers()
+        try:
+            self._setup()
+        except BaseException:
+            self.teardown()
+            raise
+        self._up = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can only be handled in the main thread; atexit still applies
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, _on_signal)
+        atexit.register(self.teardown)
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, h in self._old_handlers.items():
+            signal.signal(sig, h)
+        self._old_handlers.clear()
+
+    def _setup(self) -> None:
+        s = self.spec
+        _sh("ip", "netns", "add", self.switch_ns)
+        sw = ("ip", "-n", self.switch_ns)
+        _sh(*sw, "link", "set", "lo", "up")
+        _sh(*sw, "link", "add", s.bridge, "type", "bridge")
+        _sh(*sw, "link", "set", s.bridge, "up")
+        for i, ns in enumerate(self.node_ns):
+            _sh("ip", "netns", "add", ns)
+            nd = ("ip", "-n", ns)
+            _sh(*nd, "link", "set", "lo", "up")
+            port, veth = f"p{i}", self.ifname(i)
+            # Both ends are created inside the namespaces: nothing ever lives in the host's.
+            _sh(*sw, "link", "add", port, "type", "veth", "peer", "name", veth, "netns", ns)
+            _sh(*sw, "link", "set", port, "master", s.bridge)
+            _sh(*sw, "link", "set", port, "up")
+            _sh(*nd, "addr", "add", f"{self.ips[i]}/{self.prefixlen}", "dev", veth)
+            _sh(*nd, "link", "set", veth, "up")
+            self._shape_node(i)
+        self._wait_links()
+
+    def _shape_node(self, i: int) -> None:
+        s, ns, dev = self.spec, self.node_ns[i], self.ifname(i)
+        tc = ("ip", "netns", "exec", ns, "tc")
+        delay = ["netem", "delay", f"{s.latency_ms}ms", "limit", "100000"] if s.latency_ms else None
+        if s.bandwidth_matrix_gbps is None:
+            rate = s.inter_node_bandwidth_gbps
+            tbf = ["tbf", "rate", _kbit(rate), "burst", str(_burst_bytes(rate)),
+                   "latency", "500ms"]
+            _sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+            if delay:
+                _netem(*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *delay)
+            # ingress of the node = egress of its switch port; no delay there (one-way
+            # latency is added once, on the sender's side)
+            swtc = ("ip", "netns", "exec", self.switch_ns, "tc")
+            _sh(*swtc, "qdisc", "add", "dev", f"p{i}", "root", "handle", "1:", *tbf)
+            return
+        peers = [j for j in range(s.nodes) if j != i]
+        rates = {j: s.link_gbps(i, j) for j in peers}
+        top = max(rates.values()) if rates else s.inter_node_bandwidth_gbps
+        total = sum(rates.values()) or top
+
+        def cls(parent: str, classid: str, gbps: float) -> None:
+            b = str(_burst_bytes(gbps))
+            _sh(*tc, "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
+                "rate", _kbit(gbps), "ceil", _kbit(gbps), "burst", b, "cburst", b)
+
+        _sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
+        cls("1:", "1:1", total + top)
+        cls("1:1", "1:2", top)                      # default: ARP and anything unmatched
+        for j in peers:
+            minor = f"{0x10 + j:x}"
+            cls("1:1", f"1:{minor}", rates[j])
+            if delay:
+                _netem(*tc, "qdisc", "add", "dev", dev, "parent", f"1:{minor}",
+                       "handle", f"{0x10 + j:x}:", *delay)
+            _sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "dst", f"{self.ips[j]}/32", "flowid", f"1:{minor}")
+
+    def _wait_links(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i, ns in enumerate(self.node_ns):
+            while True:
+                r = _sh("ip", "-n", ns, "-o", "link", "show", self.ifname(i), check=False)
+                if "LOWER_UP" in r.stdout:
+                    break
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"link {self.ifname(i)} in {ns} did not come up")
+                time.sleep(0.05)
+
+    def teardown(self) -> None:
+        """Kill every process in the cluster and delete its namespaces (idempotent)."""
+        with self._lock:
+            if self._torn_down:
+                return
+            self._torn_down = True
+        # A second Ctrl-C during teardown must not leave half the cluster behind.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+        try:
+            self._kill_procs()
+            for ns in [*self.node_ns, self.switch_ns]:
+                if ns in list_namespaces():
+                    _delete_namespace(ns)
+        finally:
+            self._up = False
+            if self in EmulatedCluster._live:
+                EmulatedCluster._live.remove(self)
+            try:
+                atexit.unregister(self.teardown)
+            except Exception:  # pragma: no cover
+                pass
+            self._restore_handlers()
+
+    def leftovers(self) -> list[str]:
+        """Namespaces of this cluster that still exist (empty after teardown)."""
+        ours = {*self.node_ns, self.switch_ns}
+        return [ns for ns in list_namespaces() if ns in ours]
+
+    def _kill_procs(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for p in self._procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self._procs.clear()
+
+    # running -------------------------------------------------------------
+    def node_env(self, i: int, extra: Optional[dict] = None) -> dict:
+        env = dict(os.environ)
+        env.update({"GLOO_SOCKET_IFNAME": self.ifname(i), "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "OASES_NODE": str(i), "OASES_NODE_IP": self.ips[i]})
+        env.pop("TP_SOCKET_IFNAME", None)
+        env.update(extra or {})
+        return env
+
+    def run(self, cmd_for_node: Callable[[int], list[str]], timeout: float = 600.0,
+            env: Optional[dict] = None, cwd: Optional[str | Path] = None,
+            peer_grace_s: float = 20.0) -> list[NodeResult]:
+        """Run ``cmd_for_node(i)`` in every node at once; wait for all of them.
+
+        A node still running ``timeout`` seconds after the start, or ``peer_grace_s``
+        seconds after another node failed (its collectives would otherwise wait for
+        the dead peer), is killed (``returncode None``). Returns one NodeResult per node.
+        """
+        if not self._up:
+            raise ClusterError("the cluster is not up (use it as a context manager)")
+        logs, procs = [], []
+        try:
+            for i, ns in enumerate(self.node_ns):
+                log = tempfile.TemporaryFile(mode="w+b")
+                logs.append(log)
+                p = subprocess.Popen(["ip", "netns", "exec", ns, *map(str, cmd_for_node(i))],
+                                     env=self.node_env(i, env), cwd=str(cwd or REPO),
+                                     stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+                procs.append(p)
+                self._procs.append(p)
+            start = time.monotonic()
+            killed_at: dict[int, bool] = {}
+            failed_at = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                    failed_at = now
+                over = now - start > timeout
+                if over or (failed_at is not None and now - failed_at > peer_grace_s):
+                    for i, p in enumerate(procs):
+                        if p.poll() is None:
+                            killed_at[i] = over
+                            _killpg(p)
+                    for p in procs:
+                        p.wait()
+                    break
+                time.sleep(0.05)
+            for ns in self.node_ns:  # stragglers (e.g. workers orphaned by a killed torchrun)
+                if _ns_pids(ns):
+                    _kill_ns_processes(ns)
+            results = []
+            for i, (p, log) in enumerate(zip(procs, logs)):
+                log.seek(0)
+                out = log.read().decode(errors="replace")
+                rc = None if i in killed_at else p.returncode
+                results.append(NodeResult(i, rc, out, timed_out=killed_at.get(i, False)))
+            return results
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    _killpg(p)
+                    p.wait()
+                if p in self._procs:
+                    self._procs.remove(p)
+            for log in logs:
+                log.close()
+
+    def torchrun_command(self, i: int, script_args: list[str], script: str = "train.py",
+                         port: int = 29500) -> list[str]:
+        """``torchrun`` for node i (static rendezvous at node 0)."""
+        return [sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", str(self.spec.nodes), "--node-rank", str(i),
+                "--nproc-per-node", str(self.spec.devices_per_node),
+                "--master-addr", self.master_addr, "--master-port", str(port),
+                script, *script_args]
+
+
+def _killpg(p: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(3.0)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _on_signal(signum, frame) -> None:
+    if EmulatedCluster._live:
+        print(f"{signal.Signals(signum).name}: tearing the emulated cluster down",
+              file=sys.stderr, flush=True)
+    for c in list(EmulatedCluster._live):
+        c.teardown()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, script_args = argv[:k], argv[k + 1:]
+    p = argparse.ArgumentParser(
+        prog="benchmarks/cluster.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s --cluster configs/cluster/X.yaml [options] -- <train.py args...>")
+    p.add_argument("--cluster", help="cluster file (configs/cluster/*.yaml)")
+    p.add_argument("--script", default="train.py", help="script torchrun runs in every node")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is killed")
+    p.add_argument("--all-output", action="store_true", help="print every node's output, not only node 0's")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove the namespaces left by launchers that no longer run, then exit")
+    args = p.parse_args(argv)
+    try:
+        check_prerequisites()
+        if args.cleanup:
+            removed = cleanup_stale()
+            print(f"removed {len(removed)} namespace(s){': ' + ' '.join(removed) if removed else ''}")
+            return 0
+        if not args.cluster:
+            p.error("--cluster is required")
+        spec = ClusterSpec.load(args.cluster)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    port = free_port()
+    try:
+        with EmulatedCluster(spec) as c:
+            print(f"cluster {spec.name}: {spec.nodes} nodes {', '.join(c.ips)} "
+                  f"({', '.join(c.node_ns)}), torchrun master {c.master_addr}:{port}",
+                  file=sys.stderr, flush=True)
+            results = c.run(lambda i: c.torchrun_command(i, script_args, args.script, port),
+                            timeout=args.timeout)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted: cluster torn down", file=sys.stderr)
+        return 130
+    for r in results:
+        if r.node == 0 or args.all_output:
+            if args.all_output:
+                print(f"===== node {r.node} (exit {r.returncode}) =====")
+            sys.stdout.write(r.output)
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        why = "timed out" if r.timed_out else ("killed after a peer failed" if r.returncode is None
+                                                else f"exit status {r.returncode}")
+        print(f"node {r.node}: {why}", file=sys.stderr)
+    return 0 if not failed else (results[0].returncode or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
