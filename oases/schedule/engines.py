@@ -18,6 +18,9 @@ asynchronously and yields, and the other sub-batch computes meanwhile:
     backward    compute  | a:Bi | b:Bi | a:Ni Ri-1 Bi-1 | b:Ni Ri-1 Bi-1 | ...
                 comm            | ARa  | ARb            | ...
 
+    Each sub-batch's forward and backward form one program, so a's backward
+    starts while b's last forward collectives are still running.
+
     (Bi = backward of block i down to the point where its column-parallel
     input gradient must be all-reduced, Ni = the rest of block i's backward
     (norm, residual), Ri-1 = recompute of block i-1. Recompute and backward of
@@ -196,10 +199,18 @@ class OasesSchedule:
                 for s, (x, y) in enumerate(zip(ids.chunk(self.n), targets.chunk(self.n)))]
         self.stash_bytes = 0
         self._streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
-        self._run([self._forward(model, blocks, groups, sb) for sb in subs])
-        SavedTensorMeter.end_of_forward()
-        self._run([self._backward(model, blocks, groups, sb, scale / self.n) for sb in subs])
+        self._forwards_left = self.n
+        # One program per sub-batch, forward then backward: no barrier between the two
+        # passes either (a's backward starts while b's last forward collectives run).
+        self._run([self._program(model, blocks, groups, sb, scale / self.n) for sb in subs])
         return torch.stack([sb.loss for sb in subs]).mean()
+
+    def _program(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
+        yield from self._forward(model, blocks, groups, sb)
+        self._forwards_left -= 1
+        if self._forwards_left == 0:  # every sub-batch's activations are saved now
+            SavedTensorMeter.end_of_forward()
+        yield from self._backward(model, blocks, groups, sb, scale)
 
     # --------------------------------------------------------------- runner
     def _run(self, programs: list[Program]) -> None:
