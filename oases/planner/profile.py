@@ -85,30 +85,39 @@ def _timeit(fn: Callable[[], None], device: torch.device, reps: int, warmup: int
 
 
 def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
-                 warmup: int) -> list[float]:
-    """Median duration of each phase of ``step``: a callable that runs its phases and
-    returns one closure per later phase (e.g. forward, returning the backward)."""
-    per_phase: list[list[float]] = []
-    for i in range(warmup + reps):
+                 warmup: int, min_s: float = 0.05) -> list[float]:
+    """Duration of each phase of ``step``: a callable that runs its first phase and
+    returns one closure per later phase (e.g. forward, returning the backward).
+
+    Each measurement repeats the step until it has run ``min_s`` and averages, so a
+    process that shares its cores with others (the other ranks of a step, on an
+    oversubscribed host) sees its average share of them rather than a lucky time
+    slice; the figure is the median of ``reps`` such measurements."""
+
+    def once() -> list[float]:
         _sync(device)
         t0 = time.perf_counter()
-        rest = list(step())
+        rest = [p for p in step() if callable(p)]
         _sync(device)
         times = [time.perf_counter() - t0]
         for phase in rest:
-            if not callable(phase):
-                continue
             t0 = time.perf_counter()
             phase()
             _sync(device)
             times.append(time.perf_counter() - t0)
-        if i >= warmup:
-            for k, t in enumerate(times):
-                if len(per_phase) <= k:
-                    per_phase.append([])
-                per_phase[k].append(t)
-    # The median, not the minimum: in a real step the other ranks (and, on a shared
-    # host, the other processes) compete for the device, and the profile should see it.
+        return times
+
+    for _ in range(warmup):
+        first = once()
+    inner = max(1, int(min_s / max(sum(first), 1e-6)) + 1)
+    per_phase: list[list[float]] = [[] for _ in first]
+    for _ in range(reps):
+        acc = [0.0] * len(first)
+        for _ in range(inner):
+            for k, t in enumerate(once()):
+                acc[k] += t
+        for k in range(len(acc)):
+            per_phase[k].append(acc[k] / inner)
     return [statistics.median(p) for p in per_phase]
 
 
@@ -128,8 +137,8 @@ def _block(kind: str, cfg: ModelConfig, t: int):
     return proto.make_mlp(lm, sc, proto.make_norm(lm, cfg), None)
 
 
-def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int = 7,
-                    warmup: int = 3, log: Callable[[str], None] = print) -> Profile:
+def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int = 5,
+                    warmup: int = 2, log: Callable[[str], None] = print) -> Profile:
     """Measure every (block kind, degree) and the constant parts on this device."""
     from models import build_model
     from oases.parallel.sharding import init_parameters
