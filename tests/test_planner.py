@@ -202,9 +202,10 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
     # a plan for another model: one line, exit 2
     r3 = subprocess.run([sys.executable, "train.py", "--config", "configs/gpt-tiny.yaml",
                          f"out_dir={tmp_path / 'run'}", "parallel.tp=1", f"parallel.plan={out}",
-                         "wandb.mode=disabled"], cwd=ROOT, capture_output=True, text=True,
+                         "data.kind=synthetic", "data.val_path=", "wandb.mode=disabled"], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)
     assert r3.returncode == 2
     lines = r3.stderr.strip().splitlines()
-    assert len(lines) == 1 and "another model" in lines[0] or "tp=4" in lines[0], r3.stderr
+    # the plan was made for n_layer=2 at tp=4; this run is n_layer=4 at tp=1
+    assert len(lines) == 1 and "another model" in lines[0] and "n_layer" in lines[0], r3.stderr
     assert "Traceback" not in r3.stderr
