@@ -59,7 +59,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oases.errors import UserError  # noqa: E402
+from oases.planner.cluster import Cluster, load_cluster  # noqa: E402
+
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "oases"
@@ -75,87 +79,17 @@ class ClusterError(Exception):
 # The cluster file
 
 
-@dataclasses.dataclass
-class ClusterSpec:
-    """One ``configs/cluster/*.yaml`` file (schema in its header comment and README)."""
-
-    name: str
-    nodes: int
-    devices_per_node: int
-    device_memory_gib: float
-    intra_node_bandwidth_gbps: float
-    inter_node_bandwidth_gbps: float
-    latency_ms: float = 0.0
-    bandwidth_matrix_gbps: Optional[list] = None
-    subnet: str = "10.231.0.0/24"
-    bridge: str = "oasesbr0"
+class ClusterSpec(Cluster):
+    """The cluster file, as the planner reads it (oases.planner.cluster: one schema,
+    one validation), with bad-file errors raised as :class:`ClusterError`."""
 
     @classmethod
     def load(cls, path: str | Path) -> "ClusterSpec":
-        p = Path(path)
-        if not p.is_file():
-            raise ClusterError(f"cluster file {path} does not exist")
         try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ClusterError(f"cluster file {path} is not valid YAML: {e}") from None
-        if not isinstance(d, dict):
-            raise ClusterError(f"cluster file {path} must be a mapping")
-        known = {f.name for f in dataclasses.fields(cls)} - {"subnet", "bridge"} | {"emulation"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(unknown)}")
-        emu = d.pop("emulation", None) or {}
-        if not isinstance(emu, dict) or set(emu) - {"subnet", "bridge"}:
-            raise ClusterError(f"cluster file {path}: emulation takes only subnet and bridge")
-        required = ("name", "nodes", "devices_per_node", "device_memory_gib",
-                    "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ClusterError(f"cluster file {path}: missing key(s) {', '.join(missing)}")
-        spec = cls(**d, **emu)
-        spec.validate(str(path))
-        return spec
-
-    def validate(self, where: str = "cluster") -> None:
-        def bad(msg: str) -> ClusterError:
-            return ClusterError(f"{where}: {msg}")
-
-        if not isinstance(self.nodes, int) or self.nodes < 1:
-            raise bad(f"nodes={self.nodes!r} must be a positive integer")
-        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
-            raise bad(f"devices_per_node={self.devices_per_node!r} must be a positive integer")
-        for k in ("device_memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
-            v = getattr(self, k)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise bad(f"{k}={v!r} must be a positive number")
-        if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
-            raise bad(f"latency_ms={self.latency_ms!r} must be >= 0")
-        m = self.bandwidth_matrix_gbps
-        if m is not None:
-            if (not isinstance(m, list) or len(m) != self.nodes
-                    or any(not isinstance(r, list) or len(r) != self.nodes for r in m)):
-                raise bad(f"bandwidth_matrix_gbps must be {self.nodes} x {self.nodes}")
-            for i, row in enumerate(m):
-                for j, v in enumerate(row):
-                    if i != j and (not isinstance(v, (int, float)) or v <= 0):
-                        raise bad(f"bandwidth_matrix_gbps[{i}][{j}]={v!r} must be positive")
-        try:
-            net = ipaddress.ip_network(self.subnet)
-        except ValueError:
-            raise bad(f"emulation.subnet={self.subnet!r} is not a network") from None
-        if not (net.version == 4 and net.is_private and net.prefixlen >= 16
-                and net.num_addresses - 2 >= self.nodes):
-            raise bad(f"emulation.subnet={self.subnet} must be a private IPv4 network "
-                      f"(/16../30) with room for {self.nodes} nodes")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.bridge):
-            raise bad(f"emulation.bridge={self.bridge!r} is not a valid interface name")
-
-    def link_gbps(self, i: int, j: int) -> float:
-        """Rate from node i to node j (Gbit/s)."""
-        if self.bandwidth_matrix_gbps is not None:
-            return float(self.bandwidth_matrix_gbps[i][j])
-        return float(self.inter_node_bandwidth_gbps)
+            c = load_cluster(str(path))
+        except UserError as e:
+            raise ClusterError(str(e)) from None
+        return cls(**dataclasses.asdict(c))
 
 
 # ---------------------------------------------------------------------------
@@ -380,7 +314,7 @@ class EmulatedCluster:
             _sh(*swtc, "qdisc", "add", "dev", f"p{i}", "root", "handle", "1:", *tbf)
             return
         peers = [j for j in range(s.nodes) if j != i]
-        rates = {j: s.link_gbps(i, j) for j in peers}
+        rates = {j: s.node_gbps(i, j) for j in peers}
         top = max(rates.values()) if rates else s.inter_node_bandwidth_gbps
         total = sum(rates.values()) or top
 

@@ -12,6 +12,8 @@ slowest link of the ring:
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -23,6 +25,8 @@ from oases.errors import UserError
 
 @dataclass
 class Cluster:
+    """One cluster file (schema in the header comment of each ``configs/cluster/*.yaml``)."""
+
     name: str
     nodes: int
     devices_per_node: int
@@ -31,19 +35,29 @@ class Cluster:
     inter_node_bandwidth_gbps: float
     latency_ms: float = 0.0
     bandwidth_matrix_gbps: Optional[list] = None
+    subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/cluster.py)
+    bridge: str = "oasesbr0"        # emulation only
 
     @property
     def world(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Cluster":
+        return load_cluster(str(path))
+
+    def node_gbps(self, i: int, j: int) -> float:
+        """Rate from node i to node j (Gbit/s), as the emulated cluster shapes it."""
+        if self.bandwidth_matrix_gbps is not None:
+            return float(self.bandwidth_matrix_gbps[i][j])
+        return float(self.inter_node_bandwidth_gbps)
 
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between global ranks a and b (rank r lives on node r // devices)."""
         na, nb = a // self.devices_per_node, b // self.devices_per_node
         if na == nb:
             return self.intra_node_bandwidth_gbps
-        if self.bandwidth_matrix_gbps:
-            return min(self.bandwidth_matrix_gbps[na][nb], self.bandwidth_matrix_gbps[nb][na])
-        return self.inter_node_bandwidth_gbps
+        return min(self.node_gbps(na, nb), self.node_gbps(nb, na))
 
     def ring_gbps(self, ranks: list[int]) -> float:
         if len(ranks) < 2:
@@ -54,25 +68,67 @@ class Cluster:
         inter = len({r // self.devices_per_node for r in ranks}) > 1
         return self.latency_ms / 1e3 if inter else 0.0
 
+    def validate(self, where: str = "cluster") -> None:
+        def bad(msg: str) -> UserError:
+            return UserError(f"{where}: {msg}")
+
+        for k in ("nodes", "devices_per_node"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{k}={v!r} must be a positive integer")
+        for k in ("device_memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise bad(f"{k}={v!r} must be a positive number")
+        if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
+            raise bad(f"latency_ms={self.latency_ms!r} must be >= 0")
+        m = self.bandwidth_matrix_gbps
+        if m is not None:
+            if (not isinstance(m, list) or len(m) != self.nodes
+                    or any(not isinstance(r, list) or len(r) != self.nodes for r in m)):
+                raise bad(f"bandwidth_matrix_gbps must be {self.nodes} x {self.nodes}")
+            for i, row in enumerate(m):
+                for j, v in enumerate(row):
+                    if i != j and (not isinstance(v, (int, float)) or v <= 0):
+                        raise bad(f"bandwidth_matrix_gbps[{i}][{j}]={v!r} must be positive")
+        try:
+            net = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise bad(f"emulation.subnet={self.subnet!r} is not a network") from None
+        if not (net.version == 4 and net.is_private and net.prefixlen >= 16
+                and net.num_addresses - 2 >= self.nodes):
+            raise bad(f"emulation.subnet={self.subnet} must be a private IPv4 network "
+                      f"(/16../30) with room for {self.nodes} nodes")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.bridge):
+            raise bad(f"emulation.bridge={self.bridge!r} is not a valid interface name")
+
+
+_REQUIRED = ("name", "nodes", "devices_per_node", "device_memory_gib",
+             "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
+
 
 def load_cluster(path: str) -> Cluster:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"cluster file {path} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        d = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError:
         raise UserError(f"cluster file {path} is not valid YAML") from None
-    fields = {k: data[k] for k in Cluster.__dataclass_fields__ if k in data}
-    missing = [k for k in ("name", "nodes", "devices_per_node", "device_memory_gib",
-                           "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
-               if k not in fields]
+    if not isinstance(d, dict):
+        raise UserError(f"cluster file {path} must be a mapping")
+    known = set(Cluster.__dataclass_fields__) - {"subnet", "bridge"} | {"emulation"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise UserError(f"cluster file {path}: unknown key(s) {', '.join(unknown)}")
+    emu = d.pop("emulation", None) or {}
+    if not isinstance(emu, dict) or set(emu) - {"subnet", "bridge"}:
+        raise UserError(f"cluster file {path}: emulation takes only subnet and bridge")
+    missing = [k for k in _REQUIRED if k not in d]
     if missing:
-        raise UserError(f"cluster file {path} lacks {', '.join(missing)}")
-    c = Cluster(**fields)
-    m = c.bandwidth_matrix_gbps
-    if m is not None and (len(m) != c.nodes or any(len(row) != c.nodes for row in m)):
-        raise UserError(f"cluster file {path}: bandwidth_matrix_gbps must be {c.nodes} x {c.nodes}")
+        raise UserError(f"cluster file {path}: missing key(s) {', '.join(missing)}")
+    c = Cluster(**d, **emu)
+    c.validate(f"cluster file {path}")
     return c
 
 
