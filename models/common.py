@@ -18,9 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.config import ModelConfig
-from oases.parallel.comm import copy_to_tp, gather_from_tp, group_size
+from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from oases.parallel.loss import vocab_parallel_cross_entropy
+from oases.parallel.loss import ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import set_spec
 from oases.schedule.block import TPBlock
@@ -292,12 +292,25 @@ class CausalLM(nn.Module):
         w = self.embed.wte.weight if self.head is None else self.head.weight
         return F.linear(x, w)
 
-    def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_partial(self, x: torch.Tensor, targets: torch.Tensor):
+        """The loss up to its one collective: (state, buffer to sum over ``tp_group``).
+        The ``oases`` engine launches that all-reduce asynchronously and runs the other
+        sub-batch meanwhile; :meth:`loss_from_hidden` does it in one blocking call."""
         logits = self.head_logits(x)
-        per_token = vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.vocab_size,
-                                                 ignore_index=IGNORE_INDEX)
-        # mean over the tokens that count (targets == IGNORE_INDEX contribute nothing)
-        return per_token.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        st, stats = ce_partial(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               self.tp_group, self.vocab_size, ignore_index=IGNORE_INDEX)
+        return (st, targets), stats
+
+    def loss_combine(self, state, reduced: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the tokens that count (targets == IGNORE_INDEX add nothing)."""
+        st, targets = state
+        return ce_combine(st, reduced).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        state, stats = self.loss_partial(x, targets)
+        if group_size(self.tp_group) > 1:
+            all_reduce(stats, self.tp_group)
+        return self.loss_combine(state, stats)
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean next-token loss if ``targets`` is given, else this rank's logits slice."""

@@ -299,6 +299,14 @@ def _check_cross_entropy(group, rank: int, tp: int) -> None:
     loss.sum().backward()
     assert local.grad.dtype == torch.bfloat16
 
+    # shift invariance far from 0 (a rank whose slice is all padding must not anchor the
+    # log-sum-exp at 0, or exp(-1000) underflows)
+    full = _rand(gen, 5, V_PAD) - 1000.0
+    target = torch.randint(0, V_LOGICAL, (5,), generator=gen)
+    local = shard(full, TPSpec(1, (5, V_PAD)), rank, tp)
+    assert_close(vocab_parallel_cross_entropy(local, target, group, V_LOGICAL),
+                 F.cross_entropy(full[:, :V_LOGICAL], target, reduction="none"))
+
 
 # ---------------------------------------------------------------------------
 # tp = 1: in-process, no process group

@@ -117,8 +117,8 @@ def _count_body(ctx):
     L, n_sub = cfg.model.n_layer, 2
     base = counts[("megatron", "none")]  # plain autograd, once per sub-batch
     # per sub-batch: 1 embedding + 2 per layer forward, 2 per layer + 1 head backward,
-    # 2 in the vocab-parallel loss (max, then the two sums in one message)
-    assert base == n_sub * (1 + 2 * L + 2 * L + 1 + 2)
+    # 1 in the vocab-parallel loss (the per-rank max / sum / target-logit slots)
+    assert base == n_sub * (1 + 2 * L + 2 * L + 1 + 1)
     assert counts[("oases", "fine")] == base          # fine never re-issues forward collectives
     assert counts[("oases", "none")] == base
     extra = n_sub * 2 * L                            # re-issued forward all-reduces

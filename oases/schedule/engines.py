@@ -168,6 +168,21 @@ class _SubBatch:
 Program = Generator[list, list, None]
 
 
+@dataclass
+class _Launch:
+    """Yielded by a program: start these collectives and resume me at once (the
+    answer is an opaque ticket for :class:`_Wait`); I have compute that does not
+    need their results."""
+    reqs: list
+
+
+@dataclass
+class _Wait:
+    """Yielded by a program: switch to the others, then hand me the results of the
+    collectives of this ticket (from :class:`_Launch`)."""
+    launched: list
+
+
 class OasesSchedule:
     name = "oases"
 
@@ -223,7 +238,9 @@ class OasesSchedule:
             live = self._snap()
             _rng_restore(self.tracker, self._device, self._streams[s])
             try:
-                bufs = programs[s].send(value)
+                req = programs[s].send(value)
+                while isinstance(req, _Launch):  # launch, keep computing in the same program
+                    req = programs[s].send(self._launch(req.reqs))
             except StopIteration:
                 alive[s] = False
                 pending[s] = None
@@ -231,7 +248,8 @@ class OasesSchedule:
             finally:  # sub-batch s's streams advance only by its own draws
                 self._streams[s] = self._snap()
                 _rng_restore(self.tracker, self._device, live)
-            pending[s] = self._launch(bufs, s)
+            # a _Wait hands back collectives launched earlier; a list is launched now
+            pending[s] = req.launched if isinstance(req, _Wait) else self._launch(req)
 
         for s in range(len(programs)):
             advance(s, None)
@@ -241,7 +259,7 @@ class OasesSchedule:
                     advance(s, self._wait(pending[s]))
 
     @staticmethod
-    def _launch(reqs: list[tuple], s: int) -> list:
+    def _launch(reqs: list[tuple]) -> list:
         """Start each requested collective: ("ar", buf, group) all-reduces ``buf`` in
         place; ("ag", t, group) all-gathers ``t`` along dim 0 into a new tensor.
         (An active Tracer sees them through the comm functions.)"""
@@ -351,18 +369,35 @@ class OasesSchedule:
             x = out
         x = yield from self._to_degree(model, x, blocks[-1].degree, blocks[0].degree)
         x_last = x.detach().requires_grad_()
-        with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
-            loss = model.loss_from_hidden(x_last, sb.targets)
+        if hasattr(model, "loss_partial"):  # the loss's collective is scheduled too
+            with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
+                state, stats = model.loss_partial(x_last, sb.targets)
+            (stats,) = yield [("ar", stats, model.tp_group)]
+            with self._span(f"F{sb.name} loss"), self._amp():
+                loss = model.loss_combine(state, stats)
+        else:
+            with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
+                loss = model.loss_from_hidden(x_last, sb.targets)
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
 
     # ------------------------------------------------------------ backward
-    def _cut_backward(self, cuts: list[Cut], name: str) -> Program:
-        """All-reduce the gradients at the cuts, then continue backward from them."""
+    def _cut_launch(self, cuts: list[Cut]) -> Program:
+        """Launch the all-reduce of the input gradients at the cuts without switching;
+        returns (cuts, ticket) for :meth:`_cut_finish`."""
         cuts = [c for c in cuts if c.leaf.grad is not None]
         if not cuts:
+            return cuts, None
+        ticket = yield _Launch([("ar", c.leaf.grad, c.group) for c in cuts])
+        return cuts, ticket
+
+    def _cut_finish(self, launched, name: str) -> Program:
+        """Wait for the input-gradient all-reduces (the other sub-batches run meanwhile),
+        then continue backward from the cuts."""
+        cuts, ticket = launched
+        if not cuts:
             return
-        grads = yield [("ar", c.leaf.grad, c.group) for c in cuts]  # input-gradient all-reduce
+        grads = yield _Wait(ticket)
         with self._span(name):
             torch.autograd.backward([c.source for c in cuts], grads)
 
@@ -402,25 +437,40 @@ class OasesSchedule:
             x = st.out
         sbs[a].saved_x = None
 
+    def _prepare(self, model, blocks, group_of, sb: _SubBatch, i: int) -> Program:
+        """Make block i's autograd graph live again (recompute), if the forward dropped it."""
+        st = sb.blocks[i]
+        if st.out is not None:
+            return
+        if self.recompute == "fine":
+            self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
+        else:
+            a, b = group_of[i]
+            yield from self._recompute_group(model, blocks, sb.blocks, a, b, f"R{sb.name}")
+
     def _backward(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
+        """Block by block from the loss. Each input-gradient all-reduce is launched, the
+        recompute of the next block down runs while it is in flight (it needs only the
+        stash, not the gradient), and only then does this sub-batch wait and let the
+        others run: the all-reduce overlaps this sub-batch's recompute and the other
+        sub-batches' work."""
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         x_last, cuts, loss = sb.head
         with self._span(f"B{sb.name} loss"):
             torch.autograd.backward(loss, torch.full_like(loss, scale))
-        yield from self._cut_backward(cuts, f"B{sb.name} head")
+        launched = yield from self._cut_launch(cuts)
+        yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
+        yield from self._cut_finish(launched, f"B{sb.name} head")
         sb.head = None
         g = yield from self._grad_to_degree(model, x_last.grad, blocks[0].degree, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
-            if st.out is None:
-                if self.recompute == "fine":
-                    self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
-                else:
-                    a, b = group_of[i]
-                    yield from self._recompute_group(model, blocks, sb.blocks, a, b, f"R{sb.name}")
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
-            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in")
+            launched = yield from self._cut_launch(st.cuts)
+            if i > 0:
+                yield from self._prepare(model, blocks, group_of, sb, i - 1)
+            yield from self._cut_finish(launched, f"B{sb.name} {i} in")
             g = st.x_in.grad if i > 0 else None
             if i > 0:
                 g = yield from self._grad_to_degree(model, g, blocks[i].degree, blocks[i - 1].degree)
