@@ -21,7 +21,13 @@ resharding all-gather, in forward when the degree grows, in backward when it
 drops, for both sub-batches and without much compute to hide behind (the
 overlap it breaks). ``recompute=full`` adds, per block, the re-issued forward
 all-reduce paired with the recompute. Gradients of a block of degree t < T are
-summed over its T/t replicas (and DP): a node cost.
+summed over its T/t replicas (and DP): a node cost, less the part that hides
+behind the backward of the blocks before it (the reducer launches it as soon as
+the block's gradients are ready).
+
+On a host whose cores also move the bytes (CPU ranks), an overlapped
+collective still takes compute cycles: the profiler measures that loss per byte
+(``cpu_per_byte``) and every overlapped collective's bytes add it.
 
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
@@ -166,6 +172,14 @@ class CostModel:
             return fit[0] + fit[1] * nbytes
         return self.comm.all_reduce(nbytes, ranks)
 
+    def cpu_per_byte(self, t: int) -> float:
+        """Compute time the host loses per byte all-reduced at degree t while it computes
+        (measured; 0 without a measurement)."""
+        m = self.profile.comm.get("cpu_per_byte", {})
+        if str(t) in m:
+            return m[str(t)]
+        return max(m.values(), default=0.0) if t > 1 else 0.0
+
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
         self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
@@ -191,6 +205,12 @@ class CostModel:
                 self.trans[kind, t] = nsub * prof["saved"] if r.recompute != "none" else 0.0
         mb = self._act_bytes(self.T)
         self.m_edge = self.ar_time(self.T, mb)     # embedding's forward / head's backward all-reduce
+        # Where the gradient sync of block i can hide: the backward of the blocks before
+        # it (run after it), minus their own input-gradient all-reduces on the link;
+        # taken at degree T (compute per rank barely depends on the degree).
+        free = [max(0.0, nsub * (self.cb[k, self.T] - self.m[k, self.T])) for k in self.kinds] \
+            if self.T in self.degrees else [0.0] * len(self.kinds)
+        self.hide = [sum(free[:i]) for i in range(len(self.kinds))]
 
     # ------------------------------------------------------------- the model
     def node_cost(self, i: int, t: int) -> float:
@@ -206,13 +226,28 @@ class CostModel:
             cost = fwd + bwd
         else:
             cost = max(cf, m) + max(cb, m)
+            n_ar = 2
             if r.recompute == "full":
                 cost += max(self.profile.blocks[k][str(t)]["fwd"], m)  # re-issued all-reduce
+                n_ar = 3
+            # the host cycles the overlapped all-reduces take from compute
+            cost += n_ar * r.sub_batches * self._act_bytes(t) * self.cpu_per_byte(t)
         if i == 0:
             cost += self.edge_in(t)
         if i == self.n - 1:
             cost += self.edge_out(t)
-        return cost * r.grad_accum + self.sync[k, t]
+        return cost * r.grad_accum + self.sync_cost(i, t)
+
+    def sync_cost(self, i: int, t: int) -> float:
+        """The exposed part of block i's replica gradient sync: it is launched once its
+        gradients are ready and overlaps the backward of the blocks before it."""
+        sync = self.sync[self.kinds[i], t]
+        if sync == 0.0:
+            return 0.0
+        if self.run.schedule != "oases":
+            return sync
+        nbytes = self.shape.block_params(self.kinds[i]) / t * 4
+        return max(0.0, sync - self.hide[i]) + nbytes * self.cpu_per_byte(self.T)
 
     def _reshard(self, i: int, ta: int, tb: int) -> float:
         """All-gathers between block i-1 (degree ta) and block i (degree tb), per micro-batch."""
@@ -222,7 +257,8 @@ class CostModel:
         nbytes = self._act_bytes(big)  # the gathered activation, at the larger degree
         n = self.run.sub_batches if self.run.schedule == "oases" else 1
         size = nbytes * (1 if self.run.schedule == "oases" else self.run.sub_batches)
-        return n * self.ag_time(small, big, size)
+        cpu = n * size * self.cpu_per_byte(big) if self.run.schedule == "oases" else 0.0
+        return n * self.ag_time(small, big, size) + cpu
 
     def edge_cost(self, i: int, ta: int, tb: int) -> float:
         """Edge between block i-1 at degree ta and block i at degree tb."""
@@ -253,6 +289,8 @@ class CostModel:
     def constant_time(self) -> float:
         c = self.profile.constant
         per_mb = c.get("fwd", 0.0) + c.get("bwd", 0.0)
+        if self.run.schedule == "oases":  # embedding's and head's all-reduces, overlapped
+            per_mb += 2 * self.run.sub_batches * self._act_bytes(self.T) * self.cpu_per_byte(self.T)
         return per_mb * self.run.grad_accum + c.get("step", 0.0)
 
     def plan_time(self, degrees: list[int]) -> float:

@@ -268,7 +268,62 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
     for t in dg.degrees:
         if t < T or ctx.dp > 1:
             measure("grad_all_reduce", str(t), dg.grad[t], f32)
+    out["cpu_per_byte"] = {}
+    for t in dg.degrees:
+        if t > 1:
+            out["cpu_per_byte"][str(t)] = _cpu_per_byte(ctx, dg.sub[t], out["all_reduce"][str(t)])
+            if ctx.is_main:
+                log(f"profile compute slowdown under degree-{t} all-reduces: "
+                    f"{1e3 * 2**20 * out['cpu_per_byte'][str(t)]:.2f} ms per MiB all-reduced")
     return out
+
+
+def _cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int = 3) -> float:
+    """Compute time lost per byte all-reduced over ``group`` while compute runs.
+
+    On a host whose cores also drive the network (CPU ranks: gloo threads, the
+    kernel's TCP stack) communication is not free even when overlapped: it takes
+    cycles from the compute it hides behind. This times a fixed matmul loop alone
+    and while back-to-back all-reduces run (all ranks at once, as in a step), and
+    divides the extra time by the bytes all-reduced meanwhile. ~0 where a NIC or a
+    GPU's copy engines move the data."""
+    dev = ctx.device
+    a = torch.randn(256, 512, device=dev)
+    b = torch.randn(512, 512, device=dev)
+
+    def work(n: int) -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a @ b
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    work(3)
+    one = max(work(10) / 10, 1e-7)
+    n = max(1, int(0.15 / one))
+    lost, moved = [], []
+    for _ in range(reps):
+        own = work(n)
+        alone = torch.tensor([own], dtype=torch.float64, device=dev)
+        dist.all_reduce(alone, op=dist.ReduceOp.MAX)  # same count of collectives on every rank
+        per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
+        k = min(64, int(1.5 * float(alone) / per_ar) + 2)  # enough to outlast the loop
+        bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(x, group=group, async_op=True) for x in bufs]
+        loaded = work(n)
+        for w in works:
+            w.wait()
+        _sync(dev)
+        comm = time.perf_counter() - t0
+        lost.append(max(loaded - own, 0.0))
+        moved.append(k * nbytes * min(1.0, loaded / max(comm, 1e-9)))  # bytes during the loop
+    res = torch.tensor([statistics.median(lost) / max(statistics.median(moved), 1.0)],
+                       dtype=torch.float64, device=dev)
+    dist.all_reduce(res, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    return float(res)
 
 
 def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optional[Path],

@@ -25,7 +25,14 @@ asynchronously and yields, and the other sub-batch computes meanwhile:
     input gradient must be all-reduced, Ni = the rest of block i's backward
     (norm, residual), Ri-1 = recompute of block i-1. Recompute and backward of
     a and b interleave with no barrier between a recompute and a backward pass:
-    cross-pass scheduling.)
+    cross-pass scheduling. A sub-batch launches Bi's all-reduce and runs Ri-1
+    before it yields, since recompute needs only the stash: the all-reduce
+    overlaps its own recompute and then the other sub-batch's work.)
+
+The vocab-parallel loss has one collective (see oases.parallel.loss); models
+that split their loss into ``loss_partial``/``loss_combine`` get it scheduled
+like any other, so it does not block while the other sub-batch's all-reduce
+holds the link.
 
 Recompute modes under ``oases``:
 * ``none``: the forward keeps every block's autograd graph.
@@ -196,6 +203,11 @@ class OasesSchedule:
         self.tracker = tracker
         self.tracer = tracer
         self.stash_bytes = 0  # bytes stashed for recompute in the last forward (memory tests)
+        # Recompute the next block down while an input-gradient all-reduce is in flight
+        # (it needs only the stash). Not under ``full``: its recompute re-issues forward
+        # all-reduces, which would queue on the link behind the pending one (measured
+        # slower); there the recompute follows the wait.
+        self._early_prepare = recompute != "full"
 
     # ------------------------------------------------------------------ API
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
@@ -459,8 +471,11 @@ class OasesSchedule:
         with self._span(f"B{sb.name} loss"):
             torch.autograd.backward(loss, torch.full_like(loss, scale))
         launched = yield from self._cut_launch(cuts)
-        yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
+        if self._early_prepare:
+            yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
         yield from self._cut_finish(launched, f"B{sb.name} head")
+        if not self._early_prepare:
+            yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
         sb.head = None
         g = yield from self._grad_to_degree(model, x_last.grad, blocks[0].degree, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
@@ -468,9 +483,12 @@ class OasesSchedule:
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
             launched = yield from self._cut_launch(st.cuts)
-            if i > 0:
+            early = i > 0 and self._early_prepare
+            if early:
                 yield from self._prepare(model, blocks, group_of, sb, i - 1)
             yield from self._cut_finish(launched, f"B{sb.name} {i} in")
+            if i > 0 and not early:
+                yield from self._prepare(model, blocks, group_of, sb, i - 1)
             g = st.x_in.grad if i > 0 else None
             if i > 0:
                 g = yield from self._grad_to_degree(model, g, blocks[i].degree, blocks[i - 1].degree)
