@@ -251,9 +251,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", dest="seq_len", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work", default="/tmp/oases-planner-bench")
+    ap.add_argument("--work", default=None,
+                    help="run directories (default /tmp/oases-planner-bench/<time>)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "planner"))
     args = ap.parse_args(argv)
+    if args.work is None:
+        args.work = f"/tmp/oases-planner-bench/{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_prerequisites()
     except ClusterError as e:

@@ -60,18 +60,22 @@ def test_ilp_equals_brute_force(schedule, recompute, seed):
 
 
 def test_cost_model_grad_sync_hiding_and_host_comm_cost():
-    """A replica gradient sync hides behind the backward of the blocks before it (none
-    for block 0); measured host cycles per byte add to every overlapped collective; and
-    the ILP stays exact with both terms on."""
+    """Replica gradient syncs queue on the link and hide behind the backward of the
+    blocks before them (none for block 0); measured host cycles per byte add to every
+    overlapped collective; and the ILP stays exact with both terms on."""
     shape = ModelShape("gpt", 2, 256, 8, 8, 1024, 512, 64)
     run = RunShape(2, 1, 8, 1, 2, "oases", "fine")
     cluster = Cluster("c", 2, 1, 4, 100, 0.5)
     prof = analytic_profile(shape, run, [1, 2], flops_per_s=1e9)  # slow compute: lots to hide
     cm = CostModel(shape, run, cluster, prof)
-    assert cm.sync["attn", 1] > 0 and cm.sync["attn", 2] == 0
-    assert cm.sync_cost(0, 1) == pytest.approx(cm.sync["attn", 1])     # nothing before it
-    assert cm.hide[2] > cm.sync["attn", 1]
-    assert cm.sync_cost(2, 1) == 0.0                                  # fully hidden
+    s_attn, s_mlp = cm.sync["attn", 1], cm.sync["mlp", 1]
+    assert s_attn > 0 and cm.sync["attn", 2] == 0
+    assert cm.sync_exposed([1, 2, 2, 2]) == pytest.approx(s_attn)      # nothing after block 0
+    assert cm.hide[2] > s_attn
+    assert cm.sync_exposed([2, 2, 1, 2]) == 0.0                       # fully hidden
+    # syncs queue: two of them need the sum of their times beyond the free link time
+    want = max(0.0, s_attn - cm.hide[2], s_attn + s_mlp - cm.hide[3])
+    assert cm.sync_exposed([2, 2, 1, 1]) == pytest.approx(want)
     base = cm.plan_time([2, 1, 2, 2])
     loaded = Profile(prof.blocks, prof.constant, {"cpu_per_byte": {"2": 1e-9}})
     cm2 = CostModel(shape, run, cluster, loaded)
@@ -79,7 +83,8 @@ def test_cost_model_grad_sync_hiding_and_host_comm_cost():
     act = cm.rows(2) * shape.seq_len * shape.d_model * 4
     assert cm2.node_cost(1, 2) - cm.node_cost(1, 2) == pytest.approx(4 * act * 1e-9)
     assert cm2.plan_time([2, 1, 2, 2]) > base
-    assert ilp.solve(cm2).time_s == pytest.approx(ilp.brute_force(cm2).time_s, rel=1e-9)
+    for c in (cm, cm2):
+        assert ilp.solve(c).time_s == pytest.approx(ilp.brute_force(c).time_s, rel=1e-9)
 
 
 def test_ilp_solves_96_blocks_by_4_degrees_fast():

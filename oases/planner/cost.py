@@ -21,9 +21,11 @@ resharding all-gather, in forward when the degree grows, in backward when it
 drops, for both sub-batches and without much compute to hide behind (the
 overlap it breaks). ``recompute=full`` adds, per block, the re-issued forward
 all-reduce paired with the recompute. Gradients of a block of degree t < T are
-summed over its T/t replicas (and DP): a node cost, less the part that hides
-behind the backward of the blocks before it (the reducer launches it as soon as
-the block's gradients are ready).
+summed over its T/t replicas (and DP); the reducer launches each block's sync
+as soon as its gradients are ready, so the syncs queue on the link behind one
+another and hide behind the backward of the blocks before them: only what
+outlasts the backward counts (:meth:`CostModel.sync_exposed`, a max of sums,
+one auxiliary variable in the ILP).
 
 On a host whose cores also move the bytes (CPU ranks), an overlapped
 collective still takes compute cycles: the profiler measures that loss per byte
@@ -236,18 +238,22 @@ class CostModel:
             cost += self.edge_in(t)
         if i == self.n - 1:
             cost += self.edge_out(t)
-        return cost * r.grad_accum + self.sync_cost(i, t)
+        if self.sync[k, t] and r.schedule == "oases":  # its replica sync steals cycles too
+            cost += self.shape.block_params(k) / t * 4 * self.cpu_per_byte(self.T)
+        return cost * r.grad_accum
 
-    def sync_cost(self, i: int, t: int) -> float:
-        """The exposed part of block i's replica gradient sync: it is launched once its
-        gradients are ready and overlaps the backward of the blocks before it."""
-        sync = self.sync[self.kinds[i], t]
-        if sync == 0.0:
-            return 0.0
-        if self.run.schedule != "oases":
-            return sync
-        nbytes = self.shape.block_params(self.kinds[i]) / t * 4
-        return max(0.0, sync - self.hide[i]) + nbytes * self.cpu_per_byte(self.T)
+    def sync_exposed(self, degrees: list[int]) -> float:
+        """The replica gradient syncs that outlast the backward. Backward runs blocks
+        n-1 .. 0 and the reducer launches block i's sync as soon as its gradients are
+        ready; the syncs queue on the link in launch order. Those launched from block i
+        on (blocks i, i-1, .., 0) can use the link's free time during the backward of
+        blocks i-1 .. 0 (``hide[i]``), so the last ends max_i(sum_{j<=i} sync_j - hide_i)
+        after the backward, if that is positive. (A max of sums: linear in the ILP.)"""
+        tail = [self.sync_prefix(degrees, i) - self.hide[i] for i in range(self.n)]
+        return max(0.0, *tail)
+
+    def sync_prefix(self, degrees: list[int], i: int) -> float:
+        return sum(self.sync[self.kinds[j], degrees[j]] for j in range(i + 1))
 
     def _reshard(self, i: int, ta: int, tb: int) -> float:
         """All-gathers between block i-1 (degree ta) and block i (degree tb), per micro-batch."""
@@ -295,7 +301,7 @@ class CostModel:
 
     def plan_time(self, degrees: list[int]) -> float:
         """Predicted step time (s) of a plan."""
-        t = self.constant_time()
+        t = self.constant_time() + self.sync_exposed(degrees)
         t += sum(self.node_cost(i, d) for i, d in enumerate(degrees))
         t += sum(self.edge_cost(i, degrees[i - 1], degrees[i]) for i in range(1, self.n))
         return t

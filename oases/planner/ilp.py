@@ -4,10 +4,12 @@ Variables: x[i][k] = 1 if block i takes degree k (one-hot per block); for each
 adjacent pair a joint y[i][k][l] in [0, 1] with sum_l y = x[i-1][k] and
 sum_k y = x[i][l] (the product of two one-hots: with integral x these margins
 force y to that product, so y needs no integrality); z >= the transient memory
-of every block's choice (the runtime peak is a max, linearised).
+of every block's choice (the runtime peak is a max, linearised); e >= the
+replica gradient syncs that outlast the backward (also a max, linearised).
 
-    minimise   sum node[i,k] x[i,k] + sum edge[i,k,l] y[i,k,l]
+    minimise   sum node[i,k] x[i,k] + sum edge[i,k,l] y[i,k,l] + e
     subject to sum mem[i,k] x[i,k] + z + static <= memory limit
+               e >= sum_{j<=i} sync[j,k] x[j,k] - hide[i]   for every i
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Sol
     y = [None] + [[[pulp.LpVariable(f"y_{i}_{a}_{b}", lowBound=0, upBound=1) for b in D]
                    for a in D] for i in range(1, n)]
     z = pulp.LpVariable("z_transient", lowBound=0)
+    e = pulp.LpVariable("e_sync_exposed", lowBound=0)
     obj = [cm.node_cost(i, t) * x[i][k] for i in range(n) for k, t in enumerate(D)]
     obj += [cm.edge_cost(i, a, b) * y[i][ka][kb] for i in range(1, n)
             for ka, a in enumerate(D) for kb, b in enumerate(D)]
-    prob += pulp.lpSum(obj) + cm.constant_time()
+    prob += pulp.lpSum(obj) + cm.constant_time() + e
+    for i in range(n):  # e >= what the syncs launched from block i on need beyond the backward
+        prob += e >= pulp.lpSum(cm.sync[cm.kinds[j], t] * x[j][k] for j in range(i + 1)
+                                for k, t in enumerate(D)) - cm.hide[i]
     for i in range(n):
         prob += pulp.lpSum(x[i]) == 1
         prob += z >= pulp.lpSum(cm.trans[cm.kinds[i], t] * x[i][k] for k, t in enumerate(D))

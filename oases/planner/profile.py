@@ -80,19 +80,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timeit(fn: Callable[[], None], device: torch.device, reps: int, warmup: int) -> float:
-    return _time_phases(lambda: (fn(),), device, reps, warmup)[0]
+def _timeit(fn: Callable[[], None], device: torch.device, reps: int, warmup: int,
+            barrier: Optional[Callable[[], None]] = None) -> float:
+    return _time_phases(lambda: (fn(),), device, reps, warmup, barrier=barrier)[0]
 
 
 def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
-                 warmup: int, min_s: float = 0.05) -> list[float]:
+                 warmup: int, min_s: float = 0.05,
+                 barrier: Optional[Callable[[], None]] = None) -> list[float]:
     """Duration of each phase of ``step``: a callable that runs its first phase and
     returns one closure per later phase (e.g. forward, returning the backward).
 
     Each measurement repeats the step until it has run ``min_s`` and averages, so a
     process that shares its cores with others (the other ranks of a step, on an
     oversubscribed host) sees its average share of them rather than a lucky time
-    slice; the figure is the median of ``reps`` such measurements."""
+    slice; the figure is the median of ``reps`` such measurements. ``barrier`` (when
+    every rank of a job profiles at once) lines the ranks up before each measurement,
+    so they contend as in a step rather than drift apart."""
 
     def once() -> list[float]:
         _sync(device)
@@ -112,6 +116,8 @@ def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
     inner = max(1, int(min_s / max(sum(first), 1e-6)) + 1)
     per_phase: list[list[float]] = [[] for _ in first]
     for _ in range(reps):
+        if barrier is not None:
+            barrier()
         acc = [0.0] * len(first)
         for _ in range(inner):
             for k, t in enumerate(once()):
@@ -138,8 +144,10 @@ def _block(kind: str, cfg: ModelConfig, t: int):
 
 
 def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int = 5,
-                    warmup: int = 2, log: Callable[[str], None] = print) -> Profile:
-    """Measure every (block kind, degree) and the constant parts on this device."""
+                    warmup: int = 2, log: Callable[[str], None] = print,
+                    barrier: Optional[Callable[[], None]] = None) -> Profile:
+    """Measure every (block kind, degree) and the constant parts on this device
+    (``barrier``: every rank of a job runs this at once; see :func:`_time_phases`)."""
     from models import build_model
     from oases.parallel.sharding import init_parameters
 
@@ -169,7 +177,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             out = fwd()
             return (lambda: out.backward(g),)
 
-        t_f, t_b = _time_phases(fwd_then_bwd, device, reps, warmup)
+        t_f, t_b = _time_phases(fwd_then_bwd, device, reps, warmup, barrier=barrier)
         with SavedTensorMeter() as meter:
             out = fwd()
             SavedTensorMeter.end_of_forward()
@@ -193,13 +201,13 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             loss = model(ids, ids)
         return (loss.backward,)
 
-    c_f, c_b = _time_phases(head_fwd_then_bwd, device, reps, warmup)
+    c_f, c_b = _time_phases(head_fwd_then_bwd, device, reps, warmup, barrier=barrier)
     n_params = sum((shape.block_params(k) for k in shape.kinds()), 0) / run.tp + \
         shape.other_params() / run.tp
     p = torch.zeros(int(n_params), device=device, requires_grad=True)
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p], fused=device.type == "cuda")
-    c_step = _timeit(opt.step, device, 3, 1)
+    c_step = _timeit(opt.step, device, 3, 1, barrier=barrier)
     log(f"profile constants: embedding+head fwd {1e3 * c_f:.2f} ms, bwd {1e3 * c_b:.2f} ms, "
         f"optimizer {1e3 * c_step:.2f} ms")
     peak = 3 * run.micro_batch_size * m.seq_len * vocab_local * 4
@@ -301,13 +309,15 @@ def _cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int =
 
     work(3)
     one = max(work(10) / 10, 1e-7)
-    n = max(1, int(0.15 / one))
+    per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
+    # long enough to all-reduce >= 4 MiB meanwhile (slow links), within 0.15..1 s
+    n = max(1, int(min(1.0, max(0.15, 4 * per_ar)) / one))
     lost, moved = [], []
     for _ in range(reps):
+        dist.barrier()
         own = work(n)
         alone = torch.tensor([own], dtype=torch.float64, device=dev)
         dist.all_reduce(alone, op=dist.ReduceOp.MAX)  # same count of collectives on every rank
-        per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
         k = min(64, int(1.5 * float(alone) / per_ar) + 2)  # enough to outlast the loop
         bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
         dist.barrier()
@@ -327,7 +337,8 @@ def _cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int =
 
 
 def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optional[Path],
-                log: Callable[[str], None] = print, force: bool = False) -> Profile:
+                log: Callable[[str], None] = print, force: bool = False,
+                barrier: Optional[Callable[[], None]] = None) -> Profile:
     """Compute profile from the DB, or measured now (and stored)."""
     shape = ModelShape.from_config(cfg.model)
     key = profile_key(device, shape, run, cfg.train.precision)
@@ -338,7 +349,7 @@ def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optio
         return Profile(e["blocks"], e["constant"], {})
     log(f"profile: measuring {cfg.model.name} blocks at degrees "
         f"{shape.valid_degrees(run.tp)} on {hardware_key(device)}")
-    prof = profile_compute(cfg, run, device, log=log)
+    prof = profile_compute(cfg, run, device, log=log, barrier=barrier)
     if db_path:
         db = load_db(db_path)
         db[key] = {"blocks": prof.blocks, "constant": prof.constant}

@@ -60,7 +60,7 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
     else:  # every rank measures at once; rank 0 keeps its figures
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB if ctx.is_main else None, log=log,
-                           force=True)
+                           force=True, barrier=dist.barrier)
     obj: list = [None]
     if ctx.is_main:
         try:
