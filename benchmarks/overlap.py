@@ -14,6 +14,8 @@ Modes (``--modes``):
 
     megatron+full          baseline: blocking all-reduces, full per-layer recompute
     megatron+none          blocking all-reduces, no recompute
+    oases+none             two sub-batches, comm overlapped, no recompute (the peers'
+                           memory regime: they keep every activation too)
     oases+full             two sub-batches, comm overlapped, full recompute
     oases+fine             two sub-batches, fine-grained recompute
     nocomm                 oases+fine with parallel.tp_comm_noop=true: no TP communication
@@ -63,6 +65,7 @@ DEFAULT_CLUSTERS = ["configs/cluster/two-nodes-500m.yaml", "configs/cluster/two-
 TRAIN_MODES = {
     "megatron+full": ["parallel.schedule=megatron", "parallel.recompute=full"],
     "megatron+none": ["parallel.schedule=megatron", "parallel.recompute=none"],
+    "oases+none": ["parallel.schedule=oases", "parallel.recompute=none"],
     "oases+full": ["parallel.schedule=oases", "parallel.recompute=full"],
     "oases+fine": ["parallel.schedule=oases", "parallel.recompute=fine"],
     "nocomm": ["parallel.schedule=oases", "parallel.recompute=fine", "parallel.tp_comm_noop=true"],

@@ -207,10 +207,11 @@ class CostModel:
                 self.trans[kind, t] = nsub * prof["saved"] if r.recompute != "none" else 0.0
         mb = self._act_bytes(self.T)
         self.m_edge = self.ar_time(self.T, mb)     # embedding's forward / head's backward all-reduce
-        # Where the gradient sync of block i can hide: the backward of the blocks before
-        # it (run after it), minus their own input-gradient all-reduces on the link;
-        # taken at degree T (compute per rank barely depends on the degree).
-        free = [max(0.0, nsub * (self.cb[k, self.T] - self.m[k, self.T])) for k in self.kinds] \
+        # Where the gradient sync of block i can hide: the backward compute of the blocks
+        # before it (run after it), taken at degree T (compute per rank barely depends on
+        # the degree). The syncs' link is not always the TP all-reduces' one (replicas
+        # sit in different subgroups, across other links), so those are not subtracted.
+        free = [nsub * self.cb[k, self.T] for k in self.kinds] \
             if self.T in self.degrees else [0.0] * len(self.kinds)
         self.hide = [sum(free[:i]) for i in range(len(self.kinds))]
 
@@ -246,8 +247,8 @@ class CostModel:
         """The replica gradient syncs that outlast the backward. Backward runs blocks
         n-1 .. 0 and the reducer launches block i's sync as soon as its gradients are
         ready; the syncs queue on the link in launch order. Those launched from block i
-        on (blocks i, i-1, .., 0) can use the link's free time during the backward of
-        blocks i-1 .. 0 (``hide[i]``), so the last ends max_i(sum_{j<=i} sync_j - hide_i)
+        on (blocks i, i-1, .., 0) hide behind the backward of blocks i-1 .. 0
+        (``hide[i]``), so the last ends max_i(sum_{j<=i} sync_j - hide_i)
         after the backward, if that is positive. (A max of sums: linear in the ILP.)"""
         tail = [self.sync_prefix(degrees, i) - self.hide[i] for i in range(self.n)]
         return max(0.0, *tail)

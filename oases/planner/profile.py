@@ -351,9 +351,16 @@ def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optio
         f"{shape.valid_degrees(run.tp)} on {hardware_key(device)}")
     prof = profile_compute(cfg, run, device, log=log, barrier=barrier)
     if db_path:
-        db = load_db(db_path)
-        db[key] = {"blocks": prof.blocks, "constant": prof.constant}
-        save_db(db_path, db)
-        log(f"profile: saved to {db_path}")
+        save_profile(cfg, run, device, db_path, prof, log=log)
     return prof
+
+
+def save_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Path,
+                 prof: Profile, log: Callable[[str], None] = print) -> None:
+    """Store ``prof``'s compute figures in the DB under this hardware and shape."""
+    key = profile_key(device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
+    db = load_db(db_path)
+    db[key] = {"blocks": prof.blocks, "constant": prof.constant}
+    save_db(db_path, db)
+    log(f"profile: saved to {db_path}")
 

@@ -2,7 +2,8 @@
 
 ``auto`` profiles on the live cluster: collectives on all ranks (they are
 collective), block compute on every rank at once (so that the measurement sees
-the contention of a real step; rank 0's figures are used), unless rank 0's
+the contention of a real step; the figures are averaged over the ranks: with
+more processes than cores, one rank's time slices are noisy), unless rank 0's
 profile DB already holds this model and machine. Rank 0 solves the ILP and
 broadcasts the degrees. The plan goes to ``<out_dir>/plan.yaml``, the whole
 profile (compute and collectives) to ``<out_dir>/profile.json``.
@@ -48,7 +49,8 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
     from oases.planner.cluster import Cluster, load_cluster
     from oases.planner.cost import Profile
     from oases.planner.cost import ModelShape
-    from oases.planner.profile import DEFAULT_DB, get_profile, load_db, profile_comm, profile_key
+    from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_comm,
+                                       profile_key, save_profile)
 
     log = print if ctx.is_main else (lambda *_: None)
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
@@ -58,9 +60,11 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
     dist.broadcast_object_list(cached, src=0)
     if cached[0]:
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
-    else:  # every rank measures at once; rank 0 keeps its figures
-        prof = get_profile(cfg, run, ctx.device, DEFAULT_DB if ctx.is_main else None, log=log,
-                           force=True, barrier=dist.barrier)
+    else:  # every rank measures at once; the figures are averaged over the ranks
+        prof = get_profile(cfg, run, ctx.device, None, log=log, force=True, barrier=dist.barrier)
+        prof = _rank_mean(prof, ctx)
+        if ctx.is_main:
+            save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
     obj: list = [None]
     if ctx.is_main:
         try:
@@ -86,3 +90,23 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
     if isinstance(obj[0], UserError):
         raise obj[0]
     return obj[0]
+
+
+def _rank_mean(prof, ctx: ParallelContext):
+    """The profile with every timing averaged over all ranks (same keys everywhere)."""
+    from oases.planner.cost import Profile
+
+    keys = [(kind, t, ph) for kind in sorted(prof.blocks) for t in sorted(prof.blocks[kind])
+            for ph in ("fwd", "bwd")]
+    ckeys = [k for k in ("fwd", "bwd", "step", "head_fwd") if k in prof.constant]
+    vals = torch.tensor([prof.blocks[k][t][ph] for k, t, ph in keys] +
+                        [prof.constant[k] for k in ckeys], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(vals)
+    vals = (vals / ctx.world_size).tolist()
+    blocks = {k: {t: dict(v) for t, v in d.items()} for k, d in prof.blocks.items()}
+    for (k, t, ph), v in zip(keys, vals):
+        blocks[k][t][ph] = v
+    const = dict(prof.constant)
+    for k, v in zip(ckeys, vals[len(keys):]):
+        const[k] = v
+    return Profile(blocks, const, prof.comm)
