@@ -237,3 +237,26 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
     # the plan was made for n_layer=2 at tp=4; this run is n_layer=4 at tp=1
     assert len(lines) == 1 and "another model" in lines[0] and "n_layer" in lines[0], r3.stderr
     assert "Traceback" not in r3.stderr
+
+
+def test_plan_auto_end_to_end(tmp_path, run_train):
+    """``parallel.plan=auto`` on a live 2-process job: collectives and the compute
+    slowdown under them measured, blocks profiled on both ranks (averaged), solved on
+    rank 0, degrees broadcast, plan and profile written, and the run trains."""
+    out = tmp_path / "run"
+    proc = run_train(["--config", "configs/gpt-tiny.yaml", "model.d_model=64", "model.n_layer=2",
+                      "model.n_head=4", "model.n_kv_heads=4", "model.ffn_hidden=128",
+                      "model.seq_len=32", "parallel.tp=2", "parallel.plan=auto",
+                      "train.micro_batch_size=4", "train.steps=2", "data.kind=synthetic",
+                      "data.val_path=", "eval.interval=0", "wandb.mode=disabled",
+                      "checkpoint.interval=0", "checkpoint.save_final=false", f"out_dir={out}"],
+                     env={"HOME": str(tmp_path)})  # the profile DB goes to this HOME
+    assert "plan=auto: wrote" in proc.stdout
+    plan = load_plan(out / "plan.yaml")
+    assert len(plan.degrees) == 4 and set(plan.degrees) <= {1, 2}
+    prof = yaml.safe_load((out / "profile.json").read_text())
+    assert set(prof["comm"]["cpu_per_byte"]) == {"2"} and prof["comm"]["cpu_per_byte"]["2"] >= 0
+    assert set(prof["blocks"]["attn"]) == {"1", "2"}
+    assert (tmp_path / ".cache" / "oases" / "profile_db.json").exists()
+    recs = [yaml.safe_load(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
+    assert max(r.get("step", 0) for r in recs) == 2

@@ -25,9 +25,9 @@ asynchronously and yields, and the other sub-batch computes meanwhile:
     input gradient must be all-reduced, Ni = the rest of block i's backward
     (norm, residual), Ri-1 = recompute of block i-1. Recompute and backward of
     a and b interleave with no barrier between a recompute and a backward pass:
-    cross-pass scheduling. A sub-batch launches Bi's all-reduce and runs Ri-1
-    before it yields, since recompute needs only the stash: the all-reduce
-    overlaps its own recompute and then the other sub-batch's work.)
+    cross-pass scheduling. Under ``fine`` a sub-batch launches Bi's all-reduce
+    and runs Ri-1 before it yields, since recompute needs only the stash: the
+    all-reduce overlaps its own recompute and then the other sub-batch's work.)
 
 The vocab-parallel loss has one collective (see oases.parallel.loss); models
 that split their loss into ``loss_partial``/``loss_combine`` get it scheduled
@@ -463,9 +463,9 @@ class OasesSchedule:
     def _backward(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
         recompute of the next block down runs while it is in flight (it needs only the
-        stash, not the gradient), and only then does this sub-batch wait and let the
-        others run: the all-reduce overlaps this sub-batch's recompute and the other
-        sub-batches' work."""
+        stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
+        then does this sub-batch wait and let the others run: the all-reduce overlaps
+        this sub-batch's recompute and the other sub-batches' work."""
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         x_last, cuts, loss = sb.head
         with self._span(f"B{sb.name} loss"):
