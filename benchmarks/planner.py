@@ -165,13 +165,15 @@ def topology(path: str, args, work: Path) -> dict:
     res["planner_at_least_as_fast"] = by["planner"]["measured_s"] <= best_uni["measured_s"] + 2 * noise
     if "planner-memlimit" in by:
         fitting = [p for p in uni if p["fits_limit"]]
+        lim = by["planner-memlimit"]
+        mixed = len(set(lim["degrees"])) > 1
         res["memlimit"] = {
-            "plan": by["planner-memlimit"]["degrees"],
-            "measured_s": by["planner-memlimit"]["measured_s"],
+            "plan": lim["degrees"],
+            "measured_s": lim["measured_s"],
             "uniform_that_fit": {p["name"]: p["measured_s"] for p in fitting},
-            "mixed": len(set(by["planner-memlimit"]["degrees"])) > 1,
-            "beats_all_fitting_uniform": len(set(by["planner-memlimit"]["degrees"])) > 1 and all(
-                by["planner-memlimit"]["measured_s"] < p["measured_s"] for p in fitting)}
+            "mixed": mixed,
+            "beats_all_fitting_uniform": mixed and all(lim["measured_s"] < p["measured_s"]
+                                                       for p in fitting)}
     return res
 
 

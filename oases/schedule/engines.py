@@ -394,24 +394,22 @@ class OasesSchedule:
         sb.loss = loss.detach()
 
     # ------------------------------------------------------------ backward
-    def _cut_launch(self, cuts: list[Cut]) -> Program:
-        """Launch the all-reduce of the input gradients at the cuts without switching;
-        returns (cuts, ticket) for :meth:`_cut_finish`."""
+    def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program]) -> Program:
+        """All-reduce the input gradients at the cuts, then continue backward from them.
+        ``prepare`` (the recompute of the next block down, or None) needs only the stash:
+        under ``_early_prepare`` it runs while the all-reduce is in flight, before this
+        sub-batch yields; otherwise after the wait."""
         cuts = [c for c in cuts if c.leaf.grad is not None]
-        if not cuts:
-            return cuts, None
-        ticket = yield _Launch([("ar", c.leaf.grad, c.group) for c in cuts])
-        return cuts, ticket
-
-    def _cut_finish(self, launched, name: str) -> Program:
-        """Wait for the input-gradient all-reduces (the other sub-batches run meanwhile),
-        then continue backward from the cuts."""
-        cuts, ticket = launched
-        if not cuts:
-            return
-        grads = yield _Wait(ticket)
-        with self._span(name):
-            torch.autograd.backward([c.source for c in cuts], grads)
+        early = self._early_prepare and prepare is not None
+        if cuts:
+            ticket = yield _Launch([("ar", c.leaf.grad, c.group) for c in cuts])
+            if early:
+                yield from prepare
+            grads = yield _Wait(ticket)
+            with self._span(name):
+                torch.autograd.backward([c.source for c in cuts], grads)
+        if prepare is not None and not (early and cuts):
+            yield from prepare
 
     def _rebuild(self, blk, st: _BlockState, reduced: torch.Tensor, x_in: torch.Tensor, p):
         with self._replay(st.rng_combine), torch.enable_grad(), self._amp():
@@ -470,25 +468,16 @@ class OasesSchedule:
         x_last, cuts, loss = sb.head
         with self._span(f"B{sb.name} loss"):
             torch.autograd.backward(loss, torch.full_like(loss, scale))
-        launched = yield from self._cut_launch(cuts)
-        if self._early_prepare:
-            yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
-        yield from self._cut_finish(launched, f"B{sb.name} head")
-        if not self._early_prepare:
-            yield from self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
+        yield from self._cut_backward(cuts, f"B{sb.name} head",
+                                      self._prepare(model, blocks, group_of, sb, len(blocks) - 1))
         sb.head = None
         g = yield from self._grad_to_degree(model, x_last.grad, blocks[0].degree, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
-            launched = yield from self._cut_launch(st.cuts)
-            early = i > 0 and self._early_prepare
-            if early:
-                yield from self._prepare(model, blocks, group_of, sb, i - 1)
-            yield from self._cut_finish(launched, f"B{sb.name} {i} in")
-            if i > 0 and not early:
-                yield from self._prepare(model, blocks, group_of, sb, i - 1)
+            nxt = self._prepare(model, blocks, group_of, sb, i - 1) if i > 0 else None
+            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt)
             g = st.x_in.grad if i > 0 else None
             if i > 0:
                 g = yield from self._grad_to_degree(model, g, blocks[i].degree, blocks[i - 1].degree)
