@@ -93,6 +93,13 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (va * vb) if va and vb else float("nan")
 
 
+def accuracy(plans: list[dict], key: str) -> dict:
+    pred = [p[key] for p in plans]
+    meas = [p["measured_s"] for p in plans]
+    return {"spearman": spearman(pred, meas), "n_plans": len(plans),
+            "mean_rel_error": statistics.mean(abs(p - m) / m for p, m in zip(pred, meas))}
+
+
 def topology(path: str, args, work: Path) -> dict:
     cluster = load_cluster(path)
     T = cluster.world
@@ -106,6 +113,13 @@ def topology(path: str, args, work: Path) -> dict:
         prof = json.loads((work / "auto" / "profile.json").read_text())
         profile = Profile(prof["blocks"], prof["constant"], prof["comm"])
         cm = CostModel(ModelShape.from_config(cfg.model), run_shape(cfg), cluster, profile)
+        cal = prof.get("calibration")
+        res["calibration"] = cal
+        cm_raw = cm  # the cost model before calibration (the profile alone), for comparison
+        if cal:
+            comm = dict(prof["comm"], cpu_per_byte=cal["cpu_per_byte_profiled"])
+            cm_raw = CostModel(ModelShape.from_config(cfg.model), run_shape(cfg), cluster,
+                               Profile(prof["blocks"], prof["constant"], comm))
         plans: dict[str, list[int]] = {}
         sol = ilp.solve(cm)
         plans["planner"] = sol.degrees
@@ -147,14 +161,16 @@ def topology(path: str, args, work: Path) -> dict:
     for name, degrees in plans.items():
         res["plans"].append({"name": name, "degrees": degrees,
                              "predicted_s": cm.plan_time(degrees),
+                             "predicted_uncalibrated_s": cm_raw.plan_time(degrees),
                              "memory_bytes": cm.plan_memory(degrees),
                              "fits_limit": limit is None or cm.plan_memory(degrees) <= limit,
                              "measured_s": statistics.median(measured[name]),
                              "measured_repeats_s": measured[name]})
-    pred = [p["predicted_s"] for p in res["plans"]]
-    meas = [p["measured_s"] for p in res["plans"]]
-    res["spearman"] = spearman(pred, meas)
-    res["mean_rel_error"] = statistics.mean(abs(p - m) / m for p, m in zip(pred, meas))
+    res.update(accuracy(res["plans"], "predicted_s"))
+    res["uncalibrated"] = accuracy(res["plans"], "predicted_uncalibrated_s")
+    if cal:  # the plans other than the one whose real step calibrated the model
+        res["held_out"] = accuracy([p for p in res["plans"] if p["degrees"] != cal["degrees"]],
+                                   "predicted_s")
     by = {p["name"]: p for p in res["plans"]}
     uni = [p for p in res["plans"] if p["name"].startswith("uniform")]
     best_uni = min(uni, key=lambda p: p["measured_s"])
@@ -201,10 +217,22 @@ def write(results: list[dict], args, out: Path) -> None:
                          f"{p['memory_bytes'] / 2**20:.1f} |")
         lines += ["", f"- Spearman rank correlation: **{r['spearman']:.3f}** (target >= 0.9)",
                   f"- Mean relative estimation error: **{100 * r['mean_rel_error']:.1f}%** "
-                  f"(target <= 10%)",
-                  f"- Planner vs best uniform ({r['best_uniform']}): "
-                  f"{r['planner_vs_best_uniform']:.3f}x; at least as fast within noise: "
-                  f"**{r['planner_at_least_as_fast']}**"]
+                  f"(target <= 10%)"]
+        cal = r.get("calibration")
+        if cal:
+            h, u = r["held_out"], r["uncalibrated"]
+            lines += [
+                f"- Calibration inside `parallel.plan=auto`: {cal['steps']} real steps at "
+                f"{cal['degrees']} measured {1e3 * cal['measured_s']:.1f} ms against "
+                f"{1e3 * cal['predicted_before_s']:.1f} ms predicted from the profile alone; "
+                f"host cost of communication x{cal['host_cost_scale']:.2f}",
+                f"- The {h['n_plans']} plans other than the calibration plan: Spearman "
+                f"{h['spearman']:.3f}, mean error {100 * h['mean_rel_error']:.1f}%",
+                f"- The profile alone (no calibration), all plans: Spearman "
+                f"{u['spearman']:.3f}, mean error {100 * u['mean_rel_error']:.1f}%"]
+        lines.append(f"- Planner vs best uniform ({r['best_uniform']}): "
+                     f"{r['planner_vs_best_uniform']:.3f}x; at least as fast within noise: "
+                     f"**{r['planner_at_least_as_fast']}**")
         if "memlimit" in r:
             m = r["memlimit"]
             lines.append(f"- Memory limit {r['memory_limit_bytes'] / 2**20:.1f} MiB: planner plan "

@@ -134,6 +134,10 @@ class ParallelConfig:
     plan: str = ""
     cluster: str = ""               # cluster file for plan=auto (memory limit, names)
     memory_limit_gib: float = 0.0   # plan=auto memory limit per device (0: cluster file / device)
+    # plan=auto: time this many real training steps at degree tp (after 2 warm-up steps,
+    # on a throwaway model) and fit the cost model's host cost of communication to them
+    # before solving. 0: solve on the profile alone.
+    plan_calibration_steps: int = 5
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
@@ -147,6 +151,7 @@ class ParallelConfig:
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _positive("parallel.timeout_s", self.timeout_s)
         _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
+        _positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
 
 
 @dataclass

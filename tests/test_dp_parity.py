@@ -166,3 +166,21 @@ def test_grad_accum_matches_one_big_micro_batch(reference):
     _compare(accum, noaccum)
     # and it is a different batch from the reference's (8 samples): not a vacuous match
     assert accum["losses"][1:] != reference["ref"]["losses"][1:]
+
+
+def test_buckets_never_span_two_blocks():
+    """Each block's gradients form their own bucket(s), so its sync can start as soon as
+    its backward is done (the planner's cost model assumes it); parameters outside the
+    blocks (final norm, head) share what is left; the size limit still splits a block."""
+    cfg = _cfg(1, 1, 2, 1)
+    model = build_model(cfg.model, cfg.padded_vocab_size, None, None, seed=0)
+    block_of = {id(p): i for i, blk in enumerate(model.blocks()) for p in blk.parameters()}
+    reducer = GradReducer(model, None, bucket_mb=1e6)  # no size limit in effect
+    owners = [{block_of.get(id(p), -1) for p in b.params} for b in reducer.buckets]
+    assert all(len(o) == 1 for o in owners)
+    assert sorted(o.pop() for o in owners) == [-1] + list(range(len(model.blocks())))
+    block_mb = max(sum(p.numel() * 4 for p in blk.parameters()) for blk in model.blocks()) / 2**20
+    small = GradReducer(model, None, bucket_mb=block_mb / 3)
+    assert len(small.buckets) > len(reducer.buckets)
+    n = sum(p.numel() for p in model.parameters())
+    assert sum(b.buffer.numel() for b in small.buckets) == n

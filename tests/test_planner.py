@@ -21,7 +21,8 @@ from oases.parallel.reshard import grad_group_of
 from oases.parallel.sharding import unshard
 from oases.planner import ilp
 from oases.planner.cluster import Cluster, load_cluster
-from oases.planner.cost import CostModel, ModelShape, Profile, RunShape, analytic_profile
+from oases.planner.cost import (CostModel, ModelShape, Profile, RunShape, analytic_profile,
+                               calibrate_host_cost)
 from oases.planner.plan import Plan, check_plan, load_plan
 from oases.runtime.dp import GradReducer
 from oases.schedule.engines import build_schedule
@@ -60,8 +61,8 @@ def test_ilp_equals_brute_force(schedule, recompute, seed):
 
 
 def test_cost_model_grad_sync_hiding_and_host_comm_cost():
-    """Replica gradient syncs queue on the link and hide behind the backward of the
-    blocks before them (none for block 0); measured host cycles per byte add to every
+    """Replica gradient syncs queue on the link and hide behind the backward left
+    after their block (none for block 0); measured host cycles per byte add to every
     overlapped collective; and the ILP stays exact with both terms on."""
     shape = ModelShape("gpt", 2, 256, 8, 8, 1024, 512, 64)
     run = RunShape(2, 1, 8, 1, 2, "oases", "fine")
@@ -71,11 +72,17 @@ def test_cost_model_grad_sync_hiding_and_host_comm_cost():
     s_attn, s_mlp = cm.sync["attn", 1], cm.sync["mlp", 1]
     assert s_attn > 0 and cm.sync["attn", 2] == 0
     assert cm.sync_exposed([1, 2, 2, 2]) == pytest.approx(s_attn)      # nothing after block 0
-    assert cm.hide[2] > s_attn
+    assert cm.hide([2, 2, 1, 2], 2) > s_attn
     assert cm.sync_exposed([2, 2, 1, 2]) == 0.0                       # fully hidden
+    # below a degree-2 block both sub-batches still run it; a degree-1 block (no
+    # collective to take turns at) is left to the second sub-batch only
+    assert cm.free["attn", 2] == pytest.approx(2 * cm.cb["attn", 2])
+    assert cm.free["attn", 1] == pytest.approx(cm.cb["attn", 1])
     # syncs queue: two of them need the sum of their times beyond the free link time
-    want = max(0.0, s_attn - cm.hide[2], s_attn + s_mlp - cm.hide[3])
-    assert cm.sync_exposed([2, 2, 1, 1]) == pytest.approx(want)
+    p = [2, 2, 1, 1]
+    want = max(0.0, s_attn - cm.hide(p, 2), s_attn + s_mlp - cm.hide(p, 3))
+    assert cm.hide(p, 3) == pytest.approx(cm.hide(p, 2) + cm.cb["attn", 1])
+    assert cm.sync_exposed(p) == pytest.approx(want)
     base = cm.plan_time([2, 1, 2, 2])
     loaded = Profile(prof.blocks, prof.constant, {"cpu_per_byte": {"2": 1e-9}})
     cm2 = CostModel(shape, run, cluster, loaded)
@@ -85,6 +92,40 @@ def test_cost_model_grad_sync_hiding_and_host_comm_cost():
     assert cm2.plan_time([2, 1, 2, 2]) > base
     for c in (cm, cm2):
         assert ilp.solve(c).time_s == pytest.approx(ilp.brute_force(c).time_s, rel=1e-9)
+
+
+def test_calibration_fits_the_host_cost_to_a_measured_step():
+    """One real step time fixes the scale of the host cost of communication (the
+    prediction is linear in it); the scale is clamped at 0 and at its maximum, and a
+    profile without a host cost (GPUs) comes back unchanged."""
+    shape = ModelShape("gpt", 2, 256, 8, 8, 1024, 512, 64)
+    run = RunShape(2, 1, 8, 1, 2, "oases", "fine")
+    cluster = Cluster("c", 2, 1, 4, 100, 0.5)
+    base = analytic_profile(shape, run, [1, 2], flops_per_s=1e9)
+    prof = Profile(base.blocks, base.constant, {"cpu_per_byte": {"2": 1e-9}})
+    ref = [2, 2, 2, 2]
+
+    def predicted(p):
+        return CostModel(shape, run, cluster, p).plan_time(ref)
+
+    want = Profile(base.blocks, base.constant, {"cpu_per_byte": {"2": 3e-9}})
+    got, scale, before = calibrate_host_cost(shape, run, cluster, prof, ref, predicted(want))
+    assert scale == pytest.approx(3.0) and before == pytest.approx(predicted(prof))
+    assert got.comm["cpu_per_byte"]["2"] == pytest.approx(3e-9)
+    assert predicted(got) == pytest.approx(predicted(want))
+    # gradient syncs (none in the calibration step) keep the profiled cost
+    cm = CostModel(shape, run, cluster, got)
+    assert cm.cpu_per_byte(2) == pytest.approx(3e-9) and cm.sync_cpu_per_byte() == pytest.approx(1e-9)
+    mixed = [2, 1, 2, 2]
+    plain = CostModel(shape, run, cluster, want).plan_time(mixed)
+    sync_bytes = shape.block_params("mlp") * 4
+    assert cm.plan_time(mixed) == pytest.approx(plain - sync_bytes * 2e-9)
+    _, scale, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e-6)  # faster than compute
+    assert scale == 0.0
+    _, scale, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e6, max_scale=50.0)
+    assert scale == 50.0
+    same, scale, _ = calibrate_host_cost(shape, run, cluster, base, ref, 1e6)
+    assert same is base and scale == 1.0
 
 
 def test_ilp_solves_96_blocks_by_4_degrees_fast():
@@ -240,23 +281,29 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
 
 
 def test_plan_auto_end_to_end(tmp_path, run_train):
-    """``parallel.plan=auto`` on a live 2-process job: collectives and the compute
-    slowdown under them measured, blocks profiled on both ranks (averaged), solved on
-    rank 0, degrees broadcast, plan and profile written, and the run trains."""
+    """``parallel.plan=auto`` on a live 2-process job: collectives and the host cost of
+    communication measured, blocks profiled on both ranks (averaged), real steps at
+    degree tp calibrate the model, solved on rank 0, degrees broadcast, plan and
+    profile written, and the run trains."""
     out = tmp_path / "run"
     proc = run_train(["--config", "configs/gpt-tiny.yaml", "model.d_model=64", "model.n_layer=2",
                       "model.n_head=4", "model.n_kv_heads=4", "model.ffn_hidden=128",
                       "model.seq_len=32", "parallel.tp=2", "parallel.plan=auto",
                       "train.micro_batch_size=4", "train.steps=2", "data.kind=synthetic",
                       "data.val_path=", "eval.interval=0", "wandb.mode=disabled",
-                      "checkpoint.interval=0", "checkpoint.save_final=false", f"out_dir={out}"],
+                      "checkpoint.interval=0", "checkpoint.save_final=false", f"out_dir={out}",
+                      "parallel.plan_calibration_steps=1"],
                      env={"HOME": str(tmp_path)})  # the profile DB goes to this HOME
     assert "plan=auto: wrote" in proc.stdout
+    assert "plan=auto: calibration: measured" in proc.stdout
     plan = load_plan(out / "plan.yaml")
     assert len(plan.degrees) == 4 and set(plan.degrees) <= {1, 2}
     prof = yaml.safe_load((out / "profile.json").read_text())
     assert set(prof["comm"]["cpu_per_byte"]) == {"2"} and prof["comm"]["cpu_per_byte"]["2"] >= 0
     assert set(prof["blocks"]["attn"]) == {"1", "2"}
+    cal = prof["calibration"]
+    assert cal["degrees"] == [2, 2, 2, 2] and cal["measured_s"] > 0 and cal["steps"] == 1
+    assert cal["host_cost_scale"] >= 0
     assert (tmp_path / ".cache" / "oases" / "profile_db.json").exists()
     recs = [yaml.safe_load(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
     assert max(r.get("step", 0) for r in recs) == 2

@@ -29,7 +29,8 @@ one auxiliary variable in the ILP).
 
 On a host whose cores also move the bytes (CPU ranks), an overlapped
 collective still takes compute cycles: the profiler measures that loss per byte
-(``cpu_per_byte``) and every overlapped collective's bytes add it.
+(``cpu_per_byte``) and every overlapped collective's bytes add it;
+:func:`calibrate_host_cost` scales it to a real step.
 
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
@@ -182,9 +183,18 @@ class CostModel:
             return m[str(t)]
         return max(m.values(), default=0.0) if t > 1 else 0.0
 
+    def sync_cpu_per_byte(self) -> float:
+        """The same for gradient syncs: as profiled (a calibration step at degree T has
+        no replica syncs to say otherwise)."""
+        m = self.profile.comm.get("cpu_per_byte_sync")
+        if m is None:
+            return self.cpu_per_byte(self.T)
+        return m.get(str(self.T), max(m.values(), default=0.0))
+
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
         self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
+        self.free = {}
         for kind in ("attn", "mlp"):
             for t in self.degrees:
                 prof = self.profile.blocks[kind][str(t)]
@@ -205,15 +215,19 @@ class CostModel:
                 self.mem[kind, t] = static + nsub * saved
                 # rebuilt during backward: one block's graph per sub-batch
                 self.trans[kind, t] = nsub * prof["saved"] if r.recompute != "none" else 0.0
+                # What block i's backward leaves for the gradient syncs of the blocks
+                # after it to hide behind (their syncs start once the last sub-batch has
+                # done their backward). Under oases the sub-batches take turns at every
+                # collective: below such a block both still have this block to do. A
+                # degree-1 block has no collective, so one sub-batch runs through it
+                # (and its degree-1 neighbours) before the other: only the second
+                # sub-batch's share is left. The syncs' link is not always the TP
+                # all-reduces' one (replicas sit in other subgroups), so those are not
+                # subtracted.
+                interleaved = t > 1 or r.schedule == "megatron"
+                self.free[kind, t] = (nsub if interleaved else 1) * bwd
         mb = self._act_bytes(self.T)
         self.m_edge = self.ar_time(self.T, mb)     # embedding's forward / head's backward all-reduce
-        # Where the gradient sync of block i can hide: the backward compute of the blocks
-        # before it (run after it), taken at degree T (compute per rank barely depends on
-        # the degree). The syncs' link is not always the TP all-reduces' one (replicas
-        # sit in different subgroups, across other links), so those are not subtracted.
-        free = [nsub * self.cb[k, self.T] for k in self.kinds] \
-            if self.T in self.degrees else [0.0] * len(self.kinds)
-        self.hide = [sum(free[:i]) for i in range(len(self.kinds))]
 
     # ------------------------------------------------------------- the model
     def node_cost(self, i: int, t: int) -> float:
@@ -240,21 +254,26 @@ class CostModel:
         if i == self.n - 1:
             cost += self.edge_out(t)
         if self.sync[k, t] and r.schedule == "oases":  # its replica sync steals cycles too
-            cost += self.shape.block_params(k) / t * 4 * self.cpu_per_byte(self.T)
+            cost += self.shape.block_params(k) / t * 4 * self.sync_cpu_per_byte()
         return cost * r.grad_accum
 
     def sync_exposed(self, degrees: list[int]) -> float:
         """The replica gradient syncs that outlast the backward. Backward runs blocks
         n-1 .. 0 and the reducer launches block i's sync as soon as its gradients are
         ready; the syncs queue on the link in launch order. Those launched from block i
-        on (blocks i, i-1, .., 0) hide behind the backward of blocks i-1 .. 0
-        (``hide[i]``), so the last ends max_i(sum_{j<=i} sync_j - hide_i)
-        after the backward, if that is positive. (A max of sums: linear in the ILP.)"""
-        tail = [self.sync_prefix(degrees, i) - self.hide[i] for i in range(self.n)]
+        on (blocks i, i-1, .., 0) hide behind what is left of the backward, blocks
+        i-1 .. 0 (:meth:`hide`), so the last ends max_i(sum_{j<=i} sync_j - hide_i)
+        after the backward, if that is positive. (A max of sums, each linear in the
+        one-hot degrees: linear in the ILP.)"""
+        tail = [self.sync_prefix(degrees, i) - self.hide(degrees, i) for i in range(self.n)]
         return max(0.0, *tail)
 
     def sync_prefix(self, degrees: list[int], i: int) -> float:
         return sum(self.sync[self.kinds[j], degrees[j]] for j in range(i + 1))
+
+    def hide(self, degrees: list[int], i: int) -> float:
+        """Backward compute left after block i's gradients are complete."""
+        return sum(self.free[self.kinds[j], degrees[j]] for j in range(i))
 
     def _reshard(self, i: int, ta: int, tb: int) -> float:
         """All-gathers between block i-1 (degree ta) and block i (degree tb), per micro-batch."""
@@ -344,3 +363,35 @@ def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
                             "step": 0.0, "peak": 3 * run.micro_batch_size * s *
                             shape.vocab_size / run.tp * 4})
 
+
+
+def calibrate_host_cost(shape: ModelShape, run: RunShape, cluster, profile: Profile,
+                        degrees: list[int], measured_s: float,
+                        max_scale: float = 50.0) -> tuple[Profile, float, float]:
+    """Fit the host cost of communication to one measured step time.
+
+    The profiler's ``cpu_per_byte`` comes from an isolated measurement; in a real step
+    communication can cost the host more (on an oversubscribed host every collective
+    also waits for the rank the scheduler left behind) or less. The predicted step
+    time is linear in that cost, so one real step of ``degrees`` (a uniform plan: the
+    most collectives) fixes a scale for it, clamped to [0, ``max_scale``]. The scale
+    applies to the activation collectives the step ran (TP all-reduces, reshard
+    all-gathers); the gradient syncs keep the profiled figure. Returns the profile with
+    the scaled cost, the scale, and the prediction before scaling. Without a host cost
+    (e.g. GPUs) there is nothing to scale: the profile comes back as is."""
+    cpb = profile.comm.get("cpu_per_byte", {})
+
+    def predict(scale: float) -> tuple[Profile, float]:
+        comm = dict(profile.comm)
+        comm.setdefault("cpu_per_byte_sync", dict(cpb))
+        comm["cpu_per_byte"] = {k: v * scale for k, v in cpb.items()}
+        p = Profile(profile.blocks, profile.constant, comm)
+        return p, CostModel(shape, run, cluster, p).plan_time(degrees)
+
+    before = predict(1.0)[1]
+    if not any(v > 0 for v in cpb.values()):
+        return profile, 1.0, before
+    t0 = predict(0.0)[1]
+    slope = before - t0
+    scale = min(max((measured_s - t0) / slope, 0.0), max_scale) if slope > 0 else 1.0
+    return predict(scale)[0], scale, before

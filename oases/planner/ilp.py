@@ -9,7 +9,7 @@ replica gradient syncs that outlast the backward (also a max, linearised).
 
     minimise   sum node[i,k] x[i,k] + sum edge[i,k,l] y[i,k,l] + e
     subject to sum mem[i,k] x[i,k] + z + static <= memory limit
-               e >= sum_{j<=i} sync[j,k] x[j,k] - hide[i]   for every i
+               e >= sum_{j<=i} sync[j,k] x[j,k] - sum_{j<i} free[j,k] x[j,k]   for every i
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Sol
     prob += pulp.lpSum(obj) + cm.constant_time() + e
     for i in range(n):  # e >= what the syncs launched from block i on need beyond the backward
         prob += e >= pulp.lpSum(cm.sync[cm.kinds[j], t] * x[j][k] for j in range(i + 1)
-                                for k, t in enumerate(D)) - cm.hide[i]
+                                for k, t in enumerate(D)) - \
+            pulp.lpSum(cm.free[cm.kinds[j], t] * x[j][k] for j in range(i) for k, t in enumerate(D))
     for i in range(n):
         prob += pulp.lpSum(x[i]) == 1
         prob += z >= pulp.lpSum(cm.trans[cm.kinds[i], t] * x[i][k] for k, t in enumerate(D))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -286,7 +287,66 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
     return out
 
 
-def _cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int = 3) -> float:
+def _cpu_per_byte(ctx, group, fit: list[float]) -> float:
+    """Compute time lost per byte all-reduced over ``group`` while compute runs: from the
+    host's CPU accounting on CPU ranks (Linux), else from a compute loop's slowdown."""
+    if ctx.device.type == "cpu" and _host_busy_s() is not None:
+        return _host_cpu_per_byte(ctx, group, fit)
+    return _slowdown_per_byte(ctx, group, fit)
+
+
+def _host_busy_s() -> Optional[float]:
+    """CPU-seconds this host's cores have spent working since boot (user, nice, system,
+    irq, softirq: not idle, iowait or time a hypervisor stole), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        v = [int(x) for x in fields[1:8]]
+    except (OSError, ValueError):
+        return None
+    if len(v) < 7:
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def _host_cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20,
+                       window_s: float = 0.4, reps: int = 3) -> float:
+    """Host CPU time the collectives take, as compute time lost per byte all-reduced.
+
+    On CPU ranks the communication runs on the cores that compute: gloo's threads and
+    the kernel's network stack (on the emulated cluster also the veth, bridge and tc
+    work of every link). All ranks all-reduce back to back over ``group`` for about
+    ``window_s`` with nothing else to do, and the host's busy CPU-seconds in that
+    window (less those of an idle window as long: other load on the machine) are the
+    collectives' cost. In a step the host's cores are busy computing, so that cost
+    comes out of compute, spread over the cores: every rank on the host loses
+    busy / cores seconds, per byte it all-reduced. (Every rank on a host reads the same
+    counters, the emulated cluster's namespaces included: nothing is summed over ranks.)
+    A direct measurement: timing a compute loop with and without collectives is lost
+    in scheduler noise as soon as a host runs more ranks than it has cores."""
+    dev = ctx.device
+    per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
+    k = max(4, min(64, int(window_s / per_ar) + 1))
+    bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
+    cores = os.cpu_count() or 1
+    costs = []
+    for _ in range(reps):
+        dist.barrier()
+        b0, t0 = _host_busy_s(), time.perf_counter()
+        for w in [dist.all_reduce(x, group=group, async_op=True) for x in bufs]:
+            w.wait()
+        dist.barrier()
+        b1, dt = _host_busy_s(), time.perf_counter() - t0
+        time.sleep(dt)  # the same window with nothing running: the machine's own load
+        dist.barrier()
+        b2 = _host_busy_s()
+        costs.append(max(0.0, (b1 - b0) - (b2 - b1)) / cores / (k * nbytes))
+    res = torch.tensor([statistics.median(costs)], dtype=torch.float64, device=dev)
+    dist.all_reduce(res, op=dist.ReduceOp.MAX)  # the busiest host sets the pace
+    return float(res)
+
+
+def _slowdown_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int = 3) -> float:
     """Compute time lost per byte all-reduced over ``group`` while compute runs.
 
     On a host whose cores also drive the network (CPU ranks: gloo threads, the

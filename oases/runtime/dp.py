@@ -2,7 +2,10 @@
 
 Gradients live in flat per-bucket buffers (``param.grad`` is a view into them),
 so one all-reduce covers a whole bucket. Buckets are filled in reverse
-parameter order, roughly the order backward produces gradients. During the
+parameter order, roughly the order backward produces gradients, and never span
+two blocks of the model's block protocol (``model.blocks()``): a block's
+gradients leave as soon as its backward is done, rather than waiting for the
+blocks below it to fill the bucket (the planner's cost model counts on that). During the
 backward of the *last* micro-batch of a step (``arm()``), a post-accumulate
 hook counts how often each parameter's gradient was accumulated; once every
 parameter of a bucket has had all its accumulations, the bucket's all-reduce
@@ -64,18 +67,27 @@ class GradReducer:
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit = int(bucket_mb * 2**20)
-        open_: dict[int, tuple[object, list, int]] = {}  # per group: (group, params, bytes)
+        block_of: dict[int, int] = {}  # parameter -> its block (others: -1)
+        for i, blk in enumerate(model.blocks() if hasattr(model, "blocks") else []):
+            for p in blk.parameters():
+                block_of.setdefault(id(p), i)
+        # per group: (group, params, bytes, block of those params)
+        open_: dict[int, tuple[object, list, int, int]] = {}
         for p in reversed(params):
             g = group_of(p)
             key = id(g)
-            grp, cur, size = open_.get(key, (g, [], 0))
+            blk = block_of.get(id(p), -1)
+            grp, cur, size, cur_blk = open_.get(key, (g, [], 0, blk))
+            if cur and blk != cur_blk:  # a bucket never spans two blocks
+                self._add(cur, grp)
+                cur, size = [], 0
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= limit:
                 self._add(cur, grp)
                 cur, size = [], 0
-            open_[key] = (grp, cur, size)
-        for grp, cur, _ in open_.values():
+            open_[key] = (grp, cur, size, blk)
+        for grp, cur, _, _ in open_.values():
             if cur:
                 self._add(cur, grp)
         self.active = any(b.group is not None and dist.get_world_size(b.group) > 1

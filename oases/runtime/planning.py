@@ -5,15 +5,18 @@ collective), block compute on every rank at once (so that the measurement sees
 the contention of a real step; the figures are averaged over the ranks: with
 more processes than cores, one rank's time slices are noisy), unless rank 0's
 profile DB already holds this model and machine. Rank 0 solves the ILP and
-broadcasts the degrees. The plan goes to ``<out_dir>/plan.yaml``, the whole
-profile (compute and collectives) to ``<out_dir>/profile.json``.
+broadcasts the degrees. Before solving, a few real training steps with every block
+at degree tp calibrate the cost model's host cost of communication
+(``parallel.plan_calibration_steps``; :func:`oases.planner.cost.calibrate_host_cost`).
+The plan goes to ``<out_dir>/plan.yaml``, the whole profile (compute, collectives,
+calibration) to ``<out_dir>/profile.json``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,13 +27,19 @@ from oases.parallel.groups import ParallelContext
 from oases.planner.plan import batch_divisor, check_plan, load_plan
 
 
-def resolve_plan(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
-    """The per-block degrees for this run, or None (every block at degree tp)."""
+StepTimer = Callable[[Optional[list[int]], int], float]
+
+
+def resolve_plan(cfg: Config, ctx: ParallelContext,
+                 time_steps: Optional[StepTimer] = None) -> Optional[list[int]]:
+    """The per-block degrees for this run, or None (every block at degree tp).
+    ``time_steps(degrees, n)``: the median time of n real steps with those degrees
+    (collective), for ``plan=auto``'s calibration."""
     p = cfg.parallel
     if not p.plan:
         return None
     if p.plan == "auto":
-        degrees = _auto(cfg, ctx)
+        degrees = _auto(cfg, ctx, time_steps)
     else:
         degrees = check_plan(load_plan(p.plan), cfg.model, p.tp, f"plan file {p.plan}")
     k = batch_divisor(degrees, p.tp)
@@ -44,11 +53,10 @@ def resolve_plan(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
     return degrees
 
 
-def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
+def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) -> list[int]:
     from oases.plan import make_plan, report, run_shape
     from oases.planner.cluster import Cluster, load_cluster
-    from oases.planner.cost import Profile
-    from oases.planner.cost import ModelShape
+    from oases.planner.cost import ModelShape, Profile, calibrate_host_cost
     from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_comm,
                                        profile_key, save_profile)
 
@@ -65,18 +73,37 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
         prof = _rank_mean(prof, ctx)
         if ctx.is_main:
             save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
+    n_cal = cfg.parallel.plan_calibration_steps if time_steps is not None else 0
+    measured = None
+    if n_cal:
+        log(f"plan=auto: calibrating: {n_cal} training steps (after 2 warm-up steps) with "
+            f"every block at degree {ctx.tp}")
+        measured = time_steps(None, n_cal)
     obj: list = [None]
     if ctx.is_main:
         try:
             profile = Profile(prof.blocks, prof.constant, comm)
-            (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(
-                {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}, indent=1))
             if cfg.parallel.cluster:
                 cluster = load_cluster(cfg.parallel.cluster)
             else:  # links come from the measured collectives; only the memory matters
                 mem = (torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
                        if ctx.device.type == "cuda" else 1e6)
                 cluster = Cluster("this-cluster", ctx.world_size, 1, mem, 1.0, 1.0)
+            record = {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}
+            if measured is not None:
+                ref = [ctx.tp] * 2 * cfg.model.n_layer
+                profile, scale, before = calibrate_host_cost(
+                    ModelShape.from_config(cfg.model), run, cluster, profile, ref, measured)
+                after = _cost_model(cfg, run, cluster, profile).plan_time(ref)
+                log(f"plan=auto: calibration: measured {1e3 * measured:.1f} ms/step at degree "
+                    f"{ctx.tp}, predicted {1e3 * before:.1f} ms; host cost of communication "
+                    f"x{scale:.2f} -> predicted {1e3 * after:.1f} ms")
+                record["comm"] = profile.comm
+                record["calibration"] = {"degrees": ref, "measured_s": measured,
+                                         "predicted_before_s": before, "host_cost_scale": scale,
+                                         "predicted_s": after, "steps": n_cal,
+                                         "cpu_per_byte_profiled": comm.get("cpu_per_byte", {})}
+            (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(record, indent=1))
             limit_gib = cfg.parallel.memory_limit_gib or cluster.device_memory_gib
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
             report(plan, cm, uni)
@@ -90,6 +117,12 @@ def _auto(cfg: Config, ctx: ParallelContext) -> list[int]:
     if isinstance(obj[0], UserError):
         raise obj[0]
     return obj[0]
+
+
+def _cost_model(cfg: Config, run, cluster, profile):
+    from oases.planner.cost import CostModel, ModelShape
+
+    return CostModel(ModelShape.from_config(cfg.model), run, cluster, profile)
 
 
 def _rank_mean(prof, ctx: ParallelContext):

@@ -11,8 +11,10 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -98,6 +100,57 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     else:
         reducer.zero_grad()
     return loss, norm
+
+
+class _FixedBatches:
+    """One random micro-batch, over and over (timing only)."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        g = torch.Generator().manual_seed(cfg.seed)
+        ids = torch.randint(0, cfg.model.vocab_size,
+                            (cfg.train.micro_batch_size, cfg.model.seq_len + 1), generator=g)
+        self.x, self.y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def next_batch(self):
+        return self.x, self.y
+
+
+def time_steps(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]], steps: int,
+               warmup: int = 2) -> float:
+    """Median wall time of ``steps`` real training steps (after ``warmup``) with these
+    per-block degrees (None: every block at tp), on a throwaway model fed one random
+    micro-batch; the slowest rank's figure. Collective: every rank calls it."""
+    tracker = TPRNGTracker(ctx.device)
+    tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
+    par = cfg.parallel
+    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
+                        par.recompute if par.schedule == "megatron" else "none",
+                        seed=cfg.seed, device=ctx.device, degrees=degrees,
+                        degree_groups=ctx.degree_groups() if degrees is not None else None)
+    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+                              tracker, None)
+    model.train()
+    opt = build_optimizer(model, cfg.train, ctx.device)
+    reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb,
+                          group_of=grad_group_of(ctx, ctx.tp))
+    batches = _FixedBatches(cfg, ctx.device)
+    times = []
+    for i in range(warmup + steps):
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del model, opt, reducer
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    res = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
+    if dist.is_initialized():
+        dist.all_reduce(res, op=dist.ReduceOp.MAX)
+    return float(res)
 
 
 @torch.no_grad()
@@ -224,7 +277,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                          cfg.model.vocab_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp,
                          cfg.eval.max_batches)
     par = cfg.parallel
-    degrees = resolve_plan(cfg, ctx)  # per-block TP degrees, or None: all at tp
+    # per-block TP degrees, or None: all at tp
+    degrees = resolve_plan(cfg, ctx, lambda d, n: time_steps(cfg, ctx, d, n))
     if degrees is not None and ctx.is_main:
         print(f"plan: per-block TP degrees {degrees}", flush=True)
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
