@@ -39,7 +39,10 @@ def resolve_plan(cfg: Config, ctx: ParallelContext,
     if not p.plan:
         return None
     if p.plan == "auto":
-        degrees = _auto(cfg, ctx, time_steps)
+        # profiling and calibration draw random numbers: the run that follows must not
+        # depend on them (plan=auto trains as the plan file it writes would)
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            degrees = _auto(cfg, ctx, time_steps)
     else:
         degrees = check_plan(load_plan(p.plan), cfg.model, p.tp, f"plan file {p.plan}")
     k = batch_divisor(degrees, p.tp)
