@@ -102,6 +102,27 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     return loss, norm
 
 
+def _build_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
+                 degrees: Optional[list[int]], seed: Optional[int]):
+    par = cfg.parallel
+    return build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
+                       par.recompute if par.schedule == "megatron" else "none",
+                       seed=seed, device=ctx.device, degrees=degrees,
+                       degree_groups=ctx.degree_groups() if degrees is not None else None)
+
+
+def _build_training(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer):
+    """Schedule, optimizer and gradient reducer of ``model`` (put in training mode)."""
+    par = cfg.parallel
+    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+                              tracker, tracer)
+    model.train()
+    opt = build_optimizer(model, cfg.train, ctx.device)
+    reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb,
+                          group_of=grad_group_of(ctx, ctx.tp))
+    return schedule, opt, reducer
+
+
 class _FixedBatches:
     """One random micro-batch, over and over (timing only)."""
 
@@ -130,17 +151,8 @@ def _time_steps(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]],
                 warmup: int) -> float:
     tracker = TPRNGTracker(ctx.device)
     tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
-    par = cfg.parallel
-    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                        par.recompute if par.schedule == "megatron" else "none",
-                        seed=cfg.seed, device=ctx.device, degrees=degrees,
-                        degree_groups=ctx.degree_groups() if degrees is not None else None)
-    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, None)
-    model.train()
-    opt = build_optimizer(model, cfg.train, ctx.device)
-    reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb,
-                          group_of=grad_group_of(ctx, ctx.tp))
+    model = _build_model(cfg, ctx, tracker, degrees, cfg.seed)
+    schedule, opt, reducer = _build_training(cfg, ctx, model, tracker, None)
     batches = _FixedBatches(cfg, ctx.device)
     times = []
     for i in range(warmup + steps):
@@ -289,11 +301,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     degrees = resolve_plan(cfg, ctx, lambda d, n: time_steps(cfg, ctx, d, n))
     if degrees is not None and ctx.is_main:
         print(f"plan: per-block TP degrees {degrees}", flush=True)
-    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                        par.recompute if par.schedule == "megatron" else "none",
-                        seed=None if cfg.model.init_from else cfg.seed, device=ctx.device,
-                        degrees=degrees,
-                        degree_groups=ctx.degree_groups() if degrees is not None else None)
+    model = _build_model(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         existing = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
         if existing is not None:  # resume wins: the checkpoint loaded below overwrites all
@@ -308,12 +316,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             if ctx.is_main:
                 print(f"model.init_from: loaded {cfg.model.init_from}", flush=True)
     tracer = Tracer(ctx.rank) if par.trace else None
-    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, tracer)
-    model.train()
-    opt = build_optimizer(model, cfg.train, ctx.device)
-    reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb,
-                          group_of=grad_group_of(ctx, ctx.tp))
+    schedule, opt, reducer = _build_training(cfg, ctx, model, tracker, tracer)
 
     if cfg.eval.only:
         # Validation loss of the loaded weights (resume=auto's checkpoint, else init_from
