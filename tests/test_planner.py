@@ -109,8 +109,10 @@ def test_calibration_fits_the_host_cost_to_a_measured_step():
         return CostModel(shape, run, cluster, p).plan_time(ref)
 
     want = Profile(base.blocks, base.constant, {"cpu_per_byte": {"2": 3e-9}})
-    got, scale, before = calibrate_host_cost(shape, run, cluster, prof, ref, predicted(want))
+    got, scale, before, after = calibrate_host_cost(shape, run, cluster, prof, ref,
+                                                    predicted(want))
     assert scale == pytest.approx(3.0) and before == pytest.approx(predicted(prof))
+    assert after == pytest.approx(predicted(want))
     assert got.comm["cpu_per_byte"]["2"] == pytest.approx(3e-9)
     assert predicted(got) == pytest.approx(predicted(want))
     # gradient syncs (none in the calibration step) keep the profiled cost
@@ -120,11 +122,11 @@ def test_calibration_fits_the_host_cost_to_a_measured_step():
     plain = CostModel(shape, run, cluster, want).plan_time(mixed)
     sync_bytes = shape.block_params("mlp") * 4
     assert cm.plan_time(mixed) == pytest.approx(plain - sync_bytes * 2e-9)
-    _, scale, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e-6)  # faster than compute
+    _, scale, _, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e-6)  # faster than compute
     assert scale == 0.0
-    _, scale, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e6, max_scale=50.0)
+    _, scale, _, _ = calibrate_host_cost(shape, run, cluster, prof, ref, 1e6, max_scale=50.0)
     assert scale == 50.0
-    same, scale, _ = calibrate_host_cost(shape, run, cluster, base, ref, 1e6)
+    same, scale, _, _ = calibrate_host_cost(shape, run, cluster, base, ref, 1e6)
     assert same is base and scale == 1.0
 
 

@@ -363,11 +363,9 @@ def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
                             "step": 0.0, "peak": 3 * run.micro_batch_size * s *
                             shape.vocab_size / run.tp * 4})
 
-
-
 def calibrate_host_cost(shape: ModelShape, run: RunShape, cluster, profile: Profile,
                         degrees: list[int], measured_s: float,
-                        max_scale: float = 50.0) -> tuple[Profile, float, float]:
+                        max_scale: float = 50.0) -> tuple[Profile, float, float, float]:
     """Fit the host cost of communication to one measured step time.
 
     The profiler's ``cpu_per_byte`` comes from an isolated measurement; in a real step
@@ -377,8 +375,8 @@ def calibrate_host_cost(shape: ModelShape, run: RunShape, cluster, profile: Prof
     most collectives) fixes a scale for it, clamped to [0, ``max_scale``]. The scale
     applies to the activation collectives the step ran (TP all-reduces, reshard
     all-gathers); the gradient syncs keep the profiled figure. Returns the profile with
-    the scaled cost, the scale, and the prediction before scaling. Without a host cost
-    (e.g. GPUs) there is nothing to scale: the profile comes back as is."""
+    the scaled cost, the scale, and the predictions before and after scaling. Without a
+    host cost (e.g. GPUs) there is nothing to scale: the profile comes back as is."""
     cpb = profile.comm.get("cpu_per_byte", {})
 
     def predict(scale: float) -> tuple[Profile, float]:
@@ -390,8 +388,9 @@ def calibrate_host_cost(shape: ModelShape, run: RunShape, cluster, profile: Prof
 
     before = predict(1.0)[1]
     if not any(v > 0 for v in cpb.values()):
-        return profile, 1.0, before
+        return profile, 1.0, before, before
     t0 = predict(0.0)[1]
     slope = before - t0
     scale = min(max((measured_s - t0) / slope, 0.0), max_scale) if slope > 0 else 1.0
-    return predict(scale)[0], scale, before
+    calibrated, after = predict(scale)
+    return calibrated, scale, before, after

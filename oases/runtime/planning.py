@@ -95,9 +95,8 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
             record = {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}
             if measured is not None:
                 ref = [ctx.tp] * 2 * cfg.model.n_layer
-                profile, scale, before = calibrate_host_cost(
+                profile, scale, before, after = calibrate_host_cost(
                     ModelShape.from_config(cfg.model), run, cluster, profile, ref, measured)
-                after = _cost_model(cfg, run, cluster, profile).plan_time(ref)
                 log(f"plan=auto: calibration: measured {1e3 * measured:.1f} ms/step at degree "
                     f"{ctx.tp}, predicted {1e3 * before:.1f} ms; host cost of communication "
                     f"x{scale:.2f} -> predicted {1e3 * after:.1f} ms")
@@ -120,12 +119,6 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
     if isinstance(obj[0], UserError):
         raise obj[0]
     return obj[0]
-
-
-def _cost_model(cfg: Config, run, cluster, profile):
-    from oases.planner.cost import CostModel, ModelShape
-
-    return CostModel(ModelShape.from_config(cfg.model), run, cluster, profile)
 
 
 def _rank_mean(prof, ctx: ParallelContext):

@@ -140,15 +140,9 @@ def time_steps(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]], 
                warmup: int = 2) -> float:
     """Median wall time of ``steps`` real training steps (after ``warmup``) with these
     per-block degrees (None: every block at tp), on a throwaway model fed one random
-    micro-batch; the slowest rank's figure. Collective: every rank calls it. The random
-    state is left as it was, so the run that follows does not depend on it."""
-    devices = [ctx.device] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        return _time_steps(cfg, ctx, degrees, steps, warmup)
-
-
-def _time_steps(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]], steps: int,
-                warmup: int) -> float:
+    micro-batch; the slowest rank's figure. Collective: every rank calls it. It draws
+    random numbers: callers that must not be affected fork the random state
+    (``resolve_plan`` does)."""
     tracker = TPRNGTracker(ctx.device)
     tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
     model = _build_model(cfg, ctx, tracker, degrees, cfg.seed)
