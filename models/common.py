@@ -1,11 +1,17 @@
 """Pieces shared by GPT and LLaMA: norms, attention and MLP blocks, the LM base.
 
-Parameter names are stable across TP degrees (they key initialisation,
-checkpoints and HF import):
+Parameter names are stable across TP degrees and pipeline stages (they key
+initialisation, checkpoints and HF import; ``i`` is the layer's index in the whole
+model, whichever stage holds it):
 
     embed.wte.weight   embed.wpe.weight (GPT)
     layers.{i}.attn.{norm,qkv,proj}.*   layers.{i}.mlp.{norm,fc,proj}.*
     norm.*   head.weight (untied only)
+
+A pipeline stage builds only its own layers; the first stage the embedding, the
+last the final norm, the head and the loss. With tied embeddings the last stage
+holds a copy of ``embed.wte.weight`` (same name, same initial value) for its
+head; the runtime sums the two copies' gradients, so they stay equal.
 """
 
 from __future__ import annotations
@@ -184,6 +190,33 @@ class TokenEmbedding(TPBlock):
         return self.dropout(reduced)
 
 
+class TiedEmbedding(nn.Module):
+    """The last stage's copy of the tied token embedding (``embed.wte``), used by the
+    head. Marked ``shared_copy``: gradient norms count the first stage's copy only."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group) -> None:
+        super().__init__()
+        self.wte = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp_group,
+                                          logical=cfg.vocab_size, reduce_output=False,
+                                          init_std=cfg.init_std)
+        self.wte.weight.shared_copy = True
+
+
+class LayerStack(nn.ModuleDict):
+    """The transformer layers a model (or a pipeline stage) holds, named by their index
+    in the whole model (``layers.5.*`` on whichever stage owns layer 5); iterates over
+    the layers in order and indexes by that global index."""
+
+    def __init__(self, layers, first: int = 0) -> None:
+        super().__init__({str(first + i): layer for i, layer in enumerate(layers)})
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, attn: TPBlock, mlp: TPBlock, resharder=None) -> None:
         super().__init__()
@@ -207,45 +240,59 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group=None,
                  tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
-                 degrees: Optional[list[int]] = None, degree_groups=None) -> None:
+                 degrees: Optional[list[int]] = None, degree_groups=None,
+                 stage: Optional[tuple[int, int]] = None) -> None:
         """``degrees``: a TP degree per transformer block (attn, mlp of each layer, in
         order; see oases.parallel.reshard), with ``degree_groups`` holding the groups.
-        None: every block uses the whole TP group."""
+        None: every block uses the whole TP group. ``stage``: the layers [start, stop)
+        of the pipeline stage this rank runs (default: all of them); ``degrees`` then
+        covers that stage's blocks only."""
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
         self.tracker = tracker
         self.recompute = recompute
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
-        self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
+        a, b = stage if stage is not None else (0, cfg.n_layer)
+        self.layer_range = (a, b)
+        self.is_first, self.is_last = a == 0, b == cfg.n_layer
         T = group_size(tp_group)
-        if degrees is not None and len(degrees) != 2 * cfg.n_layer:
-            raise ValueError(f"{len(degrees)} block degrees for {2 * cfg.n_layer} blocks")
+        self.home_degree = T  # degree of the stage's input and output (replicated over TP)
+        if self.is_first:
+            self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
+        elif self.is_last and cfg.tie_embeddings:
+            self.embed = TiedEmbedding(cfg, padded_vocab, tp_group)
+        else:
+            self.embed = None
+        if degrees is not None and len(degrees) != 2 * (b - a):
+            raise ValueError(f"{len(degrees)} block degrees for {2 * (b - a)} blocks")
         self.resharder = degree_groups if degrees is not None and set(degrees) != {T} else None
 
         def group(j: int):
             return tp_group if self.resharder is None else degree_groups.sub[degrees[j]]
 
         rotary = self.make_rotary(cfg)
-        self.layers = nn.ModuleList(
+        self.layers = LayerStack([
             TransformerLayer(
                 ParallelAttention(cfg, self.make_norm(cfg), group(2 * i), tracker, rotary),
                 self.make_mlp(cfg, self.make_norm(cfg), group(2 * i + 1)), self.resharder)
-            for i in range(cfg.n_layer))
+            for i in range(b - a)], first=a)
         for blk in self.blocks():  # the reduction group of every gradient follows from it
             for p in blk.parameters():
                 p.tp_degree = blk.degree
-        self.norm = self.make_norm(cfg)
-        for p in self.norm.parameters():
-            p.tp_degree = T
-        if cfg.tie_embeddings:
-            self.head = None
-        else:
-            self.head = ColumnParallelLinear(cfg.d_model, padded_vocab, tp_group, bias=False,
-                                             init_std=cfg.init_std)
-            self.head.weight.tp_spec = type(self.head.weight.tp_spec)(
-                0, (padded_vocab, cfg.d_model), logical=cfg.vocab_size)
-            self.head.weight.tp_degree = T
+        self.norm = self.head = None
+        if self.is_last:
+            self.norm = self.make_norm(cfg)
+            for p in self.norm.parameters():
+                p.tp_degree = T
+            if cfg.tie_embeddings:
+                self.embed.wte.weight.tp_degree = T
+            else:
+                self.head = ColumnParallelLinear(cfg.d_model, padded_vocab, tp_group, bias=False,
+                                                 init_std=cfg.init_std)
+                self.head.weight.tp_spec = type(self.head.weight.tp_spec)(
+                    0, (padded_vocab, cfg.d_model), logical=cfg.vocab_size)
+                self.head.weight.tp_degree = T
 
     # -- what a subclass chooses --
     def make_norm(self, cfg: ModelConfig) -> nn.Module:  # pragma: no cover - abstract
@@ -259,8 +306,9 @@ class CausalLM(nn.Module):
 
     # -- the block protocol --
     def blocks(self) -> list[TPBlock]:
-        """Every block in execution order: embedding, then attn/mlp of each layer."""
-        out: list[TPBlock] = [self.embed]
+        """Every block in execution order: embedding (first stage only), then attn/mlp
+        of each layer."""
+        out: list[TPBlock] = [self.embed] if self.is_first else []
         for layer in self.layers:
             out += [layer.attn, layer.mlp]
         return out
@@ -268,15 +316,17 @@ class CausalLM(nn.Module):
     def recompute_groups(self) -> list[tuple[int, int]]:
         """Block index ranges [a, b) recomputed together under recompute=full: one
         transformer layer each (the embedding block is never recomputed)."""
-        return [(1 + 2 * i, 3 + 2 * i) for i in range(len(self.layers))]
+        k = 1 if self.is_first else 0
+        return [(k + 2 * i, k + 2 + 2 * i) for i in range(len(self.layers))]
 
     def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
         return x if t_from == t_to else self.resharder.reshard(x, t_from, t_to)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, d) final hidden states (before the final norm)."""
-        x = self.embed(ids)
-        prev = self.embed.degree
+        """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on
+        a later pipeline stage, the stage's (B, T, d) input -> its output."""
+        x = self.embed(ids) if self.is_first else ids
+        prev = self.home_degree
         for layer in self.layers:
             x = self.reshard(x, prev, layer.attn.degree)
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
@@ -284,7 +334,7 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x)
             prev = layer.mlp.degree
-        return self.reshard(x, prev, self.embed.degree)
+        return self.reshard(x, prev, self.home_degree)
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, T, V_pad/tp) logits of this rank's vocabulary slice."""
@@ -313,8 +363,11 @@ class CausalLM(nn.Module):
         return self.loss_combine(state, stats)
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token loss if ``targets`` is given, else this rank's logits slice."""
+        """Mean next-token loss if ``targets`` is given, else this rank's logits slice.
+        A pipeline stage that is not the last returns its output activation."""
         x = self.hidden(ids)
+        if not self.is_last:
+            return x
         if targets is None:
             return self.head_logits(x)
         return self.loss_from_hidden(x, targets)

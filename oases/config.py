@@ -112,6 +112,18 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    # Pipeline stages: the layers are split into pp stages on consecutive blocks of
+    # world/pp ranks; each stage is dp x tp (dp = world / (pp x tp)), or its own layout
+    # from a plan file's ``stages``.
+    pp: int = 1
+    # "1f1b" (Megatron's), "eager-1f1b" (more warm-up forwards, so each send overlaps the
+    # next forward: paper 002 section 4) or "gpipe" (all forwards, then all backwards)
+    pp_schedule: str = "1f1b"
+    # How activations cross a stage boundary (oases.parallel.cross_mesh): "broadcast"
+    # (each slice crosses once, from load-balanced senders, then fans out inside the
+    # receiving replica), "send" (one send per receiver) or "allgather" (Megatron's
+    # scatter-gather)
+    pp_transfer: str = "broadcast"
     # "megatron": ordinary autograd, blocking all-reduce after every row-parallel layer
     #   (the backward all-reduce of the column input gradient overlaps the weight gradient);
     # "oases": two sub-batches interleaved so every TP collective overlaps compute.
@@ -141,6 +153,9 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
+        _positive("parallel.pp", self.pp)
+        _choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
+        _choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
         _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
         _choice("parallel.recompute", self.recompute, ("none", "full", "fine"))
         if self.recompute == "fine" and self.schedule != "oases":
@@ -253,7 +268,14 @@ class Config:
     # ---- derived values (set by validate) ----
     @property
     def dp(self) -> int:
-        return self._world_size // self.parallel.tp
+        """Data-parallel degree of the default layout: world / (pp x tp)."""
+        return self._world_size // (self.parallel.tp * self.parallel.pp)
+
+    @property
+    def pipeline_batch(self) -> int:
+        """Sequences in one micro-batch of the whole pipeline (all DP replicas): a stage
+        with its own layout (dp_s, tp_s) gives each replica pipeline_batch / dp_s."""
+        return self.train.micro_batch_size * self.dp
 
     @property
     def global_batch_size(self) -> int:
@@ -261,7 +283,11 @@ class Config:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.model.vocab_pad_to * self.parallel.tp
+        return self.padded_vocab(self.parallel.tp)
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of vocab_pad_to x tp (a stage's tp)."""
+        m = self.model.vocab_pad_to * tp
         return math.ceil(self.model.vocab_size / m) * m
 
     def validate(self, world_size: int = 1) -> "Config":
@@ -275,9 +301,23 @@ class Config:
             raise ConfigError("eval.only=true needs data.val_path (the token file to evaluate)")
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
-        tp, m = self.parallel.tp, self.model
+        tp, pp, m = self.parallel.tp, self.parallel.pp, self.model
         if world_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}")
+        if world_size % (pp * tp):
+            raise ConfigError(f"parallel.pp={pp} x parallel.tp={tp} does not divide the world "
+                              f"size {world_size}")
+        if pp > m.n_layer:
+            raise ConfigError(f"parallel.pp={pp} is more stages than model.n_layer={m.n_layer} "
+                              f"layers")
+        n_mb = self.train.grad_accum
+        if pp > 1 and self.parallel.pp_schedule != "gpipe" and n_mb < pp:
+            raise ConfigError(f"train.grad_accum={n_mb} micro-batches is fewer than "
+                              f"parallel.pp={pp} stages: {self.parallel.pp_schedule} needs "
+                              f"at least pp micro-batches per step")
+        if pp > 1 and self.parallel.plan == "auto":
+            raise ConfigError("parallel.plan=auto chooses per-block TP degrees for pp=1 only; "
+                              "with parallel.pp > 1 give a plan file or no plan")
         for what, n in (("model.n_head", m.n_head), ("model.n_kv_heads", m.n_kv_heads),
                         ("model.ffn_hidden", m.ffn_hidden)):
             if n % tp:
@@ -435,8 +475,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     m = cfg.model
+    pp_text = f"pp {cfg.parallel.pp} x " if cfg.parallel.pp > 1 else ""
     print(f"config ok: {m.name} ({m.arch}, {m.n_layer} layers, d {m.d_model}) | "
-          f"world {args.nproc} = dp {cfg.dp} x tp {cfg.parallel.tp} | "
+          f"world {args.nproc} = {pp_text}dp {cfg.dp} x tp {cfg.parallel.tp} | "
           f"global batch {cfg.global_batch_size} x {m.seq_len}")
     return 0
 

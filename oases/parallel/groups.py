@@ -35,6 +35,26 @@ class ParallelContext:
     device: torch.device
     mesh: Optional[object] = None   # DeviceMesh ("dp", "tp"), used for DTensor checkpoints
     _degree_groups: Optional[object] = None
+    # Pipeline (pp > 1): tp, dp and their groups above are this rank's *stage*'s; the
+    # layout (oases.layout.PipelineLayout) says where every stage lives.
+    pp: int = 1
+    stage: int = 0
+    layout: Optional[object] = None
+    # First and last stage with tied embeddings: the ranks at this TP position on both
+    # stages, over which the two copies' gradients are summed.
+    tie_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def stage_size(self) -> int:
+        return self.dp * self.tp
 
     def degree_groups(self):
         """Groups for per-block TP degrees (built on first use; collective: every rank
@@ -70,9 +90,11 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
-                     timeout_s: float = 600.0) -> ParallelContext:
+                     timeout_s: float = 600.0, layout=None,
+                     tie_embeddings: bool = False) -> ParallelContext:
     """Join (or create, for a plain ``python train.py``) the default process group
-    and build the dp x tp groups. Works with torchrun's environment variables."""
+    and build the dp x tp groups, or a pipelined ``layout``'s groups
+    (:func:`build_pipeline_context`). Works with torchrun's environment variables."""
     dev = pick_device(device)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -84,6 +106,8 @@ def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if layout is not None and layout.pp > 1:
+        return build_pipeline_context(layout, dev, tie_embeddings)
     return build_context(tp, dev)
 
 
@@ -100,6 +124,55 @@ def build_context(tp: int, device: torch.device) -> ParallelContext:
                            tp_rank=rank % tp, dp_rank=rank // tp,
                            tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
                            device=device, mesh=mesh)
+
+
+def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -> ParallelContext:
+    """The groups of a pipelined layout (oases.layout.PipelineLayout) over an initialised
+    default process group; returns this rank's stage's context. Collective: every rank
+    creates every group of every stage in the same order (``new_group`` requires it).
+
+        stage s, replica d:  TP group  {first_s + d*tp_s + t : t < tp_s}
+        stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
+    """
+    from oases.parallel.reshard import DegreeGroups
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if layout.world != world:
+        raise UserError(f"the layout has {layout.world} ranks but the world size is {world}")
+    me = layout.stage_of(rank)
+    tp_group = dp_group = tie_group = degree_groups = None
+    for s, st in enumerate(layout.stages):
+        for d in range(st.dp):
+            ranks = [st.first + d * st.tp + t for t in range(st.tp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                tp_group = g
+        for t in range(st.tp):
+            ranks = [st.first + d * st.tp + t for d in range(st.dp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                dp_group = g
+    for s, st in enumerate(layout.stages):
+        if st.degrees is not None and set(st.degrees) != {st.tp}:
+            mine = s == me
+            dg = DegreeGroups(rank, world, st.tp, st.dp, tp_group if mine else None,
+                              dp_group if mine else None, base=st.first)
+            if mine:
+                degree_groups = dg
+    first, last = layout.stages[0], layout.stages[-1]
+    if tie_embeddings and layout.pp > 1:
+        for t in range(first.tp):  # resolve_layout checked first.tp == last.tp
+            ranks = ([first.first + d * first.tp + t for d in range(first.dp)] +
+                     [last.first + d * last.tp + t for d in range(last.dp)])
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                tie_group = g
+    st = layout.stages[me]
+    dp_rank, tp_rank = st.coords(rank)
+    return ParallelContext(rank=rank, world_size=world, tp=st.tp, dp=st.dp, tp_rank=tp_rank,
+                           dp_rank=dp_rank, tp_group=tp_group, dp_group=dp_group,
+                           device=device, _degree_groups=degree_groups, pp=layout.pp,
+                           stage=me, layout=layout, tie_group=tie_group)
 
 
 def _free_port() -> int:

@@ -46,10 +46,13 @@ class DegreeGroups:
     """All process groups for per-block degrees. Built collectively: every rank
     creates every group in the same order (``new_group`` is collective)."""
 
-    def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group) -> None:
+    def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group,
+                 base: int = 0) -> None:
+        """``base``: the first global rank of the ranks these groups cover (a pipeline
+        stage's; ranks outside ``base .. base + dp*T - 1`` only take part in creating them)."""
         self.T, self.dp, self.rank = T, dp, rank
         self.degrees = divisors_pow2(T)
-        d_idx, r = divmod(rank, T)
+        d_idx, r = divmod(rank - base, T)
         self.tp_rank = r
         self.sub: dict[int, Optional[dist.ProcessGroup]] = {T: tp_group, 1: None}
         self._reshard: dict[tuple[int, int], Optional[dist.ProcessGroup]] = {}
@@ -59,7 +62,7 @@ class DegreeGroups:
                 continue
             for d in range(dp):
                 for g in range(T // t):
-                    ranks = [d * T + g * t + j for j in range(t)]
+                    ranks = [base + d * T + g * t + j for j in range(t)]
                     grp = dist.new_group(ranks)
                     if rank in ranks:
                         self.sub[t] = grp
@@ -70,7 +73,7 @@ class DegreeGroups:
                 for d in range(dp):
                     for g in range(T // b):
                         for j in range(a):
-                            ranks = [d * T + g * b + m * a + j for m in range(b // a)]
+                            ranks = [base + d * T + g * b + m * a + j for m in range(b // a)]
                             grp = dist.new_group(ranks) if len(ranks) > 1 else None
                             if rank in ranks:
                                 self._reshard[(a, b)] = grp
@@ -78,7 +81,7 @@ class DegreeGroups:
             if t == T:
                 continue
             for j in range(t):
-                ranks = [d * T + g * t + j for d in range(dp) for g in range(T // t)]
+                ranks = [base + d * T + g * t + j for d in range(dp) for g in range(T // t)]
                 grp = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.grad[t] = grp

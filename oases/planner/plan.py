@@ -12,7 +12,15 @@
 
 The planner writes it, the runtime consumes it (``parallel.plan=<path>``), and a
 test can write one by hand: only ``degrees`` (and ``model``/``tp`` for checking)
-matter to the runtime. Pure Python.
+matter to the runtime. A pipelined plan gives ``stages`` instead (then
+``degrees`` may be left out), one entry per stage, each with its own layout
+(see oases.layout):
+
+    stages:
+      - {layers: [0, 5], dp: 1, tp: 4}
+      - {layers: [5, 8], dp: 2, tp: 2, degrees: [2, 2, 1, 1, 2, 2]}
+
+Pure Python.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class Plan:
     degrees: list[int]
     tp: int
     model: dict
+    stages: list = field(default_factory=list)
     schedule: str = "oases"
     recompute: str = "fine"
     micro_batch_size: int = 0
@@ -54,45 +63,59 @@ def load_plan(path: str) -> Plan:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError:
         raise UserError(f"plan file {path} is not valid YAML") from None
-    if not isinstance(data, dict) or "degrees" not in data:
-        raise UserError(f"plan file {path} has no 'degrees' list")
+    if not isinstance(data, dict) or ("degrees" not in data and "stages" not in data):
+        raise UserError(f"plan file {path} has neither a 'degrees' nor a 'stages' list")
     known = set(Plan.__dataclass_fields__)
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"plan file {path} has unknown keys: {', '.join(unknown)}")
-    degrees = data["degrees"]
+    degrees = data.get("degrees", [])
+    if not isinstance(data.get("stages", []), list):
+        raise UserError(f"plan file {path}: stages must be a list")
     if not isinstance(degrees, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                 for d in degrees):
         raise UserError(f"plan file {path}: degrees must be a list of integers")
     return Plan(**{k: data[k] for k in data if k in known and k != "tp"} | {
-        "tp": int(data.get("tp", max(degrees) if degrees else 1)),
+        "degrees": degrees, "tp": int(data.get("tp", max(degrees) if degrees else 1)),
         "model": data.get("model") or {}})
+
+
+def check_model(plan: Plan, model_cfg, path: str = "plan") -> None:
+    """Reject a plan made for another model shape."""
+    mismatch = [f"{k}: plan {plan.model[k]} vs model {getattr(model_cfg, k)}" for k in SHAPE_KEYS
+                if k in plan.model and plan.model[k] != getattr(model_cfg, k)]
+    if mismatch:
+        raise UserError(f"{path} was made for another model ({'; '.join(mismatch)})")
 
 
 def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:
     """Reject a plan that does not fit this model and TP degree; return its degrees."""
     m = model_cfg
     n_blocks = 2 * m.n_layer
-    mismatch = [f"{k}: plan {plan.model[k]} vs model {getattr(m, k)}" for k in SHAPE_KEYS
-                if k in plan.model and plan.model[k] != getattr(m, k)]
-    if mismatch:
-        raise UserError(f"{path} was made for another model ({'; '.join(mismatch)})")
+    check_model(plan, m, path)
     if len(plan.degrees) != n_blocks:
         raise UserError(f"{path} has {len(plan.degrees)} degrees but the model has {n_blocks} "
                         f"blocks (attn and mlp of {m.n_layer} layers)")
     if plan.tp != tp:
         raise UserError(f"{path} was made for parallel.tp={plan.tp}, this run has tp={tp}")
-    for i, t in enumerate(plan.degrees):
+    check_degrees(plan.degrees, tp, m, path)
+    return list(plan.degrees)
+
+
+def check_degrees(degrees: list[int], tp: int, m, path: str, first_block: int = 0) -> None:
+    """Every degree a power of two dividing ``tp`` (the stage's TP size) and the model's
+    heads, kv heads and ffn width; ``first_block`` numbers the blocks in messages."""
+    for j, t in enumerate(degrees):
+        i = first_block + j
         what = "attn" if i % 2 == 0 else "mlp"
         if t < 1 or tp % t or t & (t - 1):
             raise UserError(f"{path}: block {i} ({what}) has degree {t}, which is not a power "
-                            f"of two dividing parallel.tp={tp}")
+                            f"of two dividing tp={tp}")
         for name, n in (("n_head", m.n_head), ("n_kv_heads", m.n_kv_heads),
                         ("ffn_hidden", m.ffn_hidden)):
             if n % t:
                 raise UserError(f"{path}: block {i} ({what}) has degree {t}, which does not "
                                 f"divide model.{name}={n}")
-    return list(plan.degrees)
 
 
 def batch_divisor(degrees: list[int], tp: int) -> int:

@@ -374,10 +374,12 @@ def _windows(path: Path, pieces: list[Piece], saved: dict) -> dict:
 
 
 def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ctx: ParallelContext,
-         model_shape: dict) -> tuple[dict, Optional[dict]]:
-    """Load model + optimizer state in place, resharding from whatever (dp, tp) layout
-    the checkpoint was written with; returns (meta, this rank's RNG state or None if the
-    checkpoint was written by a different world layout)."""
+         model_shape: dict, layout: Optional[dict] = None) -> tuple[dict, Optional[dict]]:
+    """Load model + optimizer state in place, resharding from whatever (pp, dp, tp)
+    layout the checkpoint was written with (every rank reads the pieces of the
+    parameters it holds: a pipeline stage, its layers'); returns (meta, this rank's RNG
+    state or None if the checkpoint was written by a different layout: the entries of
+    ``layout``, default world size and tp, must all match its meta)."""
     meta = read_meta(path)
     saved_shape = meta.get("model_shape", {})
     diff = [f"{k}: {saved_shape.get(k)} -> {model_shape.get(k)}" for k in SHAPE_KEYS
@@ -392,7 +394,8 @@ def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ctx: Parallel
         windows = _windows(path, pieces, saved)
         load_windows(path, windows)
     rng = None
-    same_layout = meta.get("world_size") == ctx.world_size and meta.get("tp") == ctx.tp
+    layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
+    same_layout = all(meta.get(k, 1 if k == "pp" else None) == v for k, v in layout.items())
     rng_file = path / "rng" / f"rank{ctx.rank}.pt"
     if same_layout and rng_file.is_file():
         try:

@@ -36,9 +36,11 @@ from oases.parallel.comm import all_reduce
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], group, device, dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], group, device, dtype,
+                 prescale: Optional[float] = None) -> None:
         self.params = params
         self.group = group
+        self.prescale = prescale  # multiply before the sum instead of dividing by dp after
         n = sum(p.numel() for p in params)
         self.buffer = torch.zeros(n, device=device, dtype=dtype)
         self.ready = 0      # params whose accumulations are complete
@@ -56,7 +58,12 @@ class GradReducer:
     that group also spans the replicas of the block (oases.parallel.reshard)."""
 
     def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0,
-                 group_of: Optional[Callable[[nn.Parameter], object]] = None) -> None:
+                 group_of: Optional[Callable[[nn.Parameter], object]] = None,
+                 prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None) -> None:
+        """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
+        group (the tied embedding of a pipeline's first and last stage, summed over both
+        stages' replicas), the factor its local gradient is multiplied by before the sum;
+        such a bucket is not divided by dp afterwards."""
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
@@ -64,6 +71,7 @@ class GradReducer:
         self._expected: dict[int, int] | None = None
         params = [p for p in model.parameters() if p.requires_grad]
         group_of = group_of or (lambda p: dp_group)
+        self._prescale_of = prescale_of or (lambda p: None)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit = int(bucket_mb * 2**20)
@@ -97,7 +105,8 @@ class GradReducer:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _add(self, params, group) -> None:
-        b = _Bucket(params, group, params[0].device, params[0].dtype)
+        b = _Bucket(params, group, params[0].device, params[0].dtype,
+                    self._prescale_of(params[0]))
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b
@@ -128,7 +137,13 @@ class GradReducer:
         b = self._bucket_of[k]
         b.ready += 1
         if b.ready == b.need and b.work is None and not self._trivial(b):
-            b.work = all_reduce(b.buffer, b.group, async_op=True)
+            self._launch(b)
+
+    @staticmethod
+    def _launch(b: _Bucket) -> None:
+        if b.prescale is not None:
+            b.buffer.mul_(b.prescale)
+        b.work = all_reduce(b.buffer, b.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and average over dp."""
@@ -141,10 +156,10 @@ class GradReducer:
                 b.need = sum(1 for p in b.params if self._expected.get(id(p), 0) > 0)
         for b in self.buckets:  # same order on every rank
             if b.work is None and not self._trivial(b):
-                b.work = all_reduce(b.buffer, b.group, async_op=True)
+                self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            if self.dp > 1:
+            if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)

@@ -84,6 +84,8 @@ class MetricsLogger:
             parts.append(f"MFU {100 * rec['mfu']:.1f}%")
         if "peak_mem_gib" in rec:
             parts.append(f"mem {rec['peak_mem_gib']:.2f}GiB")
+        if "pipeline_bubble" in rec:
+            parts.append(f"bubble {100 * rec['pipeline_bubble']:.0f}%")
         parts.append(f"ETA {_fmt_time(eta)}")
         print(" | ".join(parts), flush=True)
         self._write(rec)

@@ -36,17 +36,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def grad_norm(model: nn.Module, tp_group) -> torch.Tensor:
+def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     """Global L2 norm of the gradient of the *full* model.
 
     Sharded parameters contribute their local squares, summed over the TP group;
     replicated parameters hold identical gradients on every TP rank and count once.
     (DP replicas hold identical gradients after the DP reduction: no DP term.)
+    Pipelined (``stage_size``: ranks in this rank's stage, > 0 when pp > 1): every rank
+    of a stage then holds its stage's square sum; each adds 1/stage_size of it to a sum
+    over the world, which is the sum over stages. The last stage's copy of a tied
+    embedding (``shared_copy``) is left out: the first stage counts it.
     """
     T = 1 if tp_group is None else dist.get_world_size(tp_group)
     sharded, replicated = [], []
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
             if getattr(p, "tp_spec", None) is not None:
                 # a block of degree t < T is replicated over T/t subgroups: count it once
                 t = getattr(p, "tp_coords", (0, T))[1]
@@ -58,13 +62,18 @@ def grad_norm(model: nn.Module, tp_group) -> torch.Tensor:
     sq_repl = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=dev))
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         all_reduce(sq_sharded, tp_group)
-    return (sq_sharded + sq_repl).sqrt()
+    sq = sq_sharded + sq_repl
+    if stage_size:
+        sq = sq.to(torch.float64) / stage_size
+        dist.all_reduce(sq)
+    return sq.sqrt().float()
 
 
 @torch.no_grad()
-def clip_grads(model: nn.Module, max_norm: float, tp_group) -> float:
-    """Clip to ``max_norm`` (0: don't) and return the norm before clipping."""
-    norm = grad_norm(model, tp_group)
+def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0) -> float:
+    """Clip to ``max_norm`` (0: don't) and return the norm before clipping (over the
+    whole pipeline when ``stage_size`` is given, see :func:`grad_norm`)."""
+    norm = grad_norm(model, tp_group, stage_size)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in model.parameters():

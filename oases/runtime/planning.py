@@ -23,11 +23,61 @@ import torch.distributed as dist
 
 from oases.config import Config
 from oases.errors import ConfigError, UserError
+from oases.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.parallel.groups import ParallelContext
-from oases.planner.plan import batch_divisor, check_plan, load_plan
+from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan,
+                                load_plan)
 
 
 StepTimer = Callable[[Optional[list[int]], int], float]
+
+
+def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
+    """The stages of a run: from the plan file's ``stages`` if it has them, else
+    ``parallel.pp`` stages of dp x tp with the layers split evenly (and a plan file's
+    per-block ``degrees`` cut along them). Needs no process group (``plan=auto`` is
+    pp=1 only and resolves its degrees later, in :func:`resolve_plan`)."""
+    p = cfg.parallel
+    plan = load_plan(p.plan) if p.plan and p.plan != "auto" else None
+    if plan is None or not plan.stages:
+        degrees = None
+        if plan is not None and p.pp > 1:
+            degrees = check_plan(plan, cfg.model, p.tp, f"plan file {p.plan}")
+            _check_rows(cfg, degrees, p.tp, cfg.train.micro_batch_size)
+        return uniform_layout(world, p.pp, p.tp, cfg.model.n_layer, degrees)
+    where = f"plan file {p.plan}"
+    check_model(plan, cfg.model, where)
+    if len(plan.stages) != p.pp:
+        raise ConfigError(f"{where} has {len(plan.stages)} stages but parallel.pp={p.pp}")
+    layout = stages_layout(plan.stages, world, cfg.model.n_layer, where, cfg.pipeline_batch)
+    for s in layout.stages:
+        for what, n in (("model.n_head", cfg.model.n_head), ("model.n_kv_heads",
+                        cfg.model.n_kv_heads), ("model.ffn_hidden", cfg.model.ffn_hidden)):
+            if n % s.tp:
+                raise ConfigError(f"{where}: a stage at tp={s.tp} does not divide {what}={n}")
+        if s.degrees is not None:
+            check_degrees(list(s.degrees), s.tp, cfg.model, where, 2 * s.layers[0])
+        _check_rows(cfg, s.degrees, s.tp, cfg.pipeline_batch // s.dp)
+    if cfg.model.tie_embeddings and layout.stages[0].tp != layout.stages[-1].tp:
+        raise ConfigError(f"{where}: tied embeddings need the first and the last stage at the "
+                          f"same tp (the two copies share their vocabulary shards); got "
+                          f"{layout.stages[0].tp} and {layout.stages[-1].tp}")
+    return layout
+
+
+def _check_rows(cfg: Config, degrees, tp: int, rows: int) -> None:
+    """A replica's micro-batch must split into sub-batches, and each into the parts of
+    its smallest block degree."""
+    p = cfg.parallel
+    n = p.sub_batches if p.schedule == "oases" else 1
+    if rows % n:
+        raise ConfigError(f"a stage replica's micro-batch of {rows} sequences cannot be split "
+                          f"into parallel.sub_batches={n}")
+    k = batch_divisor(list(degrees), tp) if degrees else 1
+    if (rows // n) % k:
+        raise ConfigError(f"the plan runs blocks at degree {tp // k}, which splits each "
+                          f"{'sub-' if n > 1 else ''}batch of {rows // n} into {k} parts: "
+                          f"the micro-batch must allow that")
 
 
 def resolve_plan(cfg: Config, ctx: ParallelContext,

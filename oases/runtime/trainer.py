@@ -1,39 +1,41 @@
-"""The training loop: config -> groups -> model -> optimizer -> steps.
+"""The training loop: config -> groups -> model -> steps -> checkpoints and metrics.
 
-Kept flat on purpose: ``run`` sets things up and loops, ``train_step`` is one
-optimizer step (micro-batches, DP reduction, clipping, AdamW), ``evaluate`` the
-validation loss.
+Kept flat on purpose, nanoGPT-style: :func:`run` joins the process groups,
+:func:`_run` builds, resumes, then loops: step, log, evaluate, save. The pieces
+live next door: :mod:`oases.runtime.build` (model, engine, optimizer, reducer,
+pipeline), :mod:`oases.runtime.step` (one step, evaluation),
+:mod:`oases.runtime.resume` (checkpoint, init_from, eval.only).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from models import build_model
+from models import model_stats
 from oases.config import Config, save_config
 from oases.errors import CollectiveError, NonFiniteError, UserError
-from oases.parallel.comm import NoopCollectives, all_reduce
+from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import ParallelContext, init_distributed
-from oases.parallel.random import TPRNGTracker
+from oases.planner.calibrate import time_steps
 from oases.runtime import checkpoint as ckpt
+from oases.runtime.build import model_for, seed_tracker, training_for
 from oases.runtime.data import TrainBatches, ValBatches
-from oases.runtime.dp import GradReducer
 from oases.runtime.metrics import MetricsLogger
-from oases.parallel.reshard import grad_group_of
-from oases.runtime.optim import build_optimizer, clip_grads, lr_at
-from oases.runtime.planning import resolve_plan
-from oases.schedule.engines import MegatronSchedule, build_schedule
+from oases.runtime.planning import resolve_layout, resolve_plan
+from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
+                                  trim_metrics)
+from oases.runtime.optim import lr_at
+from oases.runtime.step import StepStats, evaluate, train_step
 from oases.schedule.trace import Tracer
+
+__all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics"]
 
 
 def check_out_dir(cfg: Config) -> None:
@@ -54,150 +56,6 @@ def check_out_dir(cfg: Config) -> None:
         if clash:
             raise UserError(f"out_dir {out} already holds a run ({', '.join(clash)}); "
                             f"pass resume=auto to continue it or choose another out_dir")
-
-
-def model_shape(cfg: Config) -> dict:
-    return {k: getattr(cfg.model, k) for k in ckpt.SHAPE_KEYS}
-
-
-def autocast(cfg: Config, ctx: ParallelContext):
-    if cfg.train.precision == "bf16":
-        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
-               ctx: ParallelContext, lr: float, schedule=None) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm),
-    the loss averaged over micro-batches and DP ranks.
-
-    A non-finite loss or gradient norm leaves the step out: no optimizer update (weights
-    and Adam state untouched) and zeroed gradients; the caller sees the non-finite
-    values and decides (``train.on_nonfinite``). Every rank decides alike: the norm is
-    reduced over TP and identical over DP after the DP reduction, the loss is reduced
-    over DP and identical over TP (the vocab-parallel loss reduces it)."""
-    for g in opt.param_groups:
-        g["lr"] = lr
-    reducer.zero_grad()
-    n = cfg.train.grad_accum
-    schedule = schedule or MegatronSchedule()
-    total = torch.zeros((), device=ctx.device)
-    for i in range(n):
-        x, y = batches.next_batch()
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        if i == n - 1:
-            reducer.arm()  # DP all-reduce overlaps the last backward
-        total += schedule.forward_backward(model, x, y, 1.0 / n, amp=lambda: autocast(cfg, ctx))
-    reducer.finish()
-    norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group)
-    total /= n
-    if ctx.dp > 1:
-        all_reduce(total, ctx.dp_group)
-        total /= ctx.dp
-    loss = float(total)
-    if math.isfinite(loss) and math.isfinite(norm):
-        opt.step()
-    else:
-        reducer.zero_grad()
-    return loss, norm
-
-
-def _build_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
-                 degrees: Optional[list[int]], seed: Optional[int]):
-    par = cfg.parallel
-    return build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                       par.recompute if par.schedule == "megatron" else "none",
-                       seed=seed, device=ctx.device, degrees=degrees,
-                       degree_groups=ctx.degree_groups() if degrees is not None else None)
-
-
-def _build_training(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer):
-    """Schedule, optimizer and gradient reducer of ``model`` (put in training mode)."""
-    par = cfg.parallel
-    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, tracer)
-    model.train()
-    opt = build_optimizer(model, cfg.train, ctx.device)
-    reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb,
-                          group_of=grad_group_of(ctx, ctx.tp))
-    return schedule, opt, reducer
-
-
-class _FixedBatches:
-    """One random micro-batch, over and over (timing only)."""
-
-    def __init__(self, cfg: Config, device: torch.device) -> None:
-        g = torch.Generator().manual_seed(cfg.seed)
-        ids = torch.randint(0, cfg.model.vocab_size,
-                            (cfg.train.micro_batch_size, cfg.model.seq_len + 1), generator=g)
-        self.x, self.y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-    def next_batch(self):
-        return self.x, self.y
-
-
-def time_steps(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]], steps: int,
-               warmup: int = 2) -> float:
-    """Median wall time of ``steps`` real training steps (after ``warmup``) with these
-    per-block degrees (None: every block at tp), on a throwaway model fed one random
-    micro-batch; the slowest rank's figure. Collective: every rank calls it. It draws
-    random numbers: callers that must not be affected fork the random state
-    (``resolve_plan`` does)."""
-    tracker = TPRNGTracker(ctx.device)
-    tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
-    model = _build_model(cfg, ctx, tracker, degrees, cfg.seed)
-    schedule, opt, reducer = _build_training(cfg, ctx, model, tracker, None)
-    batches = _FixedBatches(cfg, ctx.device)
-    times = []
-    for i in range(warmup + steps):
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        t0 = time.perf_counter()
-        train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    del model, opt, reducer
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    res = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
-    if dist.is_initialized():
-        dist.all_reduce(res, op=dist.ReduceOp.MAX)
-    return float(res)
-
-
-@torch.no_grad()
-def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext) -> float:
-    """Mean loss over the val file's first windows, contiguous and in order."""
-    model.eval()
-    s = torch.zeros(2, device=ctx.device)  # (sum of losses, batches)
-    for x, y in val:
-        with autocast(cfg, ctx):
-            s[0] += model(x.to(ctx.device), y.to(ctx.device)).float()
-        s[1] += 1
-    if ctx.dp > 1:
-        all_reduce(s, ctx.dp_group)
-    model.train()
-    return float(s[0] / s[1])
-
-
-def _trim_metrics(out_dir: str, step: int) -> None:
-    """After a resume from step N, drop records of steps > N written before the crash."""
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    keep = []
-    for ln in path.read_text().splitlines():
-        try:
-            rec = json.loads(ln)
-        except json.JSONDecodeError:  # a line torn by the crash
-            continue
-        if isinstance(rec, dict) and rec.get("step", 0) <= step:
-            keep.append(ln)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    os.replace(tmp, path)
 
 
 def _init_torchelastic_attempt(cfg: Config) -> None:
@@ -232,11 +90,12 @@ def _init_torchelastic_attempt(cfg: Config) -> None:
 def run(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)  # before any process group: bad config fails fast on every rank
+    layout = resolve_layout(cfg, world) if cfg.parallel.pp > 1 else None
     if int(os.environ.get("RANK", "0")) == 0:
         check_out_dir(cfg)
     _init_torchelastic_attempt(cfg)
     ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
-                           cfg.parallel.timeout_s)
+                           cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings))
     try:
         _run(cfg, ctx)
     except (RuntimeError, ckpt.CheckpointException) as e:
@@ -279,86 +138,56 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     # CPU kernels used here are deterministic already (the resume test checks bit-exact
     # curves); torch.use_deterministic_algorithms would cost an inductor import per process.
     out = Path(cfg.out_dir)
-    tracker = TPRNGTracker(ctx.device)
-    tracker.seed(cfg.seed, ctx.tp_rank, ctx.dp_rank)
-
-    # Data first: a bad data file is a user error, found before the model is built.
-    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                           cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+    tracker = seed_tracker(cfg, ctx)
+    # Data first: a bad data file is a user error, found before the model is built. A
+    # pipeline stage's replica takes its share of the pipeline's micro-batch.
+    mbs = cfg.pipeline_batch // ctx.dp if ctx.layout is not None else cfg.train.micro_batch_size
+    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, mbs,
+                           ctx.dp_rank, ctx.dp, cfg.seed)
     val = None
     if cfg.data.val_path:
         val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
-                         cfg.model.vocab_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp,
-                         cfg.eval.max_batches)
+                         cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches)
     par = cfg.parallel
-    # per-block TP degrees, or None: all at tp
-    degrees = resolve_plan(cfg, ctx, lambda d, n: time_steps(cfg, ctx, d, n))
-    if degrees is not None and ctx.is_main:
-        print(f"plan: per-block TP degrees {degrees}", flush=True)
-    model = _build_model(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
+    degrees = None
+    if ctx.layout is None:  # per-block TP degrees, or None: all at tp
+        degrees = resolve_plan(cfg, ctx, lambda d, n: time_steps(cfg, ctx, d, n))
+        if degrees is not None and ctx.is_main:
+            print(f"plan: per-block TP degrees {degrees}", flush=True)
+    elif ctx.is_main:
+        print(f"pipeline: {ctx.layout.describe()} | {par.pp_schedule}, "
+              f"{cfg.train.grad_accum} micro-batches of {cfg.pipeline_batch} sequences",
+              flush=True)
+    model = model_for(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
-        existing = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
-        if existing is not None:  # resume wins: the checkpoint loaded below overwrites all
-            if ctx.is_main:
-                print(f"model.init_from={cfg.model.init_from} not loaded: resume=auto "
-                      f"continues from {existing}", flush=True)
-        else:
-            from models.hf import load_hf_weights
-            from oases.hf_config import hf_dir_of
-
-            load_hf_weights(model, hf_dir_of(cfg.model.init_from), ctx.tp_rank, ctx.tp)
-            if ctx.is_main:
-                print(f"model.init_from: loaded {cfg.model.init_from}", flush=True)
+        load_init_from(cfg, ctx, model)
     tracer = Tracer(ctx.rank) if par.trace else None
-    schedule, opt, reducer = _build_training(cfg, ctx, model, tracker, tracer)
+    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, tracer)
+
+    def run_eval() -> float:
+        return evaluate(model, val, cfg, ctx, pipe)
 
     if cfg.eval.only:
-        # Validation loss of the loaded weights (resume=auto's checkpoint, else init_from
-        # or the seeded init), then exit: one metrics.jsonl record is all that is written.
-        step, src = 0, cfg.model.init_from or f"seed {cfg.seed}"
-        path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
-        if path is not None:
-            step, src = ckpt.load(path, model, opt, ctx, model_shape(cfg))[0]["step"], str(path)
-        val_loss = evaluate(model, val, cfg, ctx)
-        if ctx.is_main:
-            print(f"eval.only: val_loss {val_loss:.4f} | step {step} | weights {src} | "
-                  f"{len(val)} batches x {cfg.train.micro_batch_size * ctx.dp} x "
-                  f"{cfg.model.seq_len} tokens of {cfg.data.val_path}", flush=True)
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        eval_only(cfg, ctx, model, opt, val, run_eval)
         return
 
-    start = 0
-    skipped = 0  # steps left out for a non-finite loss or gradient (train.on_nonfinite=skip)
-    resumed = False
+    start, skipped, resumed = 0, 0, False  # skipped: non-finite steps left out
     if cfg.resume == "auto":
-        path = ckpt.latest_checkpoint(cfg.out_dir)
-        if path is None:
-            if ctx.is_main:
-                print(f"resume=auto: no checkpoint in {out}; starting from step 0", flush=True)
-                _trim_metrics(cfg.out_dir, 0)  # records of a run that crashed before saving
-        else:
-            meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg))
-            start = meta["step"]
-            skipped = int(meta.get("skipped_steps", 0))
-            batches.load_state_dict(meta["data"])
-            if rng is not None:
-                tracker.set_states(rng)
-            resumed = True
-            if ctx.is_main:
-                print(f"resumed from {path} at step {start}", flush=True)
-                _trim_metrics(cfg.out_dir, start)
+        meta = resume(cfg, ctx, model, opt, batches, tracker)
+        if meta is not None:
+            start, skipped, resumed = meta["step"], int(meta.get("skipped_steps", 0)), True
     if ctx.is_main:
         save_config(cfg, out / "config.yaml")
 
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_len
-    logger = MetricsLogger(cfg.out_dir, ctx.is_main, cfg.train.steps, model.flops_per_token(),
+    n_params, flops_per_token = model_stats(cfg.model, cfg.padded_vocab_size)
+    logger = MetricsLogger(cfg.out_dir, ctx.is_main, cfg.train.steps, flops_per_token,
                            ctx.world_size, ctx.device, cfg.wandb, cfg.to_dict(), resume=resumed)
     if ctx.is_main:
-        n = model.num_params()
-        print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n / 1e6:.1f}M params) | "
-              f"world {ctx.world_size} = dp {ctx.dp} x tp {ctx.tp} | {ctx.device.type} | "
-              f"schedule {cfg.parallel.schedule}, recompute {cfg.parallel.recompute} | "
+        layout = f"pp {ctx.pp} x " if ctx.pp > 1 else ""
+        print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
+              f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
+              f"schedule {par.schedule}, recompute {par.recompute} | "
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
@@ -369,8 +198,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                       flush=True)
             return
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
-                "world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp,
-                "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": skipped}
+                **layout_meta(ctx), "padded_vocab_size": cfg.padded_vocab_size,
+                "skipped_steps": skipped}
         path = ckpt.save(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
                          cfg.checkpoint.keep)
         if ctx.is_main:
@@ -382,11 +211,11 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                   f"raise train.steps to continue it", flush=True)
         logger.close()
         return
-    has_val = val is not None
     step_times: list[float] = []
-    noop = (NoopCollectives(ctx.tp_group) if cfg.parallel.tp_comm_noop and ctx.tp > 1
+    stats = StepStats()
+    noop = (NoopCollectives(ctx.tp_group) if par.tp_comm_noop and ctx.tp > 1
             else contextlib.nullcontext())
-    if cfg.parallel.tp_comm_noop and ctx.is_main:
+    if par.tp_comm_noop and ctx.is_main:
         print("parallel.tp_comm_noop=true: TP collectives are skipped; losses are NOT valid "
               "(timing only)", flush=True)
     try:
@@ -401,7 +230,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 tracer.events.clear()
                 tracer.t0 = time.perf_counter()
             with tracer if traced else contextlib.nullcontext():
-                loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule)
+                loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule,
+                                        pipe, stats)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             dt = time.perf_counter() - t0
@@ -426,15 +256,19 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
                 recent = step_times[-10:]
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)
+                extra = {"skipped_steps": skipped}
+                if ctx.pp > 1:
+                    extra["pipeline_bubble"] = stats.bubble
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
-                           extra={"skipped_steps": skipped})
-            if has_val and cfg.eval.interval and done % cfg.eval.interval == 0:
-                logger.log_eval(done, evaluate(model, val, cfg, ctx))
+                           extra=extra)
+            if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:
+                logger.log_eval(done, run_eval())
             if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0:
                 save(done)
         final = cfg.train.steps
-        if has_val and not (cfg.eval.interval and final % cfg.eval.interval == 0) and start < final:
-            logger.log_eval(final, evaluate(model, val, cfg, ctx))
+        if val is not None and not (cfg.eval.interval and final % cfg.eval.interval == 0) \
+                and start < final:
+            logger.log_eval(final, run_eval())
         if cfg.checkpoint.save_final and start < final and not (
                 cfg.checkpoint.interval and final % cfg.checkpoint.interval == 0):
             save(final)

@@ -97,6 +97,48 @@ class MegatronSchedule:
             (loss * scale).backward()
         return loss.detach()
 
+    # -- a pipeline stage: forward and backward of a micro-batch as separate actions --
+    def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
+                amp: AmpFactory = contextlib.nullcontext) -> "StageRun":
+        """Forward of one micro-batch on a pipeline stage: ``inp`` is token ids (first
+        stage) or the previous stage's activation; the run holds the loss (last stage)
+        or the output activation, and the graph until :meth:`backward`."""
+        x = _stage_input(inp)
+        with self._span("forward"), amp():
+            out = model(x, targets)
+        last = targets is not None
+        return StageRun(state=(x, out), loss=out.detach() if last else None,
+                        output=None if last else out.detach())
+
+    def backward(self, run: "StageRun", grad: Optional[torch.Tensor], scale: float = 1.0,
+                 amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
+        """Backward of a :meth:`forward` run: from the loss (``grad`` None, scaled by
+        ``scale``) or from the gradient of the output; returns the input's gradient
+        (None on the first stage)."""
+        x, out = run.state
+        run.state = None
+        with self._span("backward"):
+            if grad is None:
+                (out * scale).backward()
+            else:
+                out.backward(grad)
+        return x.grad if x.is_floating_point() else None
+
+
+@dataclass
+class StageRun:
+    """One micro-batch's forward on a pipeline stage, kept until its backward: the
+    engine's own state, and the (detached) loss on the last stage or output elsewhere."""
+    state: object
+    loss: Optional[torch.Tensor] = None
+    output: Optional[torch.Tensor] = None
+
+
+def _stage_input(inp: torch.Tensor) -> torch.Tensor:
+    """Token ids pass as they are; an activation from the previous stage becomes a leaf
+    whose gradient is what the stage sends back."""
+    return inp.detach().requires_grad_() if inp.is_floating_point() else inp
+
 
 class _Graft(torch.autograd.Function):
     """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
@@ -165,11 +207,24 @@ class _BlockState:
 @dataclass
 class _SubBatch:
     name: str
-    ids: torch.Tensor
-    targets: torch.Tensor
+    ids: torch.Tensor                         # token ids, or the stage's input activation
+    targets: Optional[torch.Tensor]           # None on a pipeline stage before the last
     blocks: list = field(default_factory=list)
     head: Optional[tuple] = None
     loss: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None        # output activation (not the last stage)
+    grad_out: Optional[torch.Tensor] = None   # its gradient, for the backward
+    grad_in: Optional[torch.Tensor] = None    # the input activation's gradient
+
+
+@dataclass
+class _OasesRun:
+    model: nn.Module
+    blocks: list
+    groups: list
+    subs: list
+    streams: list                             # each sub-batch's RNG streams
+    input_grad: bool = False                  # the input is a previous stage's activation
 
 
 Program = Generator[list, list, None]
@@ -214,33 +269,63 @@ class OasesSchedule:
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its (detached) mean loss.
         Parameter gradients accumulate into ``.grad`` scaled by ``scale``."""
+        run = self._start(model, ids, targets, amp)
+        self._forwards_left = self.n
+        # One program per sub-batch, forward then backward: no barrier between the two
+        # passes either (a's backward starts while b's last forward collectives run).
+        self._run([self._program(run, sb, scale / self.n) for sb in run.subs], run.streams)
+        return torch.stack([sb.loss for sb in run.subs]).mean()
+
+    def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
+                amp: AmpFactory = contextlib.nullcontext) -> StageRun:
+        """Forward of one micro-batch on a pipeline stage (see
+        :meth:`MegatronSchedule.forward`): the sub-batches take turns as in
+        :meth:`forward_backward`, and keep their state until :meth:`backward`."""
+        run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        self._run([self._forward(run, sb) for sb in run.subs], run.streams)
+        if targets is not None:
+            return StageRun(run, loss=torch.stack([sb.loss for sb in run.subs]).mean())
+        return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
+
+    def backward(self, srun: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
+                 amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
+        """Backward of a :meth:`forward` run (see :meth:`MegatronSchedule.backward`)."""
+        run, srun.state = srun.state, None
+        self._amp = amp
+        if grad is not None:
+            for sb, g in zip(run.subs, grad.chunk(self.n)):
+                sb.grad_out = g
+        self._run([self._backward(run, sb, scale / self.n) for sb in run.subs], run.streams)
+        if not run.input_grad:
+            return None
+        return torch.cat([sb.grad_in for sb in run.subs])
+
+    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> _OasesRun:
         if ids.shape[0] % self.n:
             raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
                              f"sub-batches")
         blocks = model.blocks()
+        first = 0 if input_grad else 1  # the model's first block (embedding): never recomputed
         groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
-                  else [(i, i + 1) for i in range(1, len(blocks))])
+                  else [(i, i + 1) for i in range(first, len(blocks))])
         self._device = ids.device
         self._amp = amp
+        tgts = targets.chunk(self.n) if targets is not None else [None] * self.n
         subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y)
-                for s, (x, y) in enumerate(zip(ids.chunk(self.n), targets.chunk(self.n)))]
+                for s, (x, y) in enumerate(zip(ids.chunk(self.n), tgts))]
         self.stash_bytes = 0
-        self._streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
-        self._forwards_left = self.n
-        # One program per sub-batch, forward then backward: no barrier between the two
-        # passes either (a's backward starts while b's last forward collectives run).
-        self._run([self._program(model, blocks, groups, sb, scale / self.n) for sb in subs])
-        return torch.stack([sb.loss for sb in subs]).mean()
+        streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
+        return _OasesRun(model, blocks, groups, subs, streams, input_grad)
 
-    def _program(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
-        yield from self._forward(model, blocks, groups, sb)
+    def _program(self, run: _OasesRun, sb: _SubBatch, scale: float) -> Program:
+        yield from self._forward(run, sb)
         self._forwards_left -= 1
         if self._forwards_left == 0:  # every sub-batch's activations are saved now
             SavedTensorMeter.end_of_forward()
-        yield from self._backward(model, blocks, groups, sb, scale)
+        yield from self._backward(run, sb, scale)
 
     # --------------------------------------------------------------- runner
-    def _run(self, programs: list[Program]) -> None:
+    def _run(self, programs: list[Program], streams: list[dict]) -> None:
         """Round-robin: resume each program with the results of the collectives it
         launched before the others ran their next segment."""
         pending: list = [None] * len(programs)
@@ -248,7 +333,7 @@ class OasesSchedule:
 
         def advance(s: int, value) -> None:
             live = self._snap()
-            _rng_restore(self.tracker, self._device, self._streams[s])
+            _rng_restore(self.tracker, self._device, streams[s])
             try:
                 req = programs[s].send(value)
                 while isinstance(req, _Launch):  # launch, keep computing in the same program
@@ -258,7 +343,7 @@ class OasesSchedule:
                 pending[s] = None
                 return
             finally:  # sub-batch s's streams advance only by its own draws
-                self._streams[s] = self._snap()
+                streams[s] = self._snap()
                 _rng_restore(self.tracker, self._device, live)
             # a _Wait hands back collectives launched earlier; a list is launched now
             pending[s] = req.launched if isinstance(req, _Wait) else self._launch(req)
@@ -346,16 +431,19 @@ class OasesSchedule:
         (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
         return gathered
 
-    def _forward(self, model, blocks, groups, sb: _SubBatch) -> Program:
+    def _forward(self, run: _OasesRun, sb: _SubBatch) -> Program:
+        model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
+        home = _home_degree(model, blocks)
         x = sb.ids
         for i, blk in enumerate(blocks):
-            if i > 0:
-                x = yield from self._to_degree(model, x, blocks[i - 1].degree, blk.degree)
+            prev = blocks[i - 1].degree if i > 0 else home
+            if x.is_floating_point():
+                x = yield from self._to_degree(model, x, prev, blk.degree)
             keep = self.recompute == "none" or i not in in_group
             st = _BlockState()
-            if i == 0:
+            if i == 0 and not run.input_grad:  # token ids into the embedding
                 x_in = x
             else:
                 x_in = x.detach().requires_grad_(keep)
@@ -379,7 +467,10 @@ class OasesSchedule:
                 st.x_in, st.cuts, st.out = x_in, rec.cuts, out
             sb.blocks.append(st)
             x = out
-        x = yield from self._to_degree(model, x, blocks[-1].degree, blocks[0].degree)
+        x = yield from self._to_degree(model, x, blocks[-1].degree, home)
+        if sb.targets is None:  # a pipeline stage before the last: its output goes on
+            sb.out = x.detach()
+            return
         x_last = x.detach().requires_grad_()
         if hasattr(model, "loss_partial"):  # the loss's collective is scheduled too
             with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
@@ -458,30 +549,42 @@ class OasesSchedule:
             a, b = group_of[i]
             yield from self._recompute_group(model, blocks, sb.blocks, a, b, f"R{sb.name}")
 
-    def _backward(self, model, blocks, groups, sb: _SubBatch, scale: float) -> Program:
+    def _backward(self, run: _OasesRun, sb: _SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
         recompute of the next block down runs while it is in flight (it needs only the
         stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
         then does this sub-batch wait and let the others run: the all-reduce overlaps
         this sub-batch's recompute and the other sub-batches' work."""
+        model, blocks, groups = run.model, run.blocks, run.groups
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
-        x_last, cuts, loss = sb.head
-        with self._span(f"B{sb.name} loss"):
-            torch.autograd.backward(loss, torch.full_like(loss, scale))
-        yield from self._cut_backward(cuts, f"B{sb.name} head",
-                                      self._prepare(model, blocks, group_of, sb, len(blocks) - 1))
-        sb.head = None
-        g = yield from self._grad_to_degree(model, x_last.grad, blocks[0].degree, blocks[-1].degree)
+        home = _home_degree(model, blocks)
+        last_block = self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
+        if sb.head is not None:
+            x_last, cuts, loss = sb.head
+            with self._span(f"B{sb.name} loss"):
+                torch.autograd.backward(loss, torch.full_like(loss, scale))
+            yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
+            sb.head, g_out = None, x_last.grad
+        else:  # the gradient of the stage's output came from the next stage
+            yield from last_block
+            g_out, sb.grad_out = sb.grad_out, None
+        g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
             nxt = self._prepare(model, blocks, group_of, sb, i - 1) if i > 0 else None
             yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt)
-            g = st.x_in.grad if i > 0 else None
-            if i > 0:
-                g = yield from self._grad_to_degree(model, g, blocks[i].degree, blocks[i - 1].degree)
+            g = st.x_in.grad if i > 0 or run.input_grad else None
+            t_to = blocks[i - 1].degree if i > 0 else home
+            g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
             sb.blocks[i] = None
+        sb.grad_in = g
+
+
+def _home_degree(model, blocks) -> int:
+    """Degree of the stage's input and output (the embedding's, at pp=1)."""
+    return getattr(model, "home_degree", blocks[0].degree)
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",

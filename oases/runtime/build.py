@@ -1,0 +1,70 @@
+"""Build what a training run needs on this rank: its (stage's) model, the schedule
+engine, the optimizer, the gradient reducer and, pipelined, the pipeline runner."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from models import build_model
+from oases.config import Config
+from oases.parallel.groups import ParallelContext
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.reshard import grad_group_of
+from oases.runtime.dp import GradReducer
+from oases.runtime.optim import build_optimizer
+from oases.schedule.engines import build_schedule
+
+# Mixed into the default seed per pipeline stage, so that stages draw different
+# dropout masks (as the layers of one model do at pp = 1)
+_STAGE_SEED_STRIDE = 7_919
+
+
+def seed_tracker(cfg: Config, ctx: ParallelContext) -> TPRNGTracker:
+    tracker = TPRNGTracker(ctx.device)
+    tracker.seed(cfg.seed + _STAGE_SEED_STRIDE * ctx.stage, ctx.tp_rank, ctx.dp_rank)
+    return tracker
+
+
+def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
+              degrees: Optional[list[int]], seed: Optional[int]):
+    """This rank's model: at pp = 1 all of it with ``degrees`` (None: all at tp); in a
+    pipeline its stage's layers with the stage's degrees. ``seed`` None: uninitialised."""
+    par = cfg.parallel
+    recompute = par.recompute if par.schedule == "megatron" else "none"
+    if ctx.layout is not None:
+        st = ctx.layout.stages[ctx.stage]
+        degrees = list(st.degrees) if st.degrees is not None else None
+        mixed = degrees is not None and set(degrees) != {ctx.tp}
+        return build_model(cfg.model, cfg.padded_vocab(ctx.tp), ctx.tp_group, tracker,
+                           recompute, seed=seed, device=ctx.device,
+                           degrees=degrees if mixed else None,
+                           degree_groups=ctx._degree_groups if mixed else None, stage=st.layers)
+    return build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, recompute,
+                       seed=seed, device=ctx.device, degrees=degrees,
+                       degree_groups=ctx.degree_groups() if degrees is not None else None)
+
+
+def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer):
+    """Schedule, optimizer, gradient reducer and (pp > 1) pipeline runner of ``model``
+    (put in training mode). Collective when pipelined (the runner creates groups)."""
+    par = cfg.parallel
+    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+                              tracker, tracer)
+    model.train()
+    opt = build_optimizer(model, cfg.train, ctx.device)
+    group_of = grad_group_of(ctx, ctx.tp)
+    prescale_of = None
+    tied = model.embed.wte.weight if ctx.tie_group is not None else None
+    if tied is not None:  # summed over both stages' replicas (GradReducer's prescale)
+        base = group_of
+        group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
+        prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
+    reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
+                          prescale_of=prescale_of)
+    pipe = None
+    if ctx.layout is not None:
+        from oases.runtime.pipeline import PipelineRunner
+
+        pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
+                              cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
+    return schedule, opt, reducer, pipe

@@ -1,0 +1,151 @@
+"""The pipeline runtime: one rank's stage runs its action list for one optimizer step.
+
+Each stage's action list comes from :mod:`oases.schedule.pipeline` (gpipe, 1f1b,
+eager-1f1b). An ``F``/``B`` action runs the stage's blocks through the engine
+(``megatron`` or ``oases``: inside every action the oases engine still takes turns
+between two sub-batches so its TP collectives overlap compute); ``RECV``/``SEND``
+actions post cross-mesh transfers (:mod:`oases.parallel.cross_mesh`), which run
+in the background while the next compute action does:
+
+    stage 0 (1f1b, 4 micro-batches, pp 2):
+      compute  | F0 | F1 |   | B0 | F2 | B1 | F3 | B2 |   | B3 |
+      sends       s0   s1       g0   s2   ...
+    stage 1:
+      compute  |    | F0 | B0 | F1 | B1 | F2 | B2 | F3 | B3 |
+
+Stage boundaries may change the layout (dp_a x tp_a -> dp_b x tp_b): a transfer
+delivers to every rank of the next stage exactly the rows of the micro-batch its
+replica needs, and the gradient goes back the same way. Every replica of a stage
+computes the mean loss (and its gradient) over its own rows and the DP reduction
+divides by the stage's dp; so when dp changes across a boundary, the returning
+gradient is multiplied by dp_a / dp_b, which makes each stage's reduced gradient
+that of the mean loss over the whole micro-batch.
+
+Ordering: all ranks of a stage run the same list, so their TP and DP collectives
+match; a transfer's sends and receives are matched by tag and posting order
+(``CrossMeshTransfer``), and each pending transfer is waited exactly once: a
+receive by the action that consumes it, a send at the end of the step (its buffer
+is kept alive until then). On CUDA, ``Pending.wait()`` orders the current stream,
+on which the consuming F/B runs, after the transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+import torch
+
+from oases.parallel.cross_mesh import CrossMeshTransfer, Mesh
+from oases.schedule.pipeline import stage_actions
+
+AmpFactory = Callable[[], contextlib.AbstractContextManager]
+
+_TAGS_PER_TRANSFER = 1 << 12
+
+
+def _mesh(stage) -> Mesh:
+    return Mesh(stage.first, stage.dp, stage.tp)
+
+
+class PipelineRunner:
+    """Runs this rank's stage of ``ctx.layout``. Built collectively: every rank builds
+    the transfers of every boundary in the same order (they create process groups)."""
+
+    def __init__(self, ctx, kind: str, microbatches: int, batch: int, seq: int, d_model: int,
+                 method: str = "broadcast") -> None:
+        layout = ctx.layout
+        self.ctx, self.kind, self.n = ctx, kind, microbatches
+        self.tail = (d_model,)
+        self.recv_f = self.send_f = self.recv_b = self.send_b = None
+        tag = 0
+        for b in range(layout.pp - 1):
+            src, dst = _mesh(layout.stages[b]), _mesh(layout.stages[b + 1])
+            fwd = CrossMeshTransfer(src, dst, batch, seq, method, tag=tag)
+            tag += _TAGS_PER_TRANSFER
+            bwd = CrossMeshTransfer(dst, src, batch, seq, method, tag=tag)
+            tag += _TAGS_PER_TRANSFER
+            if ctx.stage == b:
+                self.send_f, self.recv_b = fwd, bwd
+            elif ctx.stage == b + 1:
+                self.recv_f, self.send_b = fwd, bwd
+        self.grad_scale = 1.0
+        if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
+            self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
+        self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches)
+
+    def step(self, engine, model, batches: list, scale: float, amp: AmpFactory,
+             before_last_backward: Callable[[], None] = lambda: None, tracer=None):
+        """Forward and backward of every micro-batch of one step (``batches``: this rank's
+        ``(x, y)`` of each micro-batch; a stage reads only what it needs). Returns (the
+        mean loss over the micro-batches on the last stage, else None; seconds spent in
+        F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``."""
+        ctx, dev = self.ctx, self.ctx.device
+        dtype = next(model.parameters()).dtype
+        recvs: dict = {}
+        sends: list = []
+        runs: dict = {}
+        grads_in: dict = {}
+        losses = []
+        last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        busy = 0.0
+        for i, a in enumerate(self.actions):
+            m = a.mb
+            if a.kind == "RECV_F":
+                recvs[("F", m)] = self.recv_f.recv(self.tail, dtype, dev)
+            elif a.kind == "RECV_B":
+                recvs[("B", m)] = self.recv_b.recv(self.tail, dtype, dev)
+            elif a.kind == "SEND_F":
+                sends.append(self.send_f.send(runs[m].output.to(dtype).contiguous()))
+            elif a.kind == "SEND_B":
+                sends.append(self.send_b.send(grads_in.pop(m).to(dtype).contiguous()))
+            elif a.kind == "F":
+                x, y = batches[m]
+                inp = x.to(dev) if ctx.is_first_stage else recvs.pop(("F", m)).wait()
+                tgt = y.to(dev) if ctx.is_last_stage else None
+                t0 = time.perf_counter()
+                with _span(tracer, f"F{m}"):
+                    runs[m] = engine.forward(model, inp, tgt, amp)
+                busy += time.perf_counter() - t0
+                if ctx.is_last_stage:
+                    losses.append(runs[m].loss)
+            elif a.kind == "B":
+                g = None
+                if not ctx.is_last_stage:
+                    g = recvs.pop(("B", m)).wait()
+                    if self.grad_scale != 1.0:
+                        g = g * self.grad_scale
+                if i == last_b:
+                    before_last_backward()
+                t0 = time.perf_counter()
+                with _span(tracer, f"B{m}"):
+                    gin = engine.backward(runs.pop(m), g, scale, amp)
+                busy += time.perf_counter() - t0
+                if not ctx.is_first_stage:
+                    grads_in[m] = gin
+        for s in sends:  # the buffers were kept alive until now
+            s.wait()
+        if recvs or runs:  # a schedule that the checker let through must leave nothing
+            raise RuntimeError(f"pipeline step left {sorted(recvs)} received and "
+                               f"{sorted(runs)} forwarded but not consumed")
+        loss = torch.stack(losses).mean() if losses else None
+        return loss, busy
+
+    @torch.no_grad()
+    def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory):
+        """One micro-batch through the stages, no backward (evaluation): the last stage
+        returns its mean loss, the others None."""
+        ctx, dev = self.ctx, self.ctx.device
+        dtype = next(model.parameters()).dtype
+        inp = x.to(dev) if ctx.is_first_stage else self.recv_f.recv(self.tail, dtype, dev).wait()
+        with amp():
+            out = model(inp, y.to(dev) if ctx.is_last_stage else None)
+        if ctx.is_last_stage:
+            return out.float()
+        self.send_f.send(out.to(dtype).contiguous()).wait()
+        return None
+
+
+def _span(tracer, name: str):
+    return tracer.span(name, "compute") if tracer is not None else contextlib.nullcontext()
