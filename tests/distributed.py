@@ -24,15 +24,18 @@ TIMEOUT_S = 60
 
 
 def _worker(rank, world, tp, store_path, fn, args, err_dir):
+    """``tp=None``: no context is built; ``fn(rank, *args)`` builds its own groups."""
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        from oases.parallel.groups import build_context
+        if tp is None:
+            fn(rank, *args)
+        else:
+            from oases.parallel.groups import build_context
 
-        ctx = build_context(tp, torch.device("cpu"))
-        fn(ctx, *args)
+            fn(build_context(tp, torch.device("cpu")), *args)
         dist.barrier()
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
@@ -43,8 +46,10 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, tp: int = 1, args: tuple = ()) -> None:
-    """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level)."""
+def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = ()) -> None:
+    """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level).
+    ``tp=None`` runs ``fn(rank, *args)`` on the bare default group (pipeline layouts build
+    their own groups)."""
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")
         try:

@@ -168,6 +168,37 @@ def tp_not_dividing_kv_heads(ws, run, data):
                 env={"WORLD_SIZE": "4", "RANK": "0"})
 
 
+@case
+def microbatches_below_pp(ws, run, data):
+    return dict(args=base_args(run, data, "parallel.pp=2", "train.grad_accum=1"),
+                needles=["train.grad_accum=1 micro-batches is fewer than parallel.pp=2"],
+                env={"WORLD_SIZE": "2", "RANK": "0"})
+
+
+def _stage_plan(ws: Path, stages: str) -> Path:
+    plan = ws / "plan.yaml"
+    plan.write_text(f"stages:\n{stages}")
+    return plan
+
+
+@case
+def plan_stages_leave_a_gap(ws, run, data):
+    plan = _stage_plan(ws, "  - {layers: [0, 1], dp: 1, tp: 1}\n  - {layers: [2, 4], dp: 1, tp: 1}\n")
+    return dict(args=base_args(run, data, "parallel.pp=2", "train.grad_accum=2",
+                               f"parallel.plan={plan}"),
+                needles=[str(plan), "stage 1 has layers [2, 4)", "without gaps"],
+                env={"WORLD_SIZE": "2", "RANK": "0"})
+
+
+@case
+def plan_stage_layout_not_world_over_pp(ws, run, data):
+    plan = _stage_plan(ws, "  - {layers: [0, 2], dp: 2, tp: 1}\n  - {layers: [2, 4], dp: 1, tp: 1}\n")
+    return dict(args=base_args(run, data, "parallel.pp=2", "train.grad_accum=2",
+                               f"parallel.plan={plan}"),
+                needles=["stage 0 has dp 2 x tp 1 = 2 ranks", "world / pp = 1"],
+                env={"WORLD_SIZE": "2", "RANK": "0"})
+
+
 # 4-7: the data (raised after the process group exists)
 
 @case

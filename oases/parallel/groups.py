@@ -160,13 +160,18 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -
             if mine:
                 degree_groups = dg
     first, last = layout.stages[0], layout.stages[-1]
-    if tie_embeddings and layout.pp > 1:
-        for t in range(first.tp):  # resolve_layout checked first.tp == last.tp
+    if tie_embeddings and layout.pp > 1 and first.tp == last.tp:
+        for t in range(first.tp):  # the same vocabulary shard on both stages
             ranks = ([first.first + d * first.tp + t for d in range(first.dp)] +
                      [last.first + d * last.tp + t for d in range(last.dp)])
             g = dist.new_group(ranks)
             if rank in ranks:
                 tie_group = g
+    elif tie_embeddings and layout.pp > 1:  # different shards: sum whole tables
+        ranks = list(first.ranks) + list(last.ranks)
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            tie_group = g
     st = layout.stages[me]
     dp_rank, tp_rank = st.coords(rank)
     return ParallelContext(rank=rank, world_size=world, tp=st.tp, dp=st.dp, tp_rank=tp_rank,

@@ -10,7 +10,7 @@ from oases.config import Config
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.reshard import grad_group_of
-from oases.runtime.dp import GradReducer
+from oases.runtime.dp import GradReducer, TiedTableSync
 from oases.runtime.optim import build_optimizer
 from oases.schedule.engines import build_schedule
 
@@ -54,8 +54,12 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     opt = build_optimizer(model, cfg.train, ctx.device)
     group_of = grad_group_of(ctx, ctx.tp)
     prescale_of = None
-    tied = model.embed.wte.weight if ctx.tie_group is not None else None
-    if tied is not None:  # summed over both stages' replicas (GradReducer's prescale)
+    tied = (model.embed.wte.weight if ctx.tie_group is not None and cfg.model.tie_embeddings
+            else None)
+    tie_sync = None
+    if tied is not None and ctx.layout.stages[0].tp != ctx.layout.stages[-1].tp:
+        tie_sync = TiedTableSync(tied, ctx.tie_group, ctx.dp, ctx.tp_rank, cfg.model.vocab_size)
+    elif tied is not None:  # summed over both stages' replicas (GradReducer's prescale)
         base = group_of
         group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
@@ -67,4 +71,5 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
 
         pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
                               cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
+        pipe.after_reduction = tie_sync
     return schedule, opt, reducer, pipe

@@ -163,3 +163,31 @@ class GradReducer:
                 b.work = None
             if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)
+
+
+class TiedTableSync:
+    """Sums the gradients of a tied embedding's two copies (first and last pipeline
+    stage) when the stages shard the vocabulary differently (different tp), after each
+    stage's DP reduction.
+
+    Every rank of both stages writes its (DP-averaged) shard rows into a zero table of
+    the logical vocabulary, scaled by 1/dp of its stage (the dp replicas hold the same
+    values), and one all-reduce over both stages adds them up: each row then holds
+    first-stage + last-stage gradient, and each rank copies its rows back. (With equal
+    tp the reducer sums the shards directly over a smaller group; this moves tp times
+    the bytes, once per step.)
+    """
+
+    def __init__(self, param: nn.Parameter, group, dp: int, tp_rank: int, vocab: int) -> None:
+        self.param, self.group, self.scale, self.vocab = param, group, 1.0 / dp, vocab
+        rows = param.shape[0]
+        self.start = tp_rank * rows
+        self.n = max(0, min(rows, vocab - self.start))  # real (not padding) rows held here
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        g = self.param.grad
+        table = torch.zeros(self.vocab, g.shape[1], device=g.device, dtype=g.dtype)
+        table[self.start: self.start + self.n] = g[: self.n] * self.scale
+        all_reduce(table, self.group)
+        g[: self.n] = table[self.start: self.start + self.n]

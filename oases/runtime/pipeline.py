@@ -74,6 +74,8 @@ class PipelineRunner:
         if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
         self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches)
+        # run after the DP reduction (the tied embedding across stages of different tp)
+        self.after_reduction: Optional[Callable[[], None]] = None
 
     def step(self, engine, model, batches: list, scale: float, amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None, tracer=None):

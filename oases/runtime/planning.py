@@ -58,10 +58,6 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
         if s.degrees is not None:
             check_degrees(list(s.degrees), s.tp, cfg.model, where, 2 * s.layers[0])
         _check_rows(cfg, s.degrees, s.tp, cfg.pipeline_batch // s.dp)
-    if cfg.model.tie_embeddings and layout.stages[0].tp != layout.stages[-1].tp:
-        raise ConfigError(f"{where}: tied embeddings need the first and the last stage at the "
-                          f"same tp (the two copies share their vocabulary shards); got "
-                          f"{layout.stages[0].tp} and {layout.stages[-1].tp}")
     return layout
 
 
