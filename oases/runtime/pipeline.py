@@ -78,12 +78,15 @@ class PipelineRunner:
         self.after_reduction: Optional[Callable[[], None]] = None
 
     def step(self, engine, model, batches: list, scale: float, amp: AmpFactory,
-             before_last_backward: Callable[[], None] = lambda: None, tracer=None):
+             before_last_backward: Callable[[], None] = lambda: None):
         """Forward and backward of every micro-batch of one step (``batches``: this rank's
         ``(x, y)`` of each micro-batch; a stage reads only what it needs). Returns (the
         mean loss over the micro-batches on the last stage, else None; seconds spent in
-        F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``."""
+        F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``.
+        With the engine's tracer active, each action and each wait for a transfer is a
+        span of the trace's "pipeline" lane."""
         ctx, dev = self.ctx, self.ctx.device
+        tracer = getattr(engine, "tracer", None)
         dtype = next(model.parameters()).dtype
         recvs: dict = {}
         sends: list = []
@@ -104,7 +107,11 @@ class PipelineRunner:
                 sends.append(self.send_b.send(grads_in.pop(m).to(dtype).contiguous()))
             elif a.kind == "F":
                 x, y = batches[m]
-                inp = x.to(dev) if ctx.is_first_stage else recvs.pop(("F", m)).wait()
+                if ctx.is_first_stage:
+                    inp = x.to(dev)
+                else:
+                    with _span(tracer, f"wait F{m}"):
+                        inp = recvs.pop(("F", m)).wait()
                 tgt = y.to(dev) if ctx.is_last_stage else None
                 t0 = time.perf_counter()
                 with _span(tracer, f"F{m}"):
@@ -115,7 +122,8 @@ class PipelineRunner:
             elif a.kind == "B":
                 g = None
                 if not ctx.is_last_stage:
-                    g = recvs.pop(("B", m)).wait()
+                    with _span(tracer, f"wait B{m}"):
+                        g = recvs.pop(("B", m)).wait()
                     if self.grad_scale != 1.0:
                         g = g * self.grad_scale
                 if i == last_b:
@@ -126,8 +134,9 @@ class PipelineRunner:
                 busy += time.perf_counter() - t0
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
-        for s in sends:  # the buffers were kept alive until now
-            s.wait()
+        with _span(tracer, "wait sends"):
+            for s in sends:  # the buffers were kept alive until now
+                s.wait()
         if recvs or runs:  # a schedule that the checker let through must leave nothing
             raise RuntimeError(f"pipeline step left {sorted(recvs)} received and "
                                f"{sorted(runs)} forwarded but not consumed")
@@ -150,4 +159,4 @@ class PipelineRunner:
 
 
 def _span(tracer, name: str):
-    return tracer.span(name, "compute") if tracer is not None else contextlib.nullcontext()
+    return tracer.span(name, "pipeline") if tracer is not None else contextlib.nullcontext()
