@@ -87,6 +87,9 @@ def _run_case(rank: int, cfg, layout, steps: int, what: str) -> None:
     ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
+    st = layout.stages[ctx.stage]
+    degrees = [b.degree for layer in model.layers for b in (layer.attn, layer.mlp)]
+    assert degrees == list(st.degrees or [st.tp] * len(degrees)), (what, degrees)
     schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
@@ -108,6 +111,9 @@ LAYOUTS = {
     "pp4": (4, 1, None),
     "tp2|dp2": (2, 1, [{"layers": [0, 2], "dp": 1, "tp": 2}, {"layers": [2, 4], "dp": 2, "tp": 1}]),
     "dp2|tp2": (2, 1, [{"layers": [0, 1], "dp": 2, "tp": 1}, {"layers": [1, 4], "dp": 1, "tp": 2}]),
+    # per-block TP degrees inside each stage (blocks at degree 1 split the batch in two)
+    "pp2xtp2-degrees": (2, 2, [{"layers": [0, 2], "dp": 1, "tp": 2, "degrees": [2, 1, 1, 2]},
+                               {"layers": [2, 4], "dp": 1, "tp": 2, "degrees": [1, 2, 2, 2]}]),
 }
 
 
