@@ -320,3 +320,23 @@ def test_resume_auto_without_checkpoint_restarts_metrics(run_a, tmp_path, run_si
     assert "starting from step 0" in proc.stdout
     train, evals = read_metrics(b)
     check_train_records(train, 3)  # steps 1, 2, 3 once each: no stale 4..9, no duplicates
+
+
+def test_pipeline_trains_from_train_py(tmp_path, data_args, run_train):
+    """torchrun train.py with parallel.pp=2 (oases engine, eager-1F1B): the loss falls as at
+    pp=1, every record carries the pipeline bubble, eval runs through the stages."""
+    out = tmp_path / "run"
+    proc = run_train(gpt_args(out, data_args, "parallel.tp=1", "parallel.pp=2",
+                              "parallel.pp_schedule=eager-1f1b", "parallel.schedule=oases",
+                              "parallel.recompute=fine", "train.grad_accum=2",
+                              "train.micro_batch_size=4"))
+    assert "world 2 = pp 2 x dp 1 x tp 1" in proc.stdout
+    assert "pipeline: stage 0: layers 0-1 dp 1 x tp 1 | stage 1: layers 2-3" in proc.stdout
+    train, evals = read_metrics(out)
+    check_train_records(train, STEPS)
+    assert all(0.0 <= r["pipeline_bubble"] < 1.0 for r in train)
+    first, last = train[0]["loss"], train[-1]["loss"]
+    assert 5.0 < first < 6.0 and last < first - 1.0, (first, last)
+    assert [r["step"] for r in evals] == [10, 20] and evals[1]["val_loss"] < first
+    meta = json.loads((out / "checkpoints" / "step_000020" / "meta.json").read_text())
+    assert meta["pp"] == 2 and meta["stages"][1]["layers"] == [2, 4]
