@@ -316,9 +316,14 @@ def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
     dcp.save({p.key: p.local for p in pieces}, checkpoint_id=str(tmp),
              planner=_ChunkSavePlanner(pieces))
     torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
+    layout = param_layout(model)
+    if ctx.pp > 1:  # each stage knows only its own parameters
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, layout)
+        layout = {k: v for part in parts for k, v in part.items()}
     dist.barrier()
     if ctx.is_main:
-        meta = {**meta, "layout": param_layout(model)}
+        meta = {**meta, "layout": layout}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():  # re-saving a step (e.g. after a restart): replace it
             shutil.rmtree(final)
