@@ -46,10 +46,23 @@ class _Bucket:
         self.ready = 0      # params whose accumulations are complete
         self.need = 0       # params that get gradients at all (known after calibration)
         self.work = None
+        self.views = []     # param.grad must stay these views (see GradReducer.finish)
         off = 0
         for p in params:
-            p.grad = self.buffer[off: off + p.numel()].view_as(p)
+            self.views.append(self.buffer[off: off + p.numel()].view_as(p))
+            p.grad = self.views[-1]
             off += p.numel()
+
+    def attach(self) -> None:
+        for p, v in zip(self.params, self.views):
+            p.grad = v
+
+    def detached(self) -> Optional[nn.Parameter]:
+        """A parameter whose ``.grad`` is no longer its view into the buffer, if any."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                return p
+        return None
 
 
 class GradReducer:
@@ -70,6 +83,7 @@ class GradReducer:
         self._hits: dict[int, int] = {}
         self._expected: dict[int, int] | None = None
         params = [p for p in model.parameters() if p.requires_grad]
+        self._names = [(n, p) for n, p in model.named_parameters()]
         group_of = group_of or (lambda p: dp_group)
         self._prescale_of = prescale_of or (lambda p: None)
         self.buckets: list[_Bucket] = []
@@ -116,8 +130,10 @@ class GradReducer:
         return b.group is None or dist.get_world_size(b.group) == 1
 
     def zero_grad(self) -> None:
-        """Zero the flat buffers (keeps ``param.grad`` views alive; never set them to None)."""
+        """Zero the flat buffers; ``param.grad`` becomes (again) a view into them, also if
+        something set it to None since (``optimizer.zero_grad()``)."""
         for b in self.buckets:
+            b.attach()
             b.buffer.zero_()
             b.ready = 0
             b.work = None
@@ -150,6 +166,15 @@ class GradReducer:
         self.armed = False
         if not self.active:
             return
+        for b in self.buckets:  # the same on every rank: every rank runs the same code
+            p = b.detached()
+            if p is not None:
+                name = next((n for n, q in self._names if q is p), "?")
+                raise RuntimeError(
+                    f"the gradient of parameter {name} is no longer the DP reducer's bucket "
+                    f"view (optimizer.zero_grad() or `param.grad = None` between "
+                    f"reducer.zero_grad() and the backward?): it would not be averaged over "
+                    f"data-parallel ranks. Zero gradients with GradReducer.zero_grad() only.")
         if self._expected is None:  # calibration: all ranks count the same hooks
             self._expected = dict(self._hits)
             for b in self.buckets:
