@@ -5,8 +5,9 @@ A token file is a raw little-endian ``uint16`` or ``uint32`` array with no heade
 read through ``np.memmap`` so a multi-GB file costs no RAM up front.
 
 **Training** (:class:`TrainBatches`) cuts the file into ``n = (len - 1) // T``
-non-overlapping windows of ``T + 1`` tokens (window ``w`` is
-``tokens[w*T : w*T + T + 1]``: inputs plus the next-token targets). A *global
+windows of ``T + 1`` tokens starting every ``T`` tokens (window ``w`` is
+``tokens[w*T : w*T + T + 1]``: inputs plus the next-token targets; neighbours
+share one token, so every token but the first is a target exactly once). A *global
 sample counter* ``g`` walks one random permutation of the windows per epoch
 (epoch ``e = g // n`` uses the permutation seeded from ``(seed, e)``). Every DP
 rank holds the same counter ``consumed``; a call gives rank ``r`` the samples
