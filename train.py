@@ -6,7 +6,9 @@ Bad input (config, data, checkpoint, out_dir) prints one line and exits with
 status 2; ``debug=true`` shows the traceback. A run that cannot go on prints one
 line too: status 3 for a non-finite loss or gradient with
 ``train.on_nonfinite=stop``, status 4 for a collective that failed or timed out
-(``parallel.timeout_s``: a peer rank died or hangs). (Under torchrun the workers
+(``parallel.timeout_s``: a peer rank died or hangs), status 5 after SIGTERM or
+SIGUSR1 (the step in progress finished and a checkpoint was saved; ``resume=auto``
+continues). (Under torchrun the workers
 exit with these and torchrun reports their failure with its own status 1, or
 restarts them with ``--max-restarts``; ``python -m oases.config`` checks a config
 with status 2 before launching.)
@@ -18,7 +20,7 @@ import argparse
 import os
 import sys
 
-from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError,
+from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError, Preempted,
                           TrainingError, UserError)
 
 
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a non-finite step is seen alike by every rank; a collective failure names its rank
         if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, CollectiveError):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            label = "stopped" if isinstance(e, Preempted) else "error"
+            print(f"{label}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
 

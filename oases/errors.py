@@ -47,5 +47,14 @@ class CollectiveError(TrainingError):
     exit_code = 4
 
 
+class Preempted(TrainingError):
+    """SIGTERM or SIGUSR1 arrived (a scheduler's notice before preemption or the time
+    limit): the step in progress finished, a checkpoint was written, ``resume=auto``
+    continues exactly. Exit status 5."""
+
+    exit_code = 5
+
+
 EXIT_NONFINITE = NonFiniteError.exit_code
+EXIT_PREEMPTED = Preempted.exit_code
 EXIT_COLLECTIVE = CollectiveError.exit_code

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from models import model_stats
 from oases.config import Config, save_config
-from oases.errors import CollectiveError, NonFiniteError, UserError
+from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import ParallelContext, init_distributed
 from oases.planner.calibrate import time_steps
@@ -29,6 +29,7 @@ from oases.runtime.build import model_for, seed_tracker, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
 from oases.runtime.planning import resolve_layout, resolve_plan
+from oases.runtime.preempt import StopSignals
 from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
                                   trim_metrics)
 from oases.runtime.optim import lr_at
@@ -191,12 +192,12 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
-    def save(step: int) -> None:
+    def save(step: int):
         if not ckpt.all_finite(model, ctx):  # never replace a good checkpoint by a broken one
             if ctx.is_main:
                 print(f"step {step}: the weights are not finite; checkpoint not saved",
                       flush=True)
-            return
+            return None
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
                 **layout_meta(ctx), "padded_vocab_size": cfg.padded_vocab_size,
                 "skipped_steps": skipped}
@@ -204,6 +205,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                          cfg.checkpoint.keep)
         if ctx.is_main:
             print(f"saved checkpoint {path}", flush=True)
+        return path
 
     if start >= cfg.train.steps:
         if ctx.is_main:
@@ -218,8 +220,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     if par.tp_comm_noop and ctx.is_main:
         print("parallel.tp_comm_noop=true: TP collectives are skipped; losses are NOT valid "
               "(timing only)", flush=True)
+    stop = StopSignals()
     try:
         noop.__enter__()
+        stop.__enter__()
         for step in range(start, cfg.train.steps):
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
@@ -263,8 +267,15 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                            extra=extra)
             if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:
                 logger.log_eval(done, run_eval())
+            saved = None
             if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0:
-                save(done)
+                saved = save(done)
+            sig = stop.agreed(ctx.device)
+            if sig is not None and done < cfg.train.steps:
+                saved = saved or save(done)
+                raise Preempted(f"{sig} received: stopped after step {done}/{cfg.train.steps}; "
+                                f"checkpoint {saved or 'not saved (non-finite weights)'}; "
+                                f"resume=auto continues")
         final = cfg.train.steps
         if val is not None and not (cfg.eval.interval and final % cfg.eval.interval == 0) \
                 and start < final:
@@ -273,5 +284,6 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 cfg.checkpoint.interval and final % cfg.checkpoint.interval == 0):
             save(final)
     finally:
+        stop.__exit__(None, None, None)
         noop.__exit__(None, None, None)
         logger.close()
