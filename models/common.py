@@ -81,16 +81,32 @@ class Rotary(nn.Module):
 
 
 class ResidualBlock(TPBlock):
-    """x + dropout(proj(...) reduced + bias): the combine of attention and MLP."""
+    """x + dropout(proj(...) reduced + bias): the combine of attention and MLP.
+
+    The residual dropout is in the replicated region: its mask comes from the default
+    generator, which is the same on all TP ranks. A block below the full TP degree
+    (a plan's degree t < T) runs on part ``g`` of ``k = T/t`` parts of the batch, and
+    all parts start from the same generator state; drawing the part's mask directly
+    would give every part the same mask (correlated noise). Instead each part draws
+    the mask of the whole (sub-)batch, as the block at degree T would, and keeps its
+    rows: the masks are then exactly those of the uniform model.
+    """
 
     proj: RowParallelLinear
 
     def __init__(self, tp_group, dropout: float) -> None:
         super().__init__(tp_group)
         self.dropout = nn.Dropout(dropout)  # replicated region: default generator, same on TP ranks
+        self.batch_part = (0, 1)            # (g, k): this rank's part of the batch (plans)
 
     def combine(self, x, reduced):
-        return x + self.dropout(self.proj.add_bias(reduced))
+        y = self.proj.add_bias(reduced)
+        g, k = self.batch_part
+        if k == 1 or not self.training or self.dropout.p == 0.0:
+            return x + self.dropout(y)
+        whole = y.new_ones((k * y.shape[0], *y.shape[1:]))          # (k B, T, d)
+        mask = self.dropout(whole).narrow(0, g * y.shape[0], y.shape[0])  # 0 or 1/(1-p)
+        return x + y * mask
 
 
 class ParallelAttention(ResidualBlock):
@@ -280,6 +296,8 @@ class CausalLM(nn.Module):
         for blk in self.blocks():  # the reduction group of every gradient follows from it
             for p in blk.parameters():
                 p.tp_degree = blk.degree
+            if self.resharder is not None and blk.degree < T:
+                blk.batch_part = (self.resharder.position(blk.degree)[0], T // blk.degree)
         self.norm = self.head = None
         if self.is_last:
             self.norm = self.make_norm(cfg)
