@@ -65,3 +65,49 @@ def test_zero_grad_between_steps_is_repaired():
 
 def test_zero_grad_before_backward_is_an_error():
     run_distributed(_detected, world=2, tp=1)
+
+
+class _Launches:
+    """A collective observer that records when each all-reduce was launched."""
+
+    def __init__(self):
+        from oases.parallel.comm import CommObserver
+
+        class Obs(CommObserver):
+            def __init__(self, times):
+                self.times = times
+
+            def collective(self, name, lane, work, start=None):
+                self.times.append(start)
+
+        self.times: list[float] = []
+        self.obs = Obs(self.times)
+
+
+def _launch_during_backward(ctx):
+    import time
+
+    from oases.runtime.dp import GradReducer
+
+    cfg, model, opt, _, batches = _setup(ctx)
+    reducer = GradReducer(model, ctx.dp_group, bucket_mb=0.05)  # many small buckets
+    n_buckets = len(reducer.buckets)
+    assert n_buckets >= 8, n_buckets
+    for step in range(2):  # the first armed backward calibrates (counts hooks)
+        reducer.zero_grad()
+        x, y = batches.next_batch()
+        loss = model(x, y)
+        rec = _Launches()
+        with rec.obs:
+            reducer.arm()
+            loss.backward()
+            t_end = time.perf_counter()
+            reducer.finish()
+        early = sum(t < t_end for t in rec.times)
+        if step == 1:  # every bucket but the one holding the first layers' gradients
+            assert len(rec.times) == n_buckets and early >= n_buckets - 2, (early, n_buckets)
+    _same_over_dp(model, ctx)
+
+
+def test_buckets_launch_during_backward():
+    run_distributed(_launch_during_backward, world=2, tp=1)
