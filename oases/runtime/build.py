@@ -3,7 +3,9 @@ engine, the optimizer, the gradient reducer and, pipelined, the pipeline runner.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 from models import build_model
 from oases.config import Config
@@ -73,3 +75,35 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
                               cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
         pipe.after_reduction = tie_sync
     return schedule, opt, reducer, pipe
+
+
+class _FixedBatches:
+    """One random micro-batch, over and over (timing only)."""
+
+    def __init__(self, cfg: Config) -> None:
+        g = torch.Generator().manual_seed(cfg.seed)
+        ids = torch.randint(0, cfg.model.vocab_size,
+                            (cfg.train.micro_batch_size, cfg.model.seq_len + 1), generator=g)
+        self.x, self.y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def next_batch(self):
+        return self.x, self.y
+
+
+def throwaway_step(cfg: Config, ctx: ParallelContext,
+                   degrees: Optional[list[int]]) -> Callable[[], None]:
+    """One real training step (``train_step``) of a throwaway model with these per-block
+    degrees, fed one random micro-batch: what ``plan=auto``'s calibration times. It
+    draws random numbers: callers that must not be affected fork the random state
+    (``resolve_plan`` does). Collective: every rank builds it."""
+    from oases.runtime.step import train_step
+
+    tracker = seed_tracker(cfg, ctx)
+    model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
+    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    batches = _FixedBatches(cfg)
+
+    def step() -> None:
+        train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule, pipe)
+
+    return step

@@ -25,7 +25,7 @@ from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import ParallelContext, init_distributed
 from oases.planner.calibrate import time_steps
 from oases.runtime import checkpoint as ckpt
-from oases.runtime.build import model_for, seed_tracker, training_for
+from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
 from oases.runtime.planning import resolve_layout, resolve_plan
@@ -135,6 +135,15 @@ def _first_line(e: BaseException) -> str:
     return type(e).__name__
 
 
+def _time_throwaway(cfg: Config, ctx: ParallelContext, degrees, n: int) -> float:
+    step = throwaway_step(cfg, ctx, degrees)
+    t = time_steps(step, ctx.device, n)
+    del step
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return t
+
+
 def _run(cfg: Config, ctx: ParallelContext) -> None:
     # CPU kernels used here are deterministic already (the resume test checks bit-exact
     # curves); torch.use_deterministic_algorithms would cost an inductor import per process.
@@ -152,7 +161,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     par = cfg.parallel
     degrees = None
     if ctx.layout is None:  # per-block TP degrees, or None: all at tp
-        degrees = resolve_plan(cfg, ctx, lambda d, n: time_steps(cfg, ctx, d, n))
+        degrees = resolve_plan(cfg, ctx, lambda d, n: _time_throwaway(cfg, ctx, d, n))
         if degrees is not None and ctx.is_main:
             print(f"plan: per-block TP degrees {degrees}", flush=True)
     elif ctx.is_main:
