@@ -34,6 +34,18 @@ def subprocess_env() -> dict:
     return env
 
 
+def resume_copy(run: Path, dest: Path, step: int = 2, drop: int = 4) -> Path:
+    """A copy of a run's out_dir as it was right after its step-``step`` checkpoint
+    (the later checkpoint ``drop`` removed, ``latest`` pointing back)."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    root = dest / "checkpoints"
+    shutil.rmtree(root / f"step_{drop:06d}")
+    (root / "latest").write_text(f"step_{step:06d}\n")
+    return dest
+
+
 def _describe(proc: subprocess.CompletedProcess) -> str:
     return (f"command: {' '.join(map(str, proc.args))}\nexit status {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")

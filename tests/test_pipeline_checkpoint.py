@@ -16,7 +16,6 @@ checkpoint every 2 steps. Each other run resumes A's step-2 checkpoint:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from oases.runtime import trainer
+from tests.conftest import resume_copy
 from tests.distributed import run_distributed
 
 import torch._inductor.config  # noqa: E402,F401  isort: skip  (see test_reshard.py)
@@ -70,14 +70,6 @@ def run_a(tmp_path_factory) -> Path:
     assert meta["pp"] == 2 and [s["layers"] for s in meta["stages"]] == [[0, 2], [2, 4]]
     assert 0.0 <= records(out)[4]["pipeline_bubble"] < 1.0
     return out
-
-
-def resume_copy(run_a: Path, dest: Path) -> Path:
-    shutil.copytree(run_a, dest)
-    root = dest / "checkpoints"
-    shutil.rmtree(root / "step_000004")
-    (root / "latest").write_text("step_000002\n")
-    return dest
 
 
 def test_resume_same_layout_is_exact(run_a, tmp_path):

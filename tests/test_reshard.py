@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from oases.runtime import trainer
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, resume_copy, subprocess_env
 from tests.distributed import run_distributed
 
 # trainer._run calls torch.use_deterministic_algorithms, which imports torch._inductor
@@ -85,15 +85,6 @@ def run_a(tmp_path_factory) -> Path:
     assert json.loads((root / "step_000002" / "meta.json").read_text())["padded_vocab_size"] == 384
     assert sorted(records(out)) == [1, 2, 3, 4]
     return out
-
-
-def resume_copy(run_a: Path, dest: Path) -> Path:
-    """A's out_dir as it was right after the step-2 checkpoint."""
-    shutil.copytree(run_a, dest)
-    root = dest / "checkpoints"
-    shutil.rmtree(root / "step_000004")
-    (root / "latest").write_text("step_000002\n")
-    return dest
 
 
 LAYOUTS = {  # name: (world, tp, micro-batch size): every layout has a global batch of 4
