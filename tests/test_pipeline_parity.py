@@ -147,3 +147,35 @@ def test_gpipe_and_full_recompute():
     run_distributed(_body, WORLD, tp=None, args=("pp2xtp2", [
         ("gpt", ("megatron", "full"), "gpipe"), ("llama", ("oases", "full"), "1f1b"),
         ("gpt", ("oases", "none"), "eager-1f1b")]))
+
+
+def _nonfinite_body(rank: int) -> None:
+    """A NaN in one rank's gradient on the first stage: every rank of every stage sees a
+    non-finite norm and leaves the step out (no weight moves anywhere)."""
+    import math
+
+    from oases.layout import uniform_layout
+    from oases.parallel.groups import build_pipeline_context
+    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.data import TrainBatches
+    from oases.runtime.step import train_step
+
+    cfg = _cfg("gpt", ("oases", "fine"), "1f1b", 2, 2, grad_accum=2)
+    ctx = build_pipeline_context(uniform_layout(WORLD, 2, 2, cfg.model.n_layer),
+                                 torch.device("cpu"), True)
+    tracker = seed_tracker(cfg, ctx)
+    model = model_for(cfg, ctx, tracker, None, cfg.seed)
+    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                           cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
+    if rank == 0:
+        model.layers[0].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, 1e-2, schedule, pipe)
+    assert math.isfinite(loss) and math.isnan(norm), (rank, loss, norm)
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]), f"rank {rank}: {k} moved in a skipped step"
+
+
+def test_nonfinite_gradient_skips_the_step_on_every_stage():
+    run_distributed(_nonfinite_body, WORLD, tp=None)
