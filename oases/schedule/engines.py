@@ -59,85 +59,31 @@ result is handed back to the program that asked for it; no handle outlives
 one every segment computes on) wait for the collective; the buffers stay
 referenced by the runner until that wait, so the caching allocator cannot hand
 their memory to another kernel while the communication stream still reads them.
+
+Pipeline stages: ``forward`` and ``backward`` run the same programs as separate
+actions (all sub-batches' forwards, later all their backwards), keeping the
+sub-batches' state in a :class:`StageRun` in between; a stage whose input is the
+previous stage's activation makes it a leaf and returns its gradient. The
+``megatron`` engine is in :mod:`oases.schedule.megatron`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Optional
+from typing import Generator, Optional
 
 import torch
 import torch.nn as nn
 
 from oases.parallel.comm import Cut, CutRecorder, _trivial, all_gather_async, all_reduce
 from oases.parallel.random import TPRNGTracker
+from oases.schedule.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.schedule.memory import SavedTensorMeter
+from oases.schedule.rng_streams import _rng_restore, _rng_snapshot, sub_batch_rng_streams
 
-AmpFactory = Callable[[], contextlib.AbstractContextManager]
-
-
-class MegatronSchedule:
-    """Plain autograd over the whole micro-batch (recompute=full lives in the model)."""
-
-    name = "megatron"
-
-    def __init__(self, tracer=None) -> None:
-        self.tracer = tracer
-
-    def _span(self, name: str):
-        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
-
-    def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
-        with self._span("forward"), amp():
-            loss = model(ids, targets)
-        SavedTensorMeter.end_of_forward()
-        with self._span("backward"):
-            (loss * scale).backward()
-        return loss.detach()
-
-    # -- a pipeline stage: forward and backward of a micro-batch as separate actions --
-    def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                amp: AmpFactory = contextlib.nullcontext) -> "StageRun":
-        """Forward of one micro-batch on a pipeline stage: ``inp`` is token ids (first
-        stage) or the previous stage's activation; the run holds the loss (last stage)
-        or the output activation, and the graph until :meth:`backward`."""
-        x = _stage_input(inp)
-        with self._span("forward"), amp():
-            out = model(x, targets)
-        last = targets is not None
-        return StageRun(state=(x, out), loss=out.detach() if last else None,
-                        output=None if last else out.detach())
-
-    def backward(self, run: "StageRun", grad: Optional[torch.Tensor], scale: float = 1.0,
-                 amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
-        """Backward of a :meth:`forward` run: from the loss (``grad`` None, scaled by
-        ``scale``) or from the gradient of the output; returns the input's gradient
-        (None on the first stage)."""
-        x, out = run.state
-        run.state = None
-        with self._span("backward"):
-            if grad is None:
-                (out * scale).backward()
-            else:
-                out.backward(grad)
-        return x.grad if x.is_floating_point() else None
-
-
-@dataclass
-class StageRun:
-    """One micro-batch's forward on a pipeline stage, kept until its backward: the
-    engine's own state, and the (detached) loss on the last stage or output elsewhere."""
-    state: object
-    loss: Optional[torch.Tensor] = None
-    output: Optional[torch.Tensor] = None
-
-
-def _stage_input(inp: torch.Tensor) -> torch.Tensor:
-    """Token ids pass as they are; an activation from the previous stage becomes a leaf
-    whose gradient is what the stage sends back."""
-    return inp.detach().requires_grad_() if inp.is_floating_point() else inp
+__all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
+           "sub_batch_rng_streams"]
 
 
 class _Graft(torch.autograd.Function):
@@ -151,45 +97,6 @@ class _Graft(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
-
-
-def _rng_snapshot(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
-    if tracker is not None:
-        return tracker.get_states()
-    st = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        st["cuda"] = torch.cuda.get_rng_state(device)
-    return st
-
-
-def _rng_restore(tracker: Optional[TPRNGTracker], device: torch.device, st: dict) -> None:
-    if tracker is not None:
-        tracker.set_states(st)
-        return
-    torch.set_rng_state(st["cpu"])
-    if "cuda" in st:
-        torch.cuda.set_rng_state(st["cuda"], device)
-
-
-def sub_batch_rng_streams(tracker: Optional[TPRNGTracker], device: torch.device,
-                          n: int) -> list[dict]:
-    """Derive ``n`` independent RNG streams (default + TP) from the live generator.
-
-    The seeds come from the default CPU generator, identical across the ranks of a
-    TP group, so the derived default streams agree across TP ranks; the derived TP
-    streams are offset by the TP rank, as in :meth:`TPRNGTracker.seed`.
-    """
-    seeds = torch.randint(0, 2**62, (n,)).tolist()
-    live = _rng_snapshot(tracker, device)
-    streams = []
-    for sd in seeds:
-        if tracker is not None:
-            tracker.seed(sd, tracker.tp_rank)
-        else:
-            torch.manual_seed(sd)
-        streams.append(_rng_snapshot(tracker, device))
-    _rng_restore(tracker, device, live)
-    return streams
 
 
 @dataclass
