@@ -178,8 +178,11 @@ def prepare(corpus: _Corpus, out: Path, tokenizer: str = "bytes", val_fraction: 
         raise DataError(f"{len(ids)} tokens are too few to split with "
                         f"--val-fraction={val_fraction}")
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
+    # the largest ids let the loader trust the files without scanning them
     meta = {"vocab_size": vocab_size, "dtype": dtype, "tokenizer": tok_desc,
-            "train_tokens": n_train, "val_tokens": n_val, "source": corpus.source}
+            "train_tokens": n_train, "val_tokens": n_val,
+            "train_max_id": int(ids[:n_train].max()), "val_max_id": int(ids[n_train:].max()),
+            "source": corpus.source}
     try:
         out.mkdir(parents=True, exist_ok=True)
         _write_atomic(train_path, ids[:n_train].astype(np_dtype).tobytes())

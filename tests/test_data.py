@@ -67,6 +67,7 @@ def test_prepare_bytes_round_trip(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta == {"vocab_size": 256, "dtype": "uint16", "tokenizer": "bytes",
                     "train_tokens": len(train), "val_tokens": len(val),
+                    "train_max_id": int(train.max()), "val_max_id": int(val.max()),
                     "source": str(src.resolve())}
 
 
@@ -346,3 +347,52 @@ def test_error_messages_are_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         make(tmp_path / "missing.bin")
     assert "\n" not in str(e.value)
+
+
+def _prepared(tmp_path, n: int, vocab: int = 256):
+    """train.bin of n tokens with a meta.json as oases.prepare writes it."""
+    d = tmp_path / "prep"
+    d.mkdir()
+    ids = (np.arange(n) % 200).astype("<u2")
+    ids.tofile(d / "train.bin")
+    meta = {"vocab_size": vocab, "dtype": "uint16", "train_tokens": n,
+            "train_max_id": int(ids.max())}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d / "train.bin", meta
+
+
+def test_recorded_max_id_is_trusted_with_a_bounded_sample(tmp_path, monkeypatch):
+    """With meta.json's largest id, start-up reads a bounded sample (16 x 64K tokens),
+    never the whole file; without it, the whole file is scanned."""
+    path, meta = _prepared(tmp_path, 4_000_000)
+    scanned, sampled = [], []
+    real_scan, real_sample = D._check_token_ids, D._sample_max
+    monkeypatch.setattr(D, "_check_token_ids", lambda t, *a, **k: (scanned.append(len(t)),
+                                                                    real_scan(t, *a, **k)))
+    monkeypatch.setattr(D, "_sample_max", lambda t, *a, **k: (sampled.append(len(t)),
+                                                              real_sample(t, *a, **k))[1])
+    D.open_tokens(path, "uint16", 256)
+    assert scanned == [] and sampled == [4_000_000]
+    meta.pop("train_max_id")
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+    D.open_tokens(path, "uint16", 256)
+    assert scanned == [4_000_000]
+    assert real_sample(np.arange(4_000_000) % 200) == 199
+    assert D._SAMPLE_CHUNKS * D._SAMPLE_CHUNK_TOKENS <= 1 << 20
+
+
+def test_recorded_max_id_outside_the_vocabulary(tmp_path):
+    path, _ = _prepared(tmp_path, 10_000)
+    with pytest.raises(DataError, match=r"holds token id 199 \(per meta.json\) but the model's "
+                                         r"vocab_size is 150"):
+        D.open_tokens(path, "uint16", 150)
+
+
+def test_file_changed_after_meta_json_is_caught(tmp_path):
+    path, _ = _prepared(tmp_path, 1_000_000)
+    ids = np.fromfile(path, dtype="<u2")
+    ids[0] = 250  # the first sampled chunk starts at the file's first token
+    ids.tofile(path)
+    with pytest.raises(DataError, match="token id 250 above the largest id 199 that meta.json "
+                                        "records"):
+        D.open_tokens(path, "uint16", 256)
