@@ -382,9 +382,10 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
     L += ["", "Why init costs what it costs: `init_parameters` draws each parameter's *full* "
           "(unsharded) tensor from a per-name generator and keeps this rank's shard, so the "
           "result does not depend on the TP degree; a rank's time is therefore proportional to "
-          "its stage's full (tp x its own) parameter count, and its transient memory is one full "
-          "tensor plus its zero-padded copy (largest here: the fused SwiGLU gate+up, "
-          "2 x 11008 x 4096 fp32 = 0.34 GiB, or the 32000-row embedding/head, 0.49 GiB). "
+          "its stage's full (tp x its own) parameter count, and its transient memory is two "
+          "full-size temporaries of one parameter, the zero-padded tensor and the drawn values "
+          "(largest here: the 32000-row embedding or head, 2 x 0.49 GiB; the fused SwiGLU "
+          "gate+up, 2 x 0.34 GiB). "
           "The sys time is page faulting of fresh memory (this machine is a VM).", "",
           "Raw numbers: `init.json`.", ""]
     path.write_text("\n".join(L))

@@ -477,16 +477,6 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
             f"speed and 4 x {q:g} = {4 * q:g} cores = this machine (without it, a rank that "
             f"waits lends its core to the other ranks, which no real cluster does)"
             if q > 0 else "; no CPU limit (4 processes share the cores)") + ".", "",
-         "pp=2 x tp=2: oases puts stage s on ranks 2s, 2s+1 (oases.layout: a stage owns "
-         "consecutive ranks, TP inside it), i.e. stage 0 = nodes {0,1}, stage 1 = nodes {2,3}: "
-         "TP inside each fast pair, the pipeline across the slow link. train.py printed: "
-         f"`{meta.get('uniform_layout') or 'n/a'}`.", "",
-         f"Same-layout case: GPT d_model {m['d_model']}, {m['n_layer']} layers (4 per stage), "
-         f"{m['n_head']} heads, ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq "
-         f"{m['seq_len']}, micro-batch {m['micro_batch_size']} sequences, "
-         f"{meta['microbatches']} micro-batches per step (train.grad_accum), fp32, untied "
-         f"embeddings (the torch peer cannot tie a weight across stages; all modes use the "
-         f"same model).", "",
          f"Resharding case: stage 0 = layers [0, {meta['reshard_split']}) as dp {d0} x tp {t0}, "
          f"stage 1 = the rest as dp {d1} x tp {t1} (a plan file with `stages:`), so every "
          f"activation and gradient crossing the slow link is a cross-mesh reshard; GPT d_model "
@@ -505,6 +495,25 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
          f"spent outside F/B compute (fill/drain, waits for transfers, gradient clipping), "
          f"median over the same steps and repeats. Absolute times on a shared 2-core machine "
          f"are noisy; compare ratios within a table.", ""]
+    ran = {MODES[x][0] for c in summary.values() for x in c["modes"]}
+    layout_txt = [
+        "pp=2 x tp=2: oases puts stage s on ranks 2s, 2s+1 (oases.layout: a stage owns "
+        "consecutive ranks, TP inside it), i.e. stage 0 = nodes {0,1}, stage 1 = nodes {2,3}: "
+        "TP inside each fast pair, the pipeline across the slow link. train.py printed: "
+        f"`{meta.get('uniform_layout') or meta.get('reshard_layout') or 'n/a'}`.", ""]
+    same_txt = [
+        f"Same-layout case: GPT d_model {m['d_model']}, {m['n_layer']} layers (4 per stage), "
+        f"{m['n_head']} heads, ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq "
+        f"{m['seq_len']}, micro-batch {m['micro_batch_size']} sequences, "
+        f"{meta['microbatches']} micro-batches per step (train.grad_accum), fp32, untied "
+        f"embeddings (the torch peer cannot tie a weight across stages; all modes use the "
+        f"same model).", ""]
+    # the set-up paragraphs of the cases that ran, before the "Each figure" paragraph
+    k = next(i for i, ln in enumerate(L) if ln.startswith("Each figure"))
+    reshard_txt = L[k - 2:k]
+    del L[k - 2:k]
+    L[k - 2:k - 2] = (layout_txt + (same_txt if "uniform" in ran else [])
+                      + (reshard_txt if "reshard" in ran else []))
 
     def table(name: str, s: dict, case: str) -> None:
         per = s["modes"]
