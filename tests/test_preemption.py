@@ -23,7 +23,7 @@ STEPS = 30
 def _args(out: Path) -> list[str]:
     return ["--config", "configs/gpt-tiny.yaml", f"out_dir={out}", "parallel.tp=1",
             f"train.steps={STEPS}", "train.micro_batch_size=2", "model.seq_len=32",
-            "data.kind=synthetic", "eval.interval=0", "wandb.mode=disabled",
+            "data.kind=synthetic", "data.val_path=", "eval.interval=0", "wandb.mode=disabled",
             "train.log_interval=1", "resume=auto"]
 
 
