@@ -46,7 +46,6 @@ tag + n_tags - 1``) do not overlap. NCCL ignores tags and matches in posting ord
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 

@@ -66,14 +66,13 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
-                          prescale_of=prescale_of)
+                          prescale_of=prescale_of, then=tie_sync)
     pipe = None
     if ctx.layout is not None:
         from oases.runtime.pipeline import PipelineRunner
 
         pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
                               cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
-        pipe.after_reduction = tie_sync
     return schedule, opt, reducer, pipe
 
 

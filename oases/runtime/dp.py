@@ -72,11 +72,14 @@ class GradReducer:
 
     def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0,
                  group_of: Optional[Callable[[nn.Parameter], object]] = None,
-                 prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None) -> None:
+                 prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None,
+                 then: Optional[Callable[[], None]] = None) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
-        such a bucket is not divided by dp afterwards."""
+        such a bucket is not divided by dp afterwards. ``then``: a collective to run at the
+        end of every :meth:`finish` (:class:`TiedTableSync`)."""
+        self._then = then
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
@@ -162,10 +165,14 @@ class GradReducer:
         b.work = all_reduce(b.buffer, b.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every bucket's all-reduce and average over dp."""
+        """Wait for every bucket's all-reduce and average over dp (then run ``then``)."""
         self.armed = False
-        if not self.active:
-            return
+        if self.active:
+            self._reduce()
+        if self._then is not None:
+            self._then()
+
+    def _reduce(self) -> None:
         for b in self.buckets:  # the same on every rank: every rank runs the same code
             p = b.detached()
             if p is not None:

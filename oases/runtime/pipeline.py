@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -41,8 +41,6 @@ from oases.parallel.cross_mesh import CrossMeshTransfer, Mesh
 from oases.schedule.pipeline import stage_actions
 
 AmpFactory = Callable[[], contextlib.AbstractContextManager]
-
-_TAGS_PER_TRANSFER = 1 << 12
 
 
 def _mesh(stage) -> Mesh:
@@ -63,9 +61,9 @@ class PipelineRunner:
         for b in range(layout.pp - 1):
             src, dst = _mesh(layout.stages[b]), _mesh(layout.stages[b + 1])
             fwd = CrossMeshTransfer(src, dst, batch, seq, method, tag=tag)
-            tag += _TAGS_PER_TRANSFER
+            tag += fwd.n_tags  # each transfer uses its own range of p2p tags
             bwd = CrossMeshTransfer(dst, src, batch, seq, method, tag=tag)
-            tag += _TAGS_PER_TRANSFER
+            tag += bwd.n_tags
             if ctx.stage == b:
                 self.send_f, self.recv_b = fwd, bwd
             elif ctx.stage == b + 1:
@@ -74,8 +72,6 @@ class PipelineRunner:
         if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
         self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches)
-        # run after the DP reduction (the tied embedding across stages of different tp)
-        self.after_reduction: Optional[Callable[[], None]] = None
 
     def step(self, engine, model, batches: list, scale: float, amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None):

@@ -59,8 +59,6 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
         t0 = time.perf_counter()
         loss_t, busy = pipe.step(schedule, model, micro, 1.0 / n, amp, reducer.arm)
         reducer.finish()
-        if pipe.after_reduction is not None:
-            pipe.after_reduction()
         norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size)
         elapsed = time.perf_counter() - t0
         # one sum over the world: the last stage's loss (each of its ranks adds its

@@ -1,8 +1,6 @@
 """Schedule engines: how a micro-batch's forward and backward run over the blocks.
 
-``megatron``: ordinary autograd. Every row-parallel output is all-reduced in
-place and waited for (blocking); in backward the column-parallel input gradient
-is all-reduced while the weight gradient is computed (as Megatron-LM does).
+``megatron`` (:mod:`oases.schedule.megatron`): ordinary autograd, blocking all-reduces.
 
 ``oases``: the micro-batch is split along the batch into sub-batches a, b that
 take turns. Each sub-batch is a program of compute *segments* separated by TP
@@ -61,10 +59,8 @@ referenced by the runner until that wait, so the caching allocator cannot hand
 their memory to another kernel while the communication stream still reads them.
 
 Pipeline stages: ``forward`` and ``backward`` run the same programs as separate
-actions (all sub-batches' forwards, later all their backwards), keeping the
-sub-batches' state in a :class:`StageRun` in between; a stage whose input is the
-previous stage's activation makes it a leaf and returns its gradient. The
-``megatron`` engine is in :mod:`oases.schedule.megatron`.
+actions, the sub-batches' state kept in a :class:`StageRun` in between; an input
+activation becomes a leaf whose gradient ``backward`` returns.
 """
 
 from __future__ import annotations
@@ -132,6 +128,7 @@ class _OasesRun:
     subs: list
     streams: list                             # each sub-batch's RNG streams
     input_grad: bool = False                  # the input is a previous stage's activation
+    home: int = 1                             # degree of the input and output (embedding's)
 
 
 Program = Generator[list, list, None]
@@ -222,7 +219,8 @@ class OasesSchedule:
                 for s, (x, y) in enumerate(zip(ids.chunk(self.n), tgts))]
         self.stash_bytes = 0
         streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
-        return _OasesRun(model, blocks, groups, subs, streams, input_grad)
+        home = getattr(model, "home_degree", blocks[0].degree)
+        return _OasesRun(model, blocks, groups, subs, streams, input_grad, home)
 
     def _program(self, run: _OasesRun, sb: _SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
@@ -342,7 +340,7 @@ class OasesSchedule:
         model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
-        home = _home_degree(model, blocks)
+        home = run.home
         x = sb.ids
         for i, blk in enumerate(blocks):
             prev = blocks[i - 1].degree if i > 0 else home
@@ -464,7 +462,7 @@ class OasesSchedule:
         this sub-batch's recompute and the other sub-batches' work."""
         model, blocks, groups = run.model, run.blocks, run.groups
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
-        home = _home_degree(model, blocks)
+        home = run.home
         last_block = self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
         if sb.head is not None:
             x_last, cuts, loss = sb.head
@@ -487,11 +485,6 @@ class OasesSchedule:
             g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
             sb.blocks[i] = None
         sb.grad_in = g
-
-
-def _home_degree(model, blocks) -> int:
-    """Degree of the stage's input and output (the embedding's, at pp=1)."""
-    return getattr(model, "home_degree", blocks[0].degree)
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
