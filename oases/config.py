@@ -137,6 +137,11 @@ class ParallelConfig:
     device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
     timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
     dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
+    # Sharded data parallelism over the dp ranks (and the replicas of a block below the
+    # full TP degree): 0 replicated; 1 Adam state sharded; 2 + gradients (reduce-scatter
+    # instead of all-reduce); 3 + parameters (all-gathered before each block, freed
+    # after). A plan file's per-block ``zero`` list overrides it block by block.
+    zero: int = 0
     # Timing only: replace every TP collective by a no-op of the same shape (results are
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
@@ -158,6 +163,8 @@ class ParallelConfig:
         _choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
         _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
         _choice("parallel.recompute", self.recompute, ("none", "full", "fine"))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute == "fine" and self.schedule != "oases":
             raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
         if self.sub_batches < 2:

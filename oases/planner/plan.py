@@ -12,7 +12,13 @@
 
 The planner writes it, the runtime consumes it (``parallel.plan=<path>``), and a
 test can write one by hand: only ``degrees`` (and ``model``/``tp`` for checking)
-matter to the runtime. A pipelined plan gives ``stages`` instead (then
+matter to the runtime. A plan may also give a ZeRO level (``parallel.zero``) per block, the embedding
+and the head counting as blocks (2 n_layer + 2 entries, whole model, also when
+pipelined; a plan may give only ``zero``):
+
+    zero: [3, 3, 3, 2, 2, 0, 0, 1, 1, 3]  # embedding, attn/mlp of each layer, head
+
+A pipelined plan gives ``stages`` instead (then
 ``degrees`` may be left out), one entry per stage, each with its own layout
 (see oases.layout):
 
@@ -41,6 +47,7 @@ class Plan:
     tp: int
     model: dict
     stages: list = field(default_factory=list)
+    zero: list = field(default_factory=list)
     schedule: str = "oases"
     recompute: str = "fine"
     micro_batch_size: int = 0
@@ -63,8 +70,8 @@ def load_plan(path: str) -> Plan:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError:
         raise UserError(f"plan file {path} is not valid YAML") from None
-    if not isinstance(data, dict) or ("degrees" not in data and "stages" not in data):
-        raise UserError(f"plan file {path} has neither a 'degrees' nor a 'stages' list")
+    if not isinstance(data, dict) or not {"degrees", "stages", "zero"} & set(data):
+        raise UserError(f"plan file {path} has no 'degrees', 'stages' or 'zero' list")
     known = set(Plan.__dataclass_fields__)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -93,6 +100,10 @@ def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:
     m = model_cfg
     n_blocks = 2 * m.n_layer
     check_model(plan, m, path)
+    if plan.zero:
+        check_zero(plan.zero, m.n_layer, path)
+    if not plan.degrees and not plan.stages and plan.zero:  # ZeRO levels only
+        return [tp] * n_blocks
     if len(plan.degrees) != n_blocks:
         raise UserError(f"{path} has {len(plan.degrees)} degrees but the model has {n_blocks} "
                         f"blocks (attn and mlp of {m.n_layer} layers)")
@@ -116,6 +127,18 @@ def check_degrees(degrees: list[int], tp: int, m, path: str, first_block: int = 
             if n % t:
                 raise UserError(f"{path}: block {i} ({what}) has degree {t}, which does not "
                                 f"divide model.{name}={n}")
+
+
+def check_zero(zero, n_layer: int, path: str = "plan") -> list[int]:
+    """A ZeRO level 0-3 for the embedding, each block and the head."""
+    n = 2 * n_layer + 2
+    if not isinstance(zero, list) or not all(isinstance(z, int) and not isinstance(z, bool)
+                                             and 0 <= z <= 3 for z in zero):
+        raise UserError(f"{path}: zero must be a list of ZeRO levels 0-3")
+    if len(zero) != n:
+        raise UserError(f"{path} has {len(zero)} ZeRO levels but the model has {n} blocks "
+                        f"(embedding, attn and mlp of {n_layer} layers, head)")
+    return list(zero)
 
 
 def batch_divisor(degrees: list[int], tp: int) -> int:

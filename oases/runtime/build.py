@@ -10,6 +10,7 @@ import torch
 from models import build_model
 from oases.config import Config
 from oases.parallel.groups import ParallelContext
+from oases.planner.plan import check_zero, load_plan
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.reshard import grad_group_of
 from oases.runtime.dp import GradReducer, TiedTableSync
@@ -46,14 +47,14 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
                        degree_groups=ctx.degree_groups() if degrees is not None else None)
 
 
-def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer):
+def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer,
+                 zero_levels: Optional[list[int]] = None):
     """Schedule, optimizer, gradient reducer and (pp > 1) pipeline runner of ``model``
-    (put in training mode). Collective when pipelined (the runner creates groups)."""
+    (put in training mode). Collective when pipelined (the runner creates groups).
+    ``zero_levels``: a ZeRO level per block of ``model.blocks()`` and one more for the
+    parameters outside every block (norm, head); default ``parallel.zero`` for all."""
     par = cfg.parallel
-    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, tracer)
     model.train()
-    opt = build_optimizer(model, cfg.train, ctx.device)
     group_of = grad_group_of(ctx, ctx.tp)
     prescale_of = None
     tied = (model.embed.wte.weight if ctx.tie_group is not None and cfg.model.tie_embeddings
@@ -65,8 +66,22 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         base = group_of
         group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
+    if zero_levels is None:
+        zero_levels = plan_zero_levels(cfg, ctx)
+    level_of = zero_level_of(model, zero_levels, par.zero)
+    if tied is not None:  # its group spans two stages: replicated
+        inner = level_of
+        level_of = lambda p: 0 if p is tied else inner(p)  # noqa: E731
+    tied_head = (cfg.model.tie_embeddings and getattr(model, "head", None) is None
+                 and getattr(model, "is_first", True) and getattr(model, "is_last", True))
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
-                          prescale_of=prescale_of, then=tie_sync)
+                          prescale_of=prescale_of, then=tie_sync, level_of=level_of,
+                          tied_head=tied_head)
+    reducer.norm_by_terms = bool(par.zero) or bool(zero_levels and any(zero_levels))
+    opt = build_optimizer(model, cfg.train, ctx.device, reducer.optimizer_params(model))
+    reducer.seed_optimizer(opt)
+    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+                              tracker, tracer, params=reducer.store)
     pipe = None
     if ctx.layout is not None:
         from oases.runtime.pipeline import PipelineRunner
@@ -74,6 +89,38 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
                               cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
     return schedule, opt, reducer, pipe
+
+
+def plan_zero_levels(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
+    """The plan file's per-block ZeRO levels for this rank's blocks (its stage's, when
+    pipelined) and its head entry, or None (no plan, or no ``zero`` in it)."""
+    path = cfg.parallel.plan
+    if not path or path == "auto":
+        return None
+    zero = load_plan(path).zero
+    if not zero:
+        return None
+    zero = check_zero(zero, cfg.model.n_layer, f"plan file {path}")
+    if ctx.layout is None:
+        return zero
+    a, b = ctx.layout.stages[ctx.stage].layers
+    return (zero[:1] if ctx.is_first_stage else []) + zero[1 + 2 * a: 1 + 2 * b] + \
+        [zero[-1] if ctx.is_last_stage else 0]
+
+
+def zero_level_of(model, levels: Optional[list[int]], default: int):
+    """param -> ZeRO level: its block's entry of ``levels`` (the last entry: parameters
+    outside every block), else ``default``."""
+    if not levels:
+        return lambda p: default
+    blocks = model.blocks()
+    if len(levels) != len(blocks) + 1:
+        raise ValueError(f"{len(levels)} ZeRO levels for {len(blocks)} blocks + head")
+    of = {}
+    for i, blk in enumerate(blocks):
+        for p in blk.parameters():
+            of.setdefault(id(p), levels[i])
+    return lambda p: of.get(id(p), levels[-1])
 
 
 class _FixedBatches:

@@ -17,6 +17,16 @@ buckets are all reduced in ``finish()``.
 ``finish()`` launches any bucket that never completed (unused parameters),
 then waits on every handle exactly once and divides by dp.
 
+ZeRO (``level_of``, :mod:`oases.runtime.zero`): a bucket at level 2 or 3 is
+reduce-scattered instead of all-reduced, into the range of the flat bucket this
+rank owns, and its full gradient buffer exists only from the first gradient of
+the armed backward (a pre-accumulation hook gives it storage) to the end of the
+reduction. Levels 1-3 give the optimizer segments of the owned range
+(:meth:`GradReducer.optimizer_params`); :meth:`after_step` all-gathers the
+updated parameters (levels 1, 2), and at level 3 a :class:`ParamStore` gathers
+each block's parameters before use. The tied embedding of a pipeline's first
+and last stage stays at level 0 (its group spans two stages).
+
 Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
 launch, in the same order on every rank (gloo and NCCL need that).
 On CUDA, the all-reduce is enqueued on the default stream's NCCL work stream;
@@ -26,22 +36,27 @@ optimizer then runs on, wait for it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.parallel.comm import all_reduce
+from oases.parallel.comm import all_reduce, group_size
+from oases.runtime.zero import ParamStore, ShardedFlat
 
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, device, dtype,
-                 prescale: Optional[float] = None) -> None:
+                 prescale: Optional[float] = None, level: int = 0) -> None:
         self.params = params
         self.group = group
         self.prescale = prescale  # multiply before the sum instead of dividing by dp after
+        G = group_size(group)
+        self.level = level if G > 1 and prescale is None else 0
         n = sum(p.numel() for p in params)
+        n += (-n) % G if self.level else 0  # ZeRO: a whole owned range per rank
         self.buffer = torch.zeros(n, device=device, dtype=dtype)
         self.ready = 0      # params whose accumulations are complete
         self.need = 0       # params that get gradients at all (known after calibration)
@@ -52,6 +67,7 @@ class _Bucket:
             self.views.append(self.buffer[off: off + p.numel()].view_as(p))
             p.grad = self.views[-1]
             off += p.numel()
+        self.zero = ShardedFlat(params, self.buffer, group, self.level) if self.level else None
 
     def attach(self) -> None:
         for p, v in zip(self.params, self.views):
@@ -73,13 +89,18 @@ class GradReducer:
     def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0,
                  group_of: Optional[Callable[[nn.Parameter], object]] = None,
                  prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None,
-                 then: Optional[Callable[[], None]] = None) -> None:
+                 then: Optional[Callable[[], None]] = None,
+                 level_of: Optional[Callable[[nn.Parameter], int]] = None,
+                 tied_head: bool = False) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
         such a bucket is not divided by dp afterwards. ``then``: a collective to run at the
-        end of every :meth:`finish` (:class:`TiedTableSync`)."""
+        end of every :meth:`finish` (:class:`TiedTableSync`). ``level_of(param)``: the
+        ZeRO level of the parameter's block (default 0); ``tied_head``: the head uses
+        the embedding block's table (level 3 gathers it for the head too)."""
         self._then = then
+        self.norm_by_terms = False  # clip_grads: measure through grad_terms (set by config)
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
@@ -89,13 +110,16 @@ class GradReducer:
         self._names = [(n, p) for n, p in model.named_parameters()]
         group_of = group_of or (lambda p: dp_group)
         self._prescale_of = prescale_of or (lambda p: None)
+        self._level_of = level_of or (lambda p: 0)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit = int(bucket_mb * 2**20)
         block_of: dict[int, int] = {}  # parameter -> its block (others: -1)
-        for i, blk in enumerate(model.blocks() if hasattr(model, "blocks") else []):
+        blocks = model.blocks() if hasattr(model, "blocks") else []
+        for i, blk in enumerate(blocks):
             for p in blk.parameters():
                 block_of.setdefault(id(p), i)
+        self._block_of = block_of
         # per group: (group, params, bytes, block of those params)
         open_: dict[int, tuple[object, list, int, int]] = {}
         for p in reversed(params):
@@ -120,10 +144,27 @@ class GradReducer:
         if self.active:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for b in self.buckets:
+            if b.level >= 2:  # the full gradient buffer gets storage before the first grad
+                for p in b.params:
+                    p.register_hook(lambda g, z=b.zero: z.ensure_grads())
+        units: dict[int, list[ShardedFlat]] = {}
+        head = len(blocks)
+        for b in self.buckets:
+            if b.level >= 3:
+                blk = block_of.get(id(b.params[0]), -1)
+                units.setdefault(head if blk < 0 else blk, []).append(b.zero)
+        self.store = ParamStore(units, head, tied_head) if units else None
+        if self.store is not None:
+            self.store.install_hooks(model)
+
+    @property
+    def sharded(self) -> bool:
+        return any(b.level for b in self.buckets)
 
     def _add(self, params, group) -> None:
         b = _Bucket(params, group, params[0].device, params[0].dtype,
-                    self._prescale_of(params[0]))
+                    self._prescale_of(params[0]), self._level_of(params[0]))
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b
@@ -137,7 +178,12 @@ class GradReducer:
         something set it to None since (``optimizer.zero_grad()``)."""
         for b in self.buckets:
             b.attach()
-            b.buffer.zero_()
+            if b.level >= 2:
+                b.zero.grad_shard.zero_()
+            else:
+                b.buffer.zero_()
+            if b.zero is not None:
+                b.zero.attach_grads()
             b.ready = 0
             b.work = None
         self._hits = {}
@@ -160,6 +206,10 @@ class GradReducer:
 
     @staticmethod
     def _launch(b: _Bucket) -> None:
+        if b.level >= 2:
+            b.zero.ensure_grads()  # a bucket that got no gradient this step
+            b.work = b.zero.launch_reduce()
+            return
         if b.prescale is not None:
             b.buffer.mul_(b.prescale)
         b.work = all_reduce(b.buffer, b.group, async_op=True)
@@ -169,6 +219,8 @@ class GradReducer:
         self.armed = False
         if self.active:
             self._reduce()
+        if self.store is not None:  # the optimizer is about to change the owned ranges
+            self.store.release()
         if self._then is not None:
             self._then()
 
@@ -190,11 +242,123 @@ class GradReducer:
             if b.work is None and not self._trivial(b):
                 self._launch(b)
         for b in self.buckets:
+            if b.level >= 2:
+                b.zero.finish_reduce(self.dp)
+                b.work = None
+                continue
             if b.work is not None:
                 b.work.wait()
                 b.work = None
             if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)
+
+    # -- ZeRO: what the optimizer, clipping and checkpoints see --------------------
+    def optimizer_params(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(tensor the optimizer steps, the model parameter it belongs to): the parameter
+        itself at level 0, its segments of the owned range at levels 1-3."""
+        out = []
+        zeroed = set()
+        for b in self.buckets:
+            if b.zero is not None:
+                out += b.zero.segments
+                zeroed.update(id(p) for p in b.params)
+        out += [(p, p) for p in model.parameters() if p.requires_grad and id(p) not in zeroed]
+        return out
+
+    def seed_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for b in self.buckets:
+            if b.zero is not None:
+                b.zero.seed_state(opt)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The optimizer updated the owned ranges: levels 1 and 2 all-gather them."""
+        for b in self.buckets:
+            if b.zero is not None and b.level < 3:
+                b.zero.sync_params()
+
+    def grad_terms(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
+        """(gradient tensor this rank holds, its parameter, how many ranks split it):
+        the whole ``.grad`` at levels 0 and 1, the owned segment at levels 2 and 3."""
+        out, zeroed = [], set()
+        for b in self.buckets:
+            if b.level >= 2:
+                out += [(seg.grad, p, b.zero.G) for seg, p in b.zero.segments]
+                zeroed.update(id(p) for p in b.params)
+        out += [(p.grad, p, 1) for p in model.parameters()
+                if p.grad is not None and id(p) not in zeroed]
+        return out
+
+    def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
+        """Adam state keyed by model parameter, whole (collective: sharded buckets
+        all-gather theirs), as a level-0 optimizer would hold it."""
+        segs = {id(s) for b in self.buckets if b.zero is not None for s, _ in b.zero.segments}
+        state = {t: opt.state[t] for g in opt.param_groups for t in g["params"]
+                 if id(t) not in segs and t in opt.state}
+        for b in self.buckets:
+            if b.zero is not None:
+                full = b.zero.full_state()
+                step = next((opt.state[s]["step"] for s, _ in b.zero.segments
+                             if s in opt.state and "step" in opt.state[s]), None)
+                for p, st in full.items():
+                    state[p] = {**st, "step": step if step is not None
+                                else torch.zeros((), dtype=torch.float32)}
+        return state
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """Inverse of :meth:`full_optimizer_state`: keep the owned ranges."""
+        own = {id(t) for g in opt.param_groups for t in g["params"]}
+        for p, st in state.items():
+            if id(p) in own:  # a level-0 parameter: its state as loaded
+                opt.state[p] = st
+        for b in self.buckets:
+            if b.zero is not None:
+                b.zero.load_state(state)
+                for seg, p in b.zero.segments:
+                    if p in state and "step" in state[p] and seg in opt.state:
+                        opt.state[seg]["step"].copy_(state[p]["step"])
+                b.zero.write_back()
+
+    def memory(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds right now for parameters, gradients and optimizer
+        state: the storages actually allocated (a freed ZeRO buffer counts 0)."""
+        seen: set[int] = set()
+
+        def nbytes(ts) -> int:
+            n = 0
+            for t in ts:
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen and st.size():
+                    seen.add(st.data_ptr())
+                    n += st.size()
+            return n
+
+        params = nbytes([p for p in model.parameters()] +
+                        [b.zero.shard for b in self.buckets if b.zero is not None])
+        grads = nbytes([b.buffer for b in self.buckets] +
+                       [b.zero.grad_shard for b in self.buckets if b.zero is not None])
+        optim = nbytes([v for st in opt.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0])
+        return {"params": params, "grads": grads, "optim": optim}
+
+    @contextlib.contextmanager
+    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module, load: bool = False):
+        """Whole parameters and an optimizer stand-in whose ``state`` is keyed by model
+        parameter, as at level 0, for checkpoint save (``load`` False) and load (then the
+        loaded values go back to the owned ranges on exit). Collective."""
+        if not self.sharded:
+            yield opt
+            return
+        if self.store is not None:
+            self.store.gather_all()
+        view = _OptimizerView(model, opt, {} if load else self.full_optimizer_state(opt))
+        try:
+            yield view
+            if load:
+                self.load_optimizer_state(opt, view.state)
+        finally:
+            if self.store is not None:
+                self.store.release()
 
 
 class TiedTableSync:
@@ -223,3 +387,14 @@ class TiedTableSync:
         table[self.start: self.start + self.n] = g[: self.n] * self.scale
         all_reduce(table, self.group)
         g[: self.n] = table[self.start: self.start + self.n]
+
+
+class _OptimizerView:
+    """What checkpoint save and load read of an optimizer: ``state`` keyed by model
+    parameter and ``param_groups`` listing the model's parameters."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+        fused = any(g.get("fused") for g in opt.param_groups)
+        self.state = state
+        self.param_groups = [{"params": [p for p in model.parameters() if p.requires_grad],
+                              "fused": fused}]

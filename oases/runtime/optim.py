@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -12,13 +13,18 @@ from oases.config import TrainConfig
 from oases.parallel.comm import all_reduce
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
+                    params: Optional[list[tuple[torch.Tensor, nn.Parameter]]] = None
+                    ) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on biases, norms or 1-d tensors).
-    Fused on CUDA; the default (foreach) implementation elsewhere."""
+    Fused on CUDA; the default (foreach) implementation elsewhere. ``params``: (tensor
+    to step, model parameter it belongs to) pairs, when the optimizer steps ZeRO
+    segments rather than parameters (``GradReducer.optimizer_params``)."""
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    if params is None:
+        params = [(p, p) for p in model.parameters() if p.requires_grad]
+    for t, p in params:
+        (decay if p.dim() >= 2 else no_decay).append(t)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -70,13 +76,46 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0) -> float:
+def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: int, dp: int,
+                      pp: bool) -> torch.Tensor:
+    """:func:`grad_norm` when ZeRO splits gradients over ranks (``terms`` from
+    ``GradReducer.grad_terms``: gradient held, its parameter, G = ranks splitting it).
+
+    Written as one sum over every rank of the stage: a TP shard of a degree-t block
+    is held by dp T / t ranks and weighs t / T per rank, a replicated parameter by
+    dp T ranks and weighs 1 / T, and everything is divided by dp. A gradient split
+    over G ranks contributes G x its piece's squares, so the split pieces add up to
+    the whole. Pipelined, the same sum over the world adds the stages."""
+    dev = terms[0][0].device if terms else torch.device("cpu")
+    sq = torch.zeros((), device=dev, dtype=torch.float64)
+    for g, p, G in terms:
+        if pp and getattr(p, "shared_copy", False):
+            continue
+        w = getattr(p, "tp_coords", (0, T))[1] / T if getattr(p, "tp_spec", None) is not None \
+            else 1.0 / T
+        sq += g.double().pow(2).sum() * (w * G)
+    sq /= dp
+    dist.all_reduce(sq)
+    return sq.sqrt().float()
+
+
+@torch.no_grad()
+def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0,
+               reducer=None, dp: int = 1) -> float:
     """Clip to ``max_norm`` (0: don't) and return the norm before clipping (over the
-    whole pipeline when ``stage_size`` is given, see :func:`grad_norm`)."""
-    norm = grad_norm(model, tp_group, stage_size)
+    whole pipeline when ``stage_size`` is given, see :func:`grad_norm`). With a
+    ``reducer`` whose buckets are sharded (ZeRO), the gradients it holds are the ones
+    measured and scaled (:func:`sharded_grad_norm`)."""
+    if reducer is not None and getattr(reducer, "norm_by_terms", False):
+        terms = reducer.grad_terms(model)
+        T = 1 if tp_group is None else dist.get_world_size(tp_group)
+        norm = sharded_grad_norm(terms, T, dp, stage_size > 0)
+        grads = [g for g, _, _ in terms]
+    else:
+        norm = grad_norm(model, tp_group, stage_size)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for g in grads:
+            g.mul_(scale)
     return float(norm)

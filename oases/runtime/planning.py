@@ -25,7 +25,7 @@ from oases.config import Config
 from oases.errors import ConfigError, UserError
 from oases.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.parallel.groups import ParallelContext
-from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan,
+from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan, check_zero,
                                 load_plan)
 
 
@@ -47,6 +47,8 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
         return uniform_layout(world, p.pp, p.tp, cfg.model.n_layer, degrees)
     where = f"plan file {p.plan}"
     check_model(plan, cfg.model, where)
+    if plan.zero:
+        check_zero(plan.zero, cfg.model.n_layer, where)
     if len(plan.stages) != p.pp:
         raise ConfigError(f"{where} has {len(plan.stages)} stages but parallel.pp={p.pp}")
     layout = stages_layout(plan.stages, world, cfg.model.n_layer, where, cfg.pipeline_batch)

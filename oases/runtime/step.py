@@ -59,7 +59,8 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
         t0 = time.perf_counter()
         loss_t, busy = pipe.step(schedule, model, micro, 1.0 / n, amp, reducer.arm)
         reducer.finish()
-        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size)
+        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size, reducer,
+                          ctx.dp)
         elapsed = time.perf_counter() - t0
         # one sum over the world: the last stage's loss (each of its ranks adds its
         # share) and every rank's idle fraction
@@ -80,7 +81,7 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
                 reducer.arm()  # DP all-reduce overlaps the last backward
             total += schedule.forward_backward(model, x, y, 1.0 / n, amp=amp)
         reducer.finish()
-        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group)
+        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
         total /= n
         if ctx.dp > 1:
             all_reduce(total, ctx.dp_group)
@@ -88,6 +89,7 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
         loss = float(total)
     if math.isfinite(loss) and math.isfinite(norm):
         opt.step()
+        reducer.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
     else:
         reducer.zero_grad()
     return loss, norm

@@ -178,12 +178,14 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         return evaluate(model, val, cfg, ctx, pipe)
 
     if cfg.eval.only:
-        eval_only(cfg, ctx, model, opt, val, run_eval)
+        with reducer.unsharded(opt, model, load=True) as o:
+            eval_only(cfg, ctx, model, o, val, run_eval)
         return
 
     start, skipped, resumed = 0, 0, False  # skipped: non-finite steps left out
     if cfg.resume == "auto":
-        meta = resume(cfg, ctx, model, opt, batches, tracker)
+        with reducer.unsharded(opt, model, load=True) as o:
+            meta = resume(cfg, ctx, model, o, batches, tracker)
         if meta is not None:
             start, skipped, resumed = meta["step"], int(meta.get("skipped_steps", 0)), True
     if ctx.is_main:
@@ -202,6 +204,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
     def save(step: int):
+        with reducer.unsharded(opt, model) as o:  # ZeRO: whole parameters and Adam state
+            return _save(step, o)
+
+    def _save(step: int, opt):
         if not ckpt.all_finite(model, ctx):  # never replace a good checkpoint by a broken one
             if ctx.is_main:
                 print(f"step {step}: the weights are not finite; checkpoint not saved",

@@ -153,7 +153,7 @@ class OasesSchedule:
     name = "oases"
 
     def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
-                 tracker: Optional[TPRNGTracker] = None, tracer=None) -> None:
+                 tracker: Optional[TPRNGTracker] = None, tracer=None, params=None) -> None:
         if recompute not in ("none", "full", "fine"):
             raise ValueError(f"recompute={recompute!r}")
         self.tp_group = tp_group
@@ -161,6 +161,7 @@ class OasesSchedule:
         self.recompute = recompute
         self.tracker = tracker
         self.tracer = tracer
+        self.params = params  # ZeRO-3 ParamStore: use(block) before it runs (None: no-op)
         self.stash_bytes = 0  # bytes stashed for recompute in the last forward (memory tests)
         # Recompute the next block down while an input-gradient all-reduce is in flight
         # (it needs only the stash). Not under ``full``: its recompute re-issues forward
@@ -356,6 +357,7 @@ class OasesSchedule:
                 st.rng_partial = self._snap()
                 if self.recompute == "fine" or i in starts:
                     st.saved_x = self._stash(x_in)
+            self._use(i, i + 1)  # ZeRO-3: block i whole, block i + 1's gather launched
             with self._span(f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), self._amp(), \
                     CutRecorder() as rec:
                 p = blk.partial(x_in)
@@ -365,6 +367,7 @@ class OasesSchedule:
                 st.rng_combine = self._snap()
                 if self.recompute == "fine":
                     st.saved_r = self._stash(reduced)
+            self._use(i)
             with self._span(f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), self._amp():
                 r = _Graft.apply(p, reduced) if keep else reduced
                 out = blk.combine(x_in, r)
@@ -390,7 +393,13 @@ class OasesSchedule:
         sb.loss = loss.detach()
 
     # ------------------------------------------------------------ backward
-    def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program]) -> Program:
+    def _use(self, i: int, nxt: Optional[int] = None) -> None:
+        """ZeRO-3: block i's parameters whole (-1: the head's), prefetching block nxt."""
+        if self.params is not None:
+            self.params.use_head() if i < 0 else self.params.use(i, nxt)
+
+    def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program],
+                      unit: int = -1) -> Program:
         """All-reduce the input gradients at the cuts, then continue backward from them.
         ``prepare`` (the recompute of the next block down, or None) needs only the stash:
         under ``_early_prepare`` it runs while the all-reduce is in flight, before this
@@ -402,6 +411,7 @@ class OasesSchedule:
             if early:
                 yield from prepare
             grads = yield _Wait(ticket)
+            self._use(unit)
             with self._span(name):
                 torch.autograd.backward([c.source for c in cuts], grads)
         if prepare is not None and not (early and cuts):
@@ -432,6 +442,7 @@ class OasesSchedule:
             if i > a:
                 x = yield from self._to_degree(model, x, blocks[i - 1].degree, blocks[i].degree)
             x_in = x.detach().requires_grad_()
+            self._use(i, i + 1)
             with self._span(f"{name} P{i}"), self._replay(st.rng_partial), torch.enable_grad(), \
                     self._amp(), CutRecorder() as rec:
                 p = blocks[i].partial(x_in)
@@ -448,6 +459,7 @@ class OasesSchedule:
         st = sb.blocks[i]
         if st.out is not None:
             return
+        self._use(i)
         if self.recompute == "fine":
             self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
         else:
@@ -466,6 +478,7 @@ class OasesSchedule:
         last_block = self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
         if sb.head is not None:
             x_last, cuts, loss = sb.head
+            self._use(-1)
             with self._span(f"B{sb.name} loss"):
                 torch.autograd.backward(loss, torch.full_like(loss, scale))
             yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
@@ -476,10 +489,11 @@ class OasesSchedule:
         g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
+            self._use(i, i - 1)
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
             nxt = self._prepare(model, blocks, group_of, sb, i - 1) if i > 0 else None
-            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt)
+            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
             g = st.x_in.grad if i > 0 or run.input_grad else None
             t_to = blocks[i - 1].degree if i > 0 else home
             g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
@@ -488,11 +502,11 @@ class OasesSchedule:
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
-                   tracker: Optional[TPRNGTracker] = None, tracer=None):
+                   tracker: Optional[TPRNGTracker] = None, tracer=None, params=None):
     """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
     business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
     if name == "megatron":
         return MegatronSchedule(tracer)
     if name == "oases":
-        return OasesSchedule(tp_group, sub_batches, recompute, tracker, tracer)
+        return OasesSchedule(tp_group, sub_batches, recompute, tracker, tracer, params)
     raise ValueError(f"unknown schedule {name!r}")

@@ -1,0 +1,43 @@
+"""What a ZeRO level costs a block: bytes held per rank and bytes moved per step.
+
+Pure arithmetic for the planner (no torch). A block with ``n`` parameters of
+``elem`` bytes, its gradient group of ``G`` ranks (dp, times the replicas of a
+block below the full TP degree), AdamW's two fp32 moments:
+
+    level   params        grads          Adam state      moved per step (bytes per rank)
+    0       n e           n e            8 n             all-reduce: 2 (G-1)/G n e
+    1       n e           n e            8 n / G         all-reduce + all-gather after the
+                                                         step: 3 (G-1)/G n e
+    2       n e           n e / G (*)    8 n / G         reduce-scatter + all-gather:
+                                                         2 (G-1)/G n e
+    3       n e / G (**)  n e / G (*)    8 n / G         reduce-scatter + all-gather in
+                                                         forward and in backward:
+                                                         3 (G-1)/G n e
+
+(*) between steps; the whole gradient buffer exists while the backward fills it.
+(**) outside the block in use; the all-gathers of level 3 are prefetched one block
+ahead, so they overlap the previous block's compute as the TP collectives do.
+Owned ranges are padded to a multiple of G (a few elements per bucket).
+"""
+
+from __future__ import annotations
+
+_FACTOR = {0: (1, 1, 1), 1: (1, 1, 0), 2: (1, 0, 0), 3: (0, 0, 0)}  # 1: whole, 0: / G
+_MOVED = {0: 2, 1: 3, 2: 2, 3: 3}  # (G-1)/G n e units
+
+
+def zero_memory(n: int, elem: int, level: int, dp: int) -> dict[str, float]:
+    """Bytes per rank held between steps for ``n`` parameters at ``level`` over ``dp``."""
+    if level not in _FACTOR:
+        raise ValueError(f"ZeRO level {level}")
+    whole_p, whole_g, whole_o = _FACTOR[level]
+    div = lambda whole: 1 if whole or dp <= 1 else dp  # noqa: E731
+    return {"params": n * elem / div(whole_p), "grads": n * elem / div(whole_g),
+            "optim": 8 * n / div(whole_o)}
+
+
+def zero_traffic(n: int, elem: int, level: int, dp: int) -> float:
+    """Bytes a rank sends per step for the block's data parallelism at ``level``."""
+    if dp <= 1:
+        return 0.0
+    return _MOVED[level] * (dp - 1) / dp * n * elem

@@ -1,0 +1,241 @@
+"""ZeRO levels 1-3 against level 0 (replicated), through the real build and step.
+
+Each configuration trains 3 optimizer steps of ``train_step`` from the same seed with
+the objects ``training_for`` builds (reducer with sharded buckets, optimizer over the
+owned segments, ZeRO-3 parameter store wired into the engine), on synthetic data,
+and the per-step loss, gradient norm and final full parameters must equal level 0's.
+
+Tolerance: fp32, the shipped AdamW eps (1e-8). Level 1 runs the same all-reduce and
+the same elementwise AdamW on slices of the same numbers; levels 2 and 3 replace the
+all-reduce by a reduce-scatter (at dp = 2 the same two-operand sums). What differs is
+the gradient norm's summation order (float64 over owned pieces), which moves the
+clipping factor by ~1e-7 relative. Losses and norms: ``rtol=1e-5``. Weights: entries
+whose exact gradient is zero (the key bias: softmax ignores it) carry only rounding
+noise, which Adam's m / (sqrt(v) + eps) scales up to lr-sized moves, so a change in
+the last bits of the clipping factor shows up there (measured: 3 of 384 key-bias
+entries differ by up to 1.1e-6 after 3 steps at lr 1e-3; everything else agrees to
+~1e-8). ``atol=1e-5`` is 1% of one step. A real bug is far outside: a wrong owned
+range or a stale gathered block moves weights by whole steps (1e-3) and the loss
+at the 1e-3 level; a reduce-scatter without the dp average doubles the norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from oases.config import load_config
+from oases.parallel.sharding import unshard
+from oases.runtime.build import model_for, seed_tracker, training_for
+from oases.runtime.data import TrainBatches
+from oases.runtime.optim import lr_at
+from oases.runtime.step import train_step
+from tests.distributed import run_distributed
+
+STEPS = 3
+PARAM_ATOL = 1e-5  # see the module docstring
+
+
+def _cfg(world: int, tp: int, zero: int, schedule: str, recompute: str, extra=()):
+    return load_config(None, [
+        "model.name=gpt-tiny", "model.n_layer=2", "model.dropout=0", "model.seq_len=32", f"parallel.tp={tp}",
+        f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
+        f"parallel.zero={zero}", "data.kind=synthetic", "data.val_path=",
+        "train.micro_batch_size=4", "train.grad_accum=2", f"train.steps={STEPS}",
+        "train.warmup_steps=0", "train.lr=1e-3", "train.min_lr=1e-4",
+        "parallel.dp_bucket_mb=0.05", *extra]).validate(world)
+
+
+def _full_params(model, ctx) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        parts = [torch.empty_like(p) for _ in range(ctx.tp)]
+        dist.all_gather(parts, p.detach().contiguous(), group=ctx.tp_group)
+        out[name] = unshard(parts, getattr(p, "tp_spec", None))
+    return out
+
+
+def run_levels(ctx, levels, schedule, recompute, extra=()):
+    """{level: (losses, norms, full params, store stats)} on every rank."""
+    res = {}
+    for zero in levels:
+        cfg = _cfg(ctx.world_size, ctx.tp, zero, schedule, recompute, extra)
+        tracker = seed_tracker(cfg, ctx)
+        model = model_for(cfg, ctx, tracker, None, cfg.seed)
+        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        losses, norms = [], []
+        for step in range(STEPS):
+            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx,
+                                    lr_at(step, cfg.train), engine, pipe)
+            losses.append(loss)
+            norms.append(norm)
+        with reducer.unsharded(opt, model):
+            params = _full_params(model, ctx)
+        store = reducer.store
+        res[zero] = (losses, norms, params,
+                     None if store is None else (store.gathers, store.late))
+    return res
+
+
+def _body(ctx, schedule, recompute):
+    res = run_levels(ctx, (0, 1, 2, 3), schedule, recompute)
+    ref_l, ref_n, ref_p, _ = res[0]
+    for zero in (1, 2, 3):
+        losses, norms, params, store = res[zero]
+        assert_close(torch.tensor(losses), torch.tensor(ref_l), rtol=1e-5, atol=0,
+                     msg=f"zero={zero} losses")
+        assert_close(torch.tensor(norms), torch.tensor(ref_n), rtol=1e-5, atol=0,
+                     msg=f"zero={zero} norms")
+        for name, p in params.items():
+            assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=lambda m, n=name: f"zero={zero} {n}: {m}")
+    gathers, late = res[3][3]
+    assert gathers > 0
+    if schedule == "oases":  # every block but the first of each pass was prefetched
+        assert late < gathers / 2, (gathers, late)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
+def test_zero_levels_match_replicated(world, tp, schedule, recompute):
+    run_distributed(_body, world=world, tp=tp, args=(schedule, recompute))
+
+
+def _memory_body(ctx, out):
+    """Bytes held between steps at each level, dp = 4."""
+    for zero in (0, 1, 2, 3):
+        cfg = _cfg(ctx.world_size, 1, zero, "megatron", "none",
+                   ("train.grad_accum=1", "parallel.dp_bucket_mb=25"))
+        tracker = seed_tracker(cfg, ctx)
+        model = model_for(cfg, ctx, tracker, None, cfg.seed)
+        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        if ctx.rank == 0:
+            out[zero] = reducer.memory(model, opt)
+            out[f"n{zero}"] = sum(p.numel() for p in model.parameters())
+
+
+def _memory_worker(ctx, path):
+    out = {}
+    _memory_body(ctx, out)
+    if ctx.rank == 0:
+        torch.save(out, path)
+
+
+def test_zero_memory_ratios(tmp_path):
+    """Measured storages at dp = 4: level 1 divides the Adam state by 4, level 2 the
+    gradients too, level 3 the parameters too (within 10%: the owned ranges are padded
+    to a multiple of 4), and the planner's per-level memory model predicts each."""
+    from oases.planner.zero_cost import zero_memory
+
+    path = str(tmp_path / "mem.pt")
+    run_distributed(_memory_worker, world=4, tp=1, args=(path,))
+    m = torch.load(path)
+    base = m[0]
+    n = m["n0"]
+    assert base == {"params": 4 * n, "grads": 4 * n, "optim": 8 * n}
+    expect = {1: (1, 1, 4), 2: (1, 4, 4), 3: (4, 4, 4)}  # divisor of params, grads, optim
+    for zero, (dp_, dg, do) in expect.items():
+        got = m[zero]
+        for key, div in (("params", dp_), ("grads", dg), ("optim", do)):
+            assert got[key] == pytest.approx(base[key] / div, rel=0.10), (zero, key, got)
+        pred = zero_memory(n, 4, zero, dp=4)
+        for key in ("params", "grads", "optim"):
+            assert got[key] == pytest.approx(pred[key], rel=0.02), (zero, key, got, pred)
+
+
+# -- checkpoints across levels and dp sizes (the real training loop) ------------------
+
+def test_checkpoint_across_zero_levels(tmp_path):
+    """A zero=3 dp=2 run's step-2 checkpoint (Adam state and parameters written whole,
+    the level-0 format) resumes at zero=0 dp=1 with the same step-3 loss (the same
+    weights on the same global batch: tolerance as in test_reshard.py) and a step-4
+    loss that needs the Adam moments; and at the same layout the resume is exact."""
+    from tests.conftest import resume_copy
+    from tests.test_reshard import records, train
+
+    a = tmp_path / "a"
+    train(a, 2, 1, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1")
+    ra = records(a)
+    b = resume_copy(a, tmp_path / "b")
+    train(b, 1, 1, "train.micro_batch_size=4", "parallel.zero=0", "resume=auto")
+    rb = records(b)
+    assert rb[3]["loss"] == pytest.approx(ra[3]["loss"], rel=1e-5, abs=0)
+    assert rb[4]["loss"] == pytest.approx(ra[4]["loss"], rel=1e-4, abs=0)
+    c = resume_copy(a, tmp_path / "c")
+    train(c, 2, 1, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1",
+          "resume=auto")
+    rc = records(c)
+    for s in (3, 4):
+        assert rc[s]["loss"] == ra[s]["loss"] and rc[s]["grad_norm"] == ra[s]["grad_norm"]
+
+
+# -- per-block levels from a plan; pipelines ------------------------------------------
+
+MIXED = [3, 1, 2, 0, 3, 2]   # embedding, attn/mlp of 2 layers, head
+
+
+def _plan_body(ctx, plan_dir):
+    """Per-block levels (and per-block TP degrees: blocks at degree 1 shard over their
+    replicas too) from a plan file against the same plan at level 0."""
+    import yaml
+
+    degrees = [2, 1, 1, 2]
+    paths = {}
+    for name, zero in (("ref", [0] * 6), ("mixed", MIXED)):
+        paths[name] = f"{plan_dir}/{name}.yaml"
+        if ctx.rank == 0:
+            with open(paths[name], "w") as f:
+                yaml.safe_dump({"degrees": degrees, "tp": 2, "zero": zero}, f)
+    dist.barrier()
+    out = {}
+    for name, path in paths.items():
+        res = run_levels(ctx, (0,), "oases", "fine", (f"parallel.plan={path}",))
+        out[name] = res[0]
+    for a, b in zip(out["mixed"][:2], out["ref"][:2]):
+        assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0)
+    for name, p in out["mixed"][2].items():
+        assert_close(p, out["ref"][2][name], rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+def test_zero_levels_from_a_plan(tmp_path):
+    run_distributed(_plan_body, world=4, tp=2, args=(str(tmp_path),))
+
+
+def _pp_body(rank, schedule, recompute):
+    """pp 2 x dp 2 (tied embeddings across the stages): zero 3 and mixed levels equal
+    zero 0, stage by stage."""
+    from oases.layout import uniform_layout
+    from oases.parallel.groups import build_pipeline_context
+
+    res = {}
+    for name, extra in (("0", ("parallel.zero=0",)), ("3", ("parallel.zero=3",))):
+        cfg = _cfg(4, 1, 0, schedule, recompute,
+                   ("parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2", *extra))
+        layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
+        ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
+        tracker = seed_tracker(cfg, ctx)
+        model = model_for(cfg, ctx, tracker, None, cfg.seed)
+        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                               cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
+        losses = [train_step(model, batches, opt, reducer, cfg, ctx, lr_at(s, cfg.train),
+                             engine, pipe) for s in range(STEPS)]
+        with reducer.unsharded(opt, model):
+            params = {k: p.detach().clone() for k, p in model.named_parameters()}
+        res[name] = (losses, params)
+    for name in ("3",):
+        assert_close(torch.tensor(res[name][0]), torch.tensor(res["0"][0]), rtol=1e-5, atol=0,
+                     msg=f"zero={name} losses, norms")
+        for k, p in res[name][1].items():
+            assert_close(p, res["0"][1][k], rtol=0, atol=PARAM_ATOL, msg=f"zero={name} {k}")
+
+
+@pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
+def test_zero_in_a_pipeline(schedule, recompute):
+    run_distributed(_pp_body, world=4, tp=None, args=(schedule, recompute))
