@@ -15,7 +15,11 @@ rank holds the same counter ``consumed``; a call gives rank ``r`` the samples
 ``mbs * dp``. So the DP ranks advance in lockstep, together consume disjoint
 samples, and the whole data order is a function of ``(seed, consumed)`` alone:
 checkpointing ``{"consumed": int}`` is enough to resume bit-exactly, and resuming
-with a different ``dp`` still continues the same global sample stream.
+with a different ``dp`` still continues the same global sample stream. A *blend*
+(``data.train_paths``, :mod:`oases.runtime.blend`) maps each global sample to one
+of several files and that file's own sample counter; each file walks its own
+permutations (seeded from ``(seed, file index, epoch)``) and the per-file counts
+join ``consumed`` in the checkpoint.
 
 **Validation** (:class:`ValBatches`, :func:`val_batches`) uses the val file's
 windows from its start, in order, so every eval sees the same tokens and the
@@ -38,7 +42,8 @@ import numpy as np
 import torch
 
 from oases.config import DataConfig
-from oases.errors import CheckpointError, DataError
+from oases.errors import CheckpointError, ConfigError, DataError
+from oases.runtime.blend import Blend
 
 PathLike = Union[str, Path]
 
@@ -54,10 +59,11 @@ _SCAN_CHUNK_TOKENS = 1 << 24
 _SAMPLE_CHUNKS = 16
 _SAMPLE_CHUNK_TOKENS = 1 << 16
 
-# Domain tags mixed into the RNG seeds so the permutation stream and the
+# Domain tags mixed into the RNG seeds so the permutation streams and the
 # synthetic-token stream never share a seed, whatever (seed, epoch, sample) are.
 _PERM_STREAM = 0
 _SYNTH_STREAM = 1
+_BLEND_PERM_STREAM = 2  # file k of a blend: seeded from (seed, k, epoch)
 
 _PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
 
@@ -68,14 +74,14 @@ def _np_dtype(dtype: str) -> np.dtype:
     return _DTYPES[dtype]
 
 
-def _rng(stream: int, seed: int, index: int) -> np.random.Generator:
-    """A generator that depends only on ``(stream, seed, index)``.
+def _rng(stream: int, seed: int, *index: int) -> np.random.Generator:
+    """A generator that depends only on ``(stream, seed, *index)``.
 
     ``SeedSequence`` hashes the whole tuple (unlike ``seed + index``, which makes
     (1, 2) and (2, 1) collide); it needs non-negative words, hence the mod 2**64
     so a negative config seed still works.
     """
-    return np.random.default_rng([stream, seed % (1 << 64), index])
+    return np.random.default_rng([stream, seed % (1 << 64), *index])
 
 
 def _check_meta(path: Path, dtype: str) -> dict:
@@ -189,6 +195,75 @@ def _check_layout(seq_len: int, micro_batch_size: int, dp_rank: int, dp: int) ->
         raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp})")
 
 
+class _TrainFile:
+    """One training file's windows, in a fresh random order per epoch.
+
+    The file's own sample ``s`` is window ``perm(s // n)[s % n]`` of its ``n``
+    windows, ``perm(e)`` seeded from ``seed_words + (e,)``: a file on its own walks
+    the global sample counter; a file of a blend walks its own count.
+    """
+
+    def __init__(self, path: PathLike, tokens: np.ndarray, seq_len: int,
+                 seed_words: tuple[int, ...]) -> None:
+        self.path = path
+        self.tokens = tokens
+        self.num_windows = max(len(tokens) - 1, 0) // seq_len
+        self._seed_words = seed_words
+        # epoch -> permutation of the windows; at most two live (samples arrive in
+        # increasing order, and a batch can straddle an epoch boundary), so a long run
+        # does not accumulate permutations.
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = _rng(*self._seed_words, epoch).permutation(self.num_windows)
+            for old in [e for e in self._perms if e < epoch - 1]:
+                del self._perms[old]
+            self._perms[epoch] = perm
+        return perm
+
+    def windows(self, samples: np.ndarray) -> np.ndarray:
+        """The window of each of this file's samples ``samples`` (increasing)."""
+        n = self.num_windows
+        return np.array([self._perm(int(s) // n)[int(s) % n] for s in samples],
+                        dtype=np.int64)
+
+
+def _recorded_dtype(path: PathLike) -> Optional[str]:
+    """The dtype in the ``meta.json`` next to ``path``, if it records one (an unreadable
+    meta.json is reported by :func:`open_tokens`)."""
+    try:
+        meta = json.loads((Path(path).parent / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    return dtype if isinstance(dtype, str) else None
+
+
+def _open_blend(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int
+                ) -> tuple[list[_TrainFile], Blend]:
+    """Open and check every file of ``data.train_paths``; file ``k`` permutes its
+    windows from ``(seed, k, epoch)``."""
+    cfg.validate()  # a config built in code: train_path left set, a bad entry, a missing file
+    pairs = cfg.blend()
+    recorded = [(p, d) for p, d in ((p, _recorded_dtype(p)) for p, _ in pairs) if d]
+    for path, dtype in recorded[1:]:
+        if dtype != recorded[0][1]:
+            raise ConfigError(f"data.train_paths mixes token dtypes: {recorded[0][0]} is "
+                              f"{recorded[0][1]} but {path} is {dtype} (per their meta.json); "
+                              f"every file is read as data.dtype: prepare them with one --dtype")
+    files = []
+    for k, (path, _) in enumerate(pairs):
+        f = _TrainFile(path, open_tokens(path, cfg.dtype, vocab_size), seq_len,
+                       (_BLEND_PERM_STREAM, seed, k))
+        if f.num_windows == 0:
+            raise DataError(f"data file {path} (data.train_paths[{k}]) holds fewer than "
+                            f"{seq_len + 1} tokens: not one window of a training sample")
+        files.append(f)
+    return files, Blend([str(Path(p).resolve()) for p, _ in pairs], [w for _, w in pairs])
+
+
 class TrainBatches:
     """An endless, resumable stream of training micro-batches for one DP rank.
 
@@ -212,66 +287,98 @@ class TrainBatches:
         self.dp = dp
         self.seed = seed
         self.consumed = 0  # global samples consumed by all DP ranks together
-        # epoch -> permutation of the windows; at most two live (a batch can straddle
-        # an epoch boundary), so a long run does not accumulate permutations.
-        self._perms: dict[int, np.ndarray] = {}
-        self._tokens: np.ndarray | None = None
-        self.num_windows = 0
-        if cfg.kind == "tokens":
-            self._tokens = open_tokens(cfg.train_path, cfg.dtype, vocab_size)
-            self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
-            need = micro_batch_size * dp
-            if self.num_windows < need:
+        self._files: list[_TrainFile] = []
+        self._blend: Optional[Blend] = None  # data.train_paths: which file each sample is from
+        if cfg.kind == "tokens" and cfg.train_paths is not None:
+            self._files, self._blend = _open_blend(cfg, seq_len, vocab_size, seed)
+        elif cfg.kind == "tokens":
+            tokens = open_tokens(cfg.train_path, cfg.dtype, vocab_size)
+            self._files = [_TrainFile(cfg.train_path, tokens, seq_len, (_PERM_STREAM, seed))]
+            n, need = self._files[0].num_windows, micro_batch_size * dp
+            if n < need:
                 raise DataError(
-                    f"data file {cfg.train_path} has {self.num_windows} windows of "
+                    f"data file {cfg.train_path} has {n} windows of "
                     f"{seq_len + 1} tokens, fewer than one global micro-batch "
                     f"(mbs x dp = {micro_batch_size} x {dp} = {need})")
         elif cfg.kind != "synthetic":
             raise DataError(f"data.kind={cfg.kind!r} is not one of synthetic, tokens")
+        self.num_windows = sum(f.num_windows for f in self._files)
 
     @property
     def epoch(self) -> float:
-        """Fractional epochs consumed (tokens kind; 0.0 for synthetic data)."""
+        """Fractional epochs consumed: samples over the windows of all the training files
+        together (one file: passes over it; a blend: see ``file_epochs`` for each file's
+        own); 0.0 for synthetic data."""
         return self.consumed / self.num_windows if self.num_windows else 0.0
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = _rng(_PERM_STREAM, self.seed, epoch).permutation(self.num_windows)
-            for old in [e for e in self._perms if e < epoch - 1]:
-                del self._perms[old]
-            self._perms[epoch] = perm
-        return perm
+    @property
+    def file_epochs(self) -> list[float]:
+        """Fractional epochs of each training file consumed (in a blend, a small or
+        heavily weighted file runs ahead of the others)."""
+        if self._blend is None:
+            return [self.epoch] if self._files else []
+        return [c / f.num_windows for c, f in zip(self._blend.counts, self._files)]
 
     def _samples(self) -> np.ndarray:
         """Global sample indices of this rank's next micro-batch."""
         first = self.consumed + self.dp_rank * self.micro_batch_size
         return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
 
+    def _blend_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the next global micro-batch of the blend. Every rank
+        assigns the whole global micro-batch, so the per-file counts agree on all ranks."""
+        mbs = self.micro_batch_size
+        which, local = self._blend.take(mbs * self.dp)
+        lo = self.dp_rank * mbs
+        which, local = which[lo:lo + mbs], local[lo:lo + mbs]
+        x = torch.empty((mbs, self.seq_len), dtype=torch.int64)
+        y = torch.empty_like(x)
+        for k in np.unique(which):
+            sel = which == k
+            f = self._files[int(k)]
+            rows = torch.from_numpy(np.flatnonzero(sel))
+            x[rows], y[rows] = _gather_windows(f.tokens, f.windows(local[sel]), self.seq_len)
+        return x, y
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next ``(x, y)``, each ``(micro_batch_size, seq_len)`` int64."""
-        samples = self._samples()
-        if self._tokens is not None:
-            n = self.num_windows
-            windows = np.array([self._perm(int(g) // n)[int(g) % n] for g in samples],
-                               dtype=np.int64)
-            x, y = _gather_windows(self._tokens, windows, self.seq_len)
+        if self._blend is not None:
+            x, y = self._blend_batch()
+        elif self._files:
+            f = self._files[0]
+            x, y = _gather_windows(f.tokens, f.windows(self._samples()), self.seq_len)
         else:
             rows = [_rng(_SYNTH_STREAM, self.seed, int(g)).integers(
-                0, self.vocab_size, self.seq_len + 1, dtype=np.int64) for g in samples]
+                0, self.vocab_size, self.seq_len + 1, dtype=np.int64) for g in self._samples()]
             buf = torch.from_numpy(np.stack(rows))  # (mbs, T+1)
             x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # (mbs, T) each
         self.consumed += self.micro_batch_size * self.dp
         return x, y
 
     def state_dict(self) -> dict:
-        """All that is needed to resume the exact batch sequence."""
-        return {"consumed": self.consumed}
+        """All that is needed to resume the exact batch sequence: the global count, and
+        for a blend each file's path, weight and count."""
+        state: dict = {"consumed": self.consumed}
+        if self._blend is not None:
+            state["blend"] = self._blend.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         consumed = state.get("consumed") if isinstance(state, Mapping) else None
         if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
             raise CheckpointError(f"data state {state!r} has no valid 'consumed' count")
+        blend = state.get("blend")
+        if self._blend is not None and blend is None:
+            raise CheckpointError("the checkpoint's data position is not in a blend (it was "
+                                  "written with data.train_path or synthetic data) but this run "
+                                  "sets data.train_paths; resume with the checkpoint's data")
+        if self._blend is None and blend is not None:
+            here = f"data.train_path={self._files[0].path}" if self._files else "synthetic data"
+            raise CheckpointError(f"the checkpoint's data position is in a blend "
+                                  f"(data.train_paths) but this run reads {here}; resume with "
+                                  f"the checkpoint's data.train_paths")
+        if self._blend is not None:
+            self._blend.load_state_dict(blend, consumed)
         self.consumed = consumed
 
 
