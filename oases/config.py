@@ -142,6 +142,9 @@ class ParallelConfig:
     # instead of all-reduce); 3 + parameters (all-gathered before each block, freed
     # after). A plan file's per-block ``zero`` list overrides it block by block.
     zero: int = 0
+    # ZeRO-3: start the all-gather of the next block's parameters while this block runs
+    # (false: gather each block when it is needed; the benchmark's exposed baseline)
+    zero_prefetch: bool = True
     # Timing only: replace every TP collective by a no-op of the same shape (results are
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False

@@ -239,3 +239,57 @@ def _pp_body(rank, schedule, recompute):
 @pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
 def test_zero_in_a_pipeline(schedule, recompute):
     run_distributed(_pp_body, world=4, tp=None, args=(schedule, recompute))
+
+
+# -- every recompute mode, active clipping, the non-finite check -----------------------
+
+def _modes_body(ctx):
+    """Level 3 (and 2) equal level 0 under the recompute modes not covered above, with a
+    clipping threshold below the gradient norm (clipping scales the owned pieces)."""
+    for schedule, recompute in (("megatron", "full"), ("oases", "none"), ("oases", "full")):
+        res = run_levels(ctx, (0, 2, 3), schedule, recompute, ("train.grad_clip=0.05",))
+        ref_l, ref_n, ref_p, _ = res[0]
+        assert min(ref_n) > 0.05  # clipping is active
+        for zero in (2, 3):
+            losses, norms, params, _ = res[zero]
+            what = f"{schedule}+{recompute} zero={zero}"
+            assert_close(torch.tensor(losses), torch.tensor(ref_l), rtol=1e-5, atol=0, msg=what)
+            assert_close(torch.tensor(norms), torch.tensor(ref_n), rtol=1e-5, atol=0, msg=what)
+            for name, p in params.items():
+                assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=f"{what} {name}")
+
+
+def test_zero_under_every_recompute_mode_with_clipping():
+    run_distributed(_modes_body, world=2, tp=1)
+
+
+def _nonfinite_body(ctx):
+    """A NaN in one rank's gradient, which the reduce-scatter puts into one owned range:
+    every rank sees a non-finite norm and no weight (or Adam state) moves."""
+    import math
+
+    for zero in (2, 3):
+        cfg = _cfg(ctx.world_size, 1, zero, "oases", "fine")
+        tracker = seed_tracker(cfg, ctx)
+        model = model_for(cfg, ctx, tracker, None, cfg.seed)
+        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        with reducer.unsharded(opt, model) as o:
+            before = {k: p.detach().clone() for k, p in model.named_parameters()}
+            moments = {id(p): o.state[p]["exp_avg"].clone() for p in model.parameters()}
+        h = (model.layers[1].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
+             if ctx.rank == 0 else None)
+        loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        assert math.isfinite(loss) and math.isnan(norm), (ctx.rank, zero, loss, norm)
+        with reducer.unsharded(opt, model) as o:
+            for k, p in model.named_parameters():
+                assert torch.equal(p, before[k]), f"zero={zero}: {k} moved in a skipped step"
+                assert torch.equal(o.state[p]["exp_avg"], moments[id(p)]), k
+        if h is not None:
+            h.remove()
+
+
+def test_zero_nonfinite_gradient_skips_the_step():
+    run_distributed(_nonfinite_body, world=2, tp=1)

@@ -76,7 +76,7 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
                  and getattr(model, "is_first", True) and getattr(model, "is_last", True))
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
                           prescale_of=prescale_of, then=tie_sync, level_of=level_of,
-                          tied_head=tied_head)
+                          tied_head=tied_head, prefetch=par.zero_prefetch)
     reducer.norm_by_terms = bool(par.zero) or bool(zero_levels and any(zero_levels))
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.optimizer_params(model))
     reducer.seed_optimizer(opt)

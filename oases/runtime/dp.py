@@ -91,7 +91,7 @@ class GradReducer:
                  prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None,
                  then: Optional[Callable[[], None]] = None,
                  level_of: Optional[Callable[[nn.Parameter], int]] = None,
-                 tied_head: bool = False) -> None:
+                 tied_head: bool = False, prefetch: bool = True) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
@@ -154,7 +154,7 @@ class GradReducer:
             if b.level >= 3:
                 blk = block_of.get(id(b.params[0]), -1)
                 units.setdefault(head if blk < 0 else blk, []).append(b.zero)
-        self.store = ParamStore(units, head, tied_head) if units else None
+        self.store = ParamStore(units, head, tied_head, prefetch=prefetch) if units else None
         if self.store is not None:
             self.store.install_hooks(model)
 

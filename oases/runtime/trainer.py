@@ -174,6 +174,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     tracer = Tracer(ctx.rank) if par.trace else None
     schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, tracer)
 
+    if reducer.sharded is False and (par.zero or reducer.norm_by_terms) and ctx.is_main:
+        print("parallel.zero: no gradient group of this layout has more than one rank "
+              "(dp = 1, no replicated blocks): nothing is sharded", flush=True)
+
     def run_eval() -> float:
         return evaluate(model, val, cfg, ctx, pipe)
 
@@ -199,7 +203,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         layout = f"pp {ctx.pp} x " if ctx.pp > 1 else ""
         print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
               f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
-              f"schedule {par.schedule}, recompute {par.recompute} | "
+              f"schedule {par.schedule}, recompute {par.recompute}"
+              f"{f', zero {par.zero}' if par.zero else ''} | "
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
@@ -278,6 +283,9 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 extra = {"skipped_steps": skipped}
                 if ctx.pp > 1:
                     extra["pipeline_bubble"] = stats.bubble
+                if reducer.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
+                    extra["zero_gather_wait_s"] = reducer.store.take_wait() / max(
+                        1, cfg.train.log_interval)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
                            extra=extra)
             if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:

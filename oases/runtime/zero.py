@@ -219,9 +219,10 @@ class ParamStore:
     """
 
     def __init__(self, units: dict[int, list[ShardedFlat]], head: int, tied: bool,
-                 keep: int = 4) -> None:
+                 keep: int = 4, prefetch: bool = True) -> None:
         self.units = {u: fl for u, fl in units.items() if fl}
-        self.head, self.tied, self.keep = head, tied, keep
+        self.head, self.tied, self.keep, self.prefetch = head, tied, keep, prefetch
+        self.wait_s = 0.0       # time spent waiting for all-gathers (exposed), since take_wait
         self._gathered: dict[int, int] = {}   # unit -> last use (a counter)
         self._clock = 0
         self.gathers = 0        # all-gathers issued (tests, the benchmark)
@@ -229,7 +230,7 @@ class ParamStore:
 
     def use(self, u: int, nxt: Optional[int] = None) -> None:
         if u not in self.units:
-            if nxt is not None and nxt in self.units:
+            if self.prefetch and nxt is not None and nxt in self.units:
                 self._launch(nxt)
             return
         self._clock += 1
@@ -237,11 +238,13 @@ class ParamStore:
             self.late += 1
             self._launch(u)
         self._gathered[u] = self._clock
+        t0 = time.perf_counter()
         for fl in self.units[u]:
             if fl.work is not None:
                 fl.work.wait()
                 fl.work = None
-        if nxt is not None and nxt in self.units and nxt not in self._gathered:
+        self.wait_s += time.perf_counter() - t0
+        if self.prefetch and nxt is not None and nxt in self.units and nxt not in self._gathered:
             self._launch(nxt)
         self._evict(u, nxt)
 
@@ -272,6 +275,11 @@ class ParamStore:
                 fl.work = None
             free_(fl.flat)
         del self._gathered[u]
+
+    def take_wait(self) -> float:
+        """Seconds spent waiting for all-gathers since the last call."""
+        w, self.wait_s = self.wait_s, 0.0
+        return w
 
     def release(self) -> None:
         for u in list(self._gathered):
