@@ -1,5 +1,6 @@
 """Token-weighted loss: ignored targets (``IGNORE_INDEX``) spread unevenly over the
-sub-batches, micro-batches and DP ranks of a step.
+sub-batches, micro-batches and DP ranks of a step, and the short last batch of a
+validation file.
 
 A step's loss is one cross-entropy mean over the counted targets of its whole global
 batch, whatever the engine cuts it into. Each case runs one real ``train_step`` (the
@@ -11,6 +12,10 @@ checks the reported loss and every gradient against plain autograd of
 process. The same model averaging the pieces' means instead is checked to be far off
 (``_naive``), so the comparison can fail.
 
+Validation: a val file shorter than one global batch, and one of 2.5 global batches,
+at dp=2 (and through a pp=2 pipeline) evaluate the token mean over all their windows
+(the last batch's missing rows are padding that counts nothing).
+
 Tolerances: fp32, dropout 0. The runs differ from the reference in summation order
 (the DP all-reduce, the TP all-reduce of partial matmuls, sums over pieces of the
 batch) and in the per-piece weights n_k / N applied to each piece's mean (two more
@@ -21,6 +26,7 @@ rtol 1e-4 / atol 1e-6, as the pipeline parity tests. The unweighted mean is off 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 # AdamW imports torch._dynamo at its first use (seconds of CPU in every worker):
 # imported once here, the forked workers inherit it
@@ -159,11 +165,12 @@ PIPE_CASES = [
 ]
 
 
-def _pipe_body(rank: int, cases: list, refs: dict) -> None:
+def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
     from oases.layout import stages_layout, uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from oases.runtime.build import model_for, seed_tracker, training_for
-    from oases.runtime.step import train_step
+    from oases.runtime.data import ValBatches
+    from oases.runtime.step import evaluate, train_step
 
     for name, engine, kind, tp, stages in cases:
         cfg = _cfg(PIPE_WORLD, engine, tp, pp=2, mbs=2, kind=kind)
@@ -175,13 +182,71 @@ def _pipe_body(rank: int, cases: list, refs: dict) -> None:
         model = model_for(cfg, ctx, tracker, None, SEED)
         schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
         rows = cfg.pipeline_batch // ctx.dp  # this replica's share of a micro-batch
+        # evaluation first (the weights are still the reference's)
+        got = evaluate(model, ValBatches(val, "uint16", SEQ, 256, rows, ctx.dp_rank, ctx.dp, 8),
+                       cfg, ctx, pipe)
+        want = refs["val"]
+        assert abs(got - want) <= LOSS_RTOL * want, f"{name}: val loss {got} vs {want}"
         x, y = _global_batch(cfg.global_batch_size, cfg.model.vocab_size)
         loss, _ = train_step(model, _Rows(x, y, rows, ctx.dp_rank, ctx.dp), opt, reducer, cfg,
                              ctx, 0.0, schedule, pipe)
         _check(model, ctx, loss, *refs["step"], f"{name} {engine} {kind}")
 
 
-def test_pipeline_step_is_one_token_mean():
+def test_pipeline_step_and_eval_are_token_means(tmp_path):
+    """Also evaluation through the pipeline (``forward_only``) on a val file of 2.5
+    global batches (pipeline batch 4 windows)."""
+    val = _val_file(tmp_path, 10)
     cfg = _cfg(PIPE_WORLD, "megatron", pp=2, mbs=2)
-    refs = {"step": _reference(cfg, *_global_batch(cfg.global_batch_size, cfg.model.vocab_size))}
-    run_distributed(_pipe_body, PIPE_WORLD, tp=None, args=(PIPE_CASES, refs))
+    refs = {"val": _val_reference(cfg, val),
+            "step": _reference(cfg, *_global_batch(cfg.global_batch_size, cfg.model.vocab_size))}
+    run_distributed(_pipe_body, PIPE_WORLD, tp=None, args=(PIPE_CASES, str(val), refs))
+
+
+# ---- validation files that do not fill their last global batch ----
+
+def _val_file(tmp_path, windows: int):
+    """A val file of exactly ``windows`` windows (and a few tokens that make none)."""
+    path = tmp_path / f"val{windows}.bin"
+    tokens = np.random.default_rng(windows).integers(0, 256, windows * SEQ + 1 + SEQ // 2)
+    tokens.astype(np.uint16).tofile(path)
+    return path
+
+
+def _val_reference(cfg, path) -> float:
+    """Unsharded: the mean cross-entropy over every target of every window of the file."""
+    from models import build_model
+
+    model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=SEED)
+    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+    n = (len(tokens) - 1) // SEQ
+    win = torch.stack([tokens[w * SEQ: w * SEQ + SEQ + 1] for w in range(n)])  # (n, T+1)
+    with torch.no_grad():
+        logits = model(win[:, :-1])[..., : cfg.model.vocab_size]
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                     win[:, 1:].reshape(-1)))
+
+
+def _eval_body(ctx, files: dict) -> None:
+    from models import build_model
+    from oases.runtime.data import ValBatches
+    from oases.runtime.step import evaluate
+
+    cfg = _cfg(ctx.world_size, "megatron", mbs=2)
+    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED)
+    for w, (path, want) in files.items():
+        val = ValBatches(path, "uint16", SEQ, 256, 2, ctx.dp_rank, ctx.dp, max_batches=8)
+        assert len(val) == -(-w // 4), (w, len(val))  # global batch: 2 rows x dp 2
+        got = evaluate(model, val, cfg, ctx)
+        assert abs(got - want) <= LOSS_RTOL * want, f"{w} windows: {got} vs {want}"
+        assert model.training  # evaluate puts it back
+
+
+def test_short_val_files_evaluate_every_window(tmp_path):
+    """dp=2, global batch 4 windows: 3 windows (less than one batch; rank 1 gets one
+    window and one padding row), and 10 windows (2.5 batches; in the last one rank 1
+    gets only padding)."""
+    cfg = _cfg(2, "megatron", mbs=2)
+    files = {w: (str(p), _val_reference(cfg, p)) for w in (3, 10)
+             for p in [_val_file(tmp_path, w)]}
+    run_distributed(_eval_body, world=2, tp=1, args=(files,))

@@ -144,7 +144,7 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory):
         """One micro-batch through the stages, no backward (evaluation): the last stage
-        returns its mean loss, the others None."""
+        returns its mean loss over this replica's counted targets, the others None."""
         ctx, dev = self.ctx, self.ctx.device
         dtype = next(model.parameters()).dtype
         inp = x.to(dev) if ctx.is_first_stage else self.recv_f.recv(self.tail, dtype, dev).wait()

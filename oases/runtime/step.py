@@ -119,25 +119,27 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
 
 @torch.no_grad()
 def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext, pipe=None) -> float:
-    """Mean loss over the val file's first windows, contiguous and in order (through
-    the pipeline stages when ``pipe`` is given; the last stage's figure, shared)."""
+    """Mean loss over every target of the val file's first windows, contiguous and in
+    order (through the pipeline stages when ``pipe`` is given; the last stage's figure,
+    shared). Each batch's mean enters weighed by its counted targets, so the padding
+    rows of a partial last batch (:class:`~oases.runtime.data.ValBatches`) count for
+    nothing: the result is the token mean over the windows, as in one unsharded pass."""
     model.eval()
-    s = torch.zeros(2, device=ctx.device)  # (sum of losses, batches)
+    s = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # (sum of losses, targets)
     for x, y in val:
+        n = int(loss_tokens(model, y))
         if pipe is not None:
             out = pipe.forward_only(model, x, y, lambda: autocast(cfg, ctx))
-            if out is not None:
-                s[0] += out
         else:
             with autocast(cfg, ctx):
-                s[0] += model(x.to(ctx.device), y.to(ctx.device)).float()
-        s[1] += 1
-    if pipe is not None:  # only the last stage has losses: each of its ranks adds a share
-        if not ctx.is_last_stage:
-            s.zero_()
-        s /= ctx.stage_size
+                out = model(x.to(ctx.device), y.to(ctx.device))
+        if out is not None:  # None: a pipeline stage before the last
+            s[0] += out.double() * n
+            s[1] += n
+    if pipe is not None:  # only the last stage adds: its TP ranks hold the same sums
+        s /= ctx.tp
         dist.all_reduce(s)
     elif ctx.dp > 1:
         all_reduce(s, ctx.dp_group)
     model.train()
-    return float(s[0] / s[1])
+    return float(s[0] / s[1].clamp(min=1))
