@@ -26,14 +26,11 @@ import torch.nn.functional as F
 from oases.config import ModelConfig
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from oases.parallel.loss import ce_combine, ce_partial
+from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import set_spec
 from oases.schedule.block import TPBlock
 from oases.schedule.recompute import recompute
-
-
-IGNORE_INDEX = -100
 
 
 class LayerNorm(nn.Module):
@@ -372,7 +369,14 @@ class CausalLM(nn.Module):
     def loss_combine(self, state, reduced: torch.Tensor) -> torch.Tensor:
         """Mean loss over the tokens that count (targets == IGNORE_INDEX add nothing)."""
         st, targets = state
-        return ce_combine(st, reduced).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return ce_combine(st, reduced).sum() / self.loss_tokens(targets).clamp(min=1)
+
+    @staticmethod
+    def loss_tokens(targets: torch.Tensor) -> torch.Tensor:
+        """How many targets the mean loss is over: those that are not IGNORE_INDEX. The
+        engines and the step weigh the pieces of a batch by it
+        (:mod:`oases.schedule.loss_weights`)."""
+        return (targets != IGNORE_INDEX).sum()
 
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         state, stats = self.loss_partial(x, targets)

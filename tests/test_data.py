@@ -291,9 +291,24 @@ def test_val_batches_contiguous_in_order(tmp_path):
     assert first == [[0, 1], [4, 5]] == [window_ids(x, T) for x, _ in vb]
 
 
+def test_val_batches_partial_last_batch(tmp_path):
+    """3 windows for a global batch of 4 (mbs 2 x dp 2): one batch, whose missing row is
+    padding (input 0, every target IGNORE_INDEX); the eval loss counts only real targets."""
+    path = write_tokens(tmp_path / "val.bin", np.arange(3 * T + 1 + 2))
+    assert D.num_val_batches(path, "uint16", T, 1000, 2, 2, max_batches=4) == 1
+    (x0, y0), = D.val_batches(path, "uint16", T, 1000, 2, 0, 2, max_batches=4)
+    (x1, y1), = D.val_batches(path, "uint16", T, 1000, 2, 1, 2, max_batches=4)
+    assert window_ids(x0, T) == [0, 1] and torch.equal(y0, x0 + 1)
+    assert window_ids(x1[:1], T) == [2] and torch.equal(y1[:1], x1[:1] + 1)
+    assert x1.shape == y1.shape == (2, T)
+    assert torch.equal(x1[1], torch.zeros(T, dtype=torch.int64))
+    assert bool((y1[1] == -100).all())
+
+
 def test_val_batches_too_short(tmp_path):
-    path = write_tokens(tmp_path / "val.bin", np.arange(3 * T + 1))
-    with pytest.raises(DataError, match="fewer than one global micro-batch"):
+    path = write_tokens(tmp_path / "val.bin", np.arange(T))  # not one window of T + 1
+    with pytest.raises(DataError, match=rf"has {T} tokens, fewer than one window of "
+                                        rf"seq_len \+ 1 = {T + 1}"):
         D.val_batches(path, "uint16", T, 1000, 2, 0, 2, max_batches=4)  # eager
 
 

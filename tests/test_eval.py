@@ -35,10 +35,10 @@ def _records(out: Path) -> list[dict]:
 
 
 @torch.no_grad()
-def hf_val_loss(model, val_bin: Path) -> float:
+def hf_val_loss(model, val_bin: Path, windows: int = N_WINDOWS) -> float:
     tokens = torch.from_numpy(np.fromfile(val_bin, dtype=np.uint16).astype(np.int64))
     losses = []
-    for w in range(N_WINDOWS):
+    for w in range(windows):
         win = tokens[w * T: w * T + T + 1]
         logits = model(win[None, :-1]).logits[0].float()
         losses.append(F.cross_entropy(logits, win[1:]))
@@ -97,6 +97,22 @@ def test_eval_only_resumes_the_latest_checkpoint(setup, tmp_path, run_single):
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert recs[-1]["val_loss"] == pytest.approx(hf_val_loss(hf, setup["val"]), rel=1e-5)
     assert abs(recs[-1]["val_loss"] - hf_val_loss(setup["hf"], setup["val"])) > 1e-3  # trained
+
+
+def test_eval_only_evaluates_a_partial_last_batch(setup, tmp_path, run_single):
+    """A val file of 2.5 batches (5 windows, micro-batch 2, dp 1) is evaluated whole: the
+    last batch holds one window and one padding row, which counts nothing."""
+    val = tmp_path / "short.bin"
+    np.random.default_rng(1).integers(0, VOCAB, 5 * T + 1 + T // 2).astype(np.uint16).tofile(val)
+    out = tmp_path / "out"
+    args = [a for a in setup["common"] if not a.startswith("data.val_path=")]
+    proc = run_single([*args, f"data.val_path={val}", "eval.only=true", f"out_dir={out}"],
+                      expect_rc=0)
+    assert "eval.only: val_loss" in proc.stdout
+    got = _records(out)[-1]["val_loss"]
+    assert got == pytest.approx(hf_val_loss(setup["hf"], val, windows=5), rel=1e-5)
+    # not the 2 whole batches alone (the old behaviour), nor the padded row counted
+    assert abs(got - hf_val_loss(setup["hf"], val, windows=4)) > 1e-3
 
 
 def test_eval_only_needs_a_val_file():

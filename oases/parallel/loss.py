@@ -18,7 +18,10 @@ the loss splits into a local half (:func:`ce_partial`) and a finishing half
 any other (the ``oases`` engine does). Backward is local:
 softmax_rj - [j == target], times the upstream gradient. Columns >= ``vocab_size``
 (vocabulary padding) are masked to -inf, so padding never changes the loss or
-gradients, even on a rank whose slice is all padding.
+gradients, even on a rank whose slice is all padding. A target equal to
+``IGNORE_INDEX`` (padding, a masked prompt) gets loss 0 and no gradient: it does not
+count, and a mean over a batch is over the targets that do (see
+:mod:`oases.schedule.loss_weights` for batches cut into pieces).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from oases.parallel.comm import all_reduce, group_rank, group_size
+
+IGNORE_INDEX = -100  # a target that does not count (as torch's cross_entropy)
 
 
 @dataclass
@@ -44,7 +49,7 @@ class CEState:
 
 @torch.no_grad()
 def ce_partial(logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int,
-               ignore_index: int = -100) -> tuple[CEState, torch.Tensor]:
+               ignore_index: int = IGNORE_INDEX) -> tuple[CEState, torch.Tensor]:
     """The local half: (state, stats buffer to sum over ``group``). 2-D ``logits``."""
     z = logits.detach().float()
     tp, rank = group_size(group), group_rank(group)
@@ -96,7 +101,7 @@ def ce_combine(st: CEState, stats: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+                                 vocab_size: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token loss (same shape as ``target``) from vocab-sharded ``logits``, with a
     blocking all-reduce between the two halves.
 

@@ -23,7 +23,9 @@ join ``consumed`` in the checkpoint.
 
 **Validation** (:class:`ValBatches`, :func:`val_batches`) uses the val file's
 windows from its start, in order, so every eval sees the same tokens and the
-numbers are comparable across steps and runs.
+numbers are comparable across steps and runs. A file that does not fill its last
+global batch still counts every window: that batch is padded with rows whose
+targets are all ``IGNORE_INDEX``, which the token-weighted eval loss ignores.
 
 Everything wrong with the data (missing file, wrong dtype, too short, token id
 outside the vocabulary) raises :class:`~oases.errors.DataError`, which the entry
@@ -43,6 +45,7 @@ import torch
 
 from oases.config import DataConfig
 from oases.errors import CheckpointError, ConfigError, DataError
+from oases.parallel.loss import IGNORE_INDEX
 from oases.runtime.blend import Blend
 
 PathLike = Union[str, Path]
@@ -389,6 +392,13 @@ class ValBatches:
     contiguous windows from the file's start, so each eval is over exactly the
     same tokens. Open (and scan) the file once and iterate the object at every
     eval; each iteration starts again from the beginning.
+
+    A file whose window count is not a multiple of the global batch (``mbs x dp``)
+    ends in a partial batch, one shorter than a whole batch included: its missing
+    rows are padding, input id 0 and every target ``IGNORE_INDEX``, so every rank
+    runs the same shapes (and collectives) and the padding counts for nothing in the
+    token-weighted loss (:func:`oases.runtime.step.evaluate`). Only a file without
+    a single window of ``seq_len + 1`` tokens is refused.
     """
 
     def __init__(self, path: PathLike, dtype: str, seq_len: int, vocab_size: int,
@@ -402,14 +412,12 @@ class ValBatches:
         self.dp = dp
         self._tokens = open_tokens(path, dtype, vocab_size)
         self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
-        per_batch = micro_batch_size * dp
-        fit = self.num_windows // per_batch
-        if fit == 0:
+        if self.num_windows == 0:
             raise DataError(
-                f"val file {path} has {self.num_windows} windows of {seq_len + 1} tokens, "
-                f"fewer than one global micro-batch (mbs x dp = {micro_batch_size} x {dp} "
-                f"= {per_batch})")
-        self.num_batches = min(max_batches, fit)
+                f"val file {path} has {len(self._tokens)} tokens, fewer than one window of "
+                f"seq_len + 1 = {seq_len + 1}")
+        per_batch = micro_batch_size * dp
+        self.num_batches = min(max_batches, -(-self.num_windows // per_batch))  # ceil
 
     def __len__(self) -> int:
         return self.num_batches
@@ -418,8 +426,13 @@ class ValBatches:
         mbs = self.micro_batch_size
         for b in range(self.num_batches):
             first = (b * self.dp + self.dp_rank) * mbs
-            windows = np.arange(first, first + mbs, dtype=np.int64)
-            yield _gather_windows(self._tokens, windows, self.seq_len)
+            windows = np.arange(first, min(first + mbs, self.num_windows), dtype=np.int64)
+            x, y = _gather_windows(self._tokens, windows, self.seq_len)
+            if len(windows) < mbs:  # the partial last batch: padding rows count nothing
+                pad = mbs - len(windows)
+                x = torch.cat([x, x.new_zeros(pad, self.seq_len)])
+                y = torch.cat([y, y.new_full((pad, self.seq_len), IGNORE_INDEX)])
+            yield x, y
 
 
 def val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,
@@ -436,6 +449,7 @@ def val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,
 
 def num_val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,
                     micro_batch_size: int, dp: int, max_batches: int) -> int:
-    """How many batches :func:`val_batches` yields (the same on every DP rank)."""
+    """How many batches :func:`val_batches` yields (the same on every DP rank; the last
+    may be partial)."""
     return len(ValBatches(path, dtype, seq_len, vocab_size, micro_batch_size,
                           0, dp, max_batches))

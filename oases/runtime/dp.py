@@ -27,6 +27,13 @@ updated parameters (levels 1, 2), and at level 3 a :class:`ParamStore` gathers
 each block's parameters before use. The tied embedding of a pipeline's first
 and last stage stays at level 0 (its group spans two stages).
 
+Averaging over dp is the gradient of the global batch's loss only if each replica's
+backward was seeded with dp times its share of that loss: ``train_step`` does so
+(:func:`oases.runtime.step.step_shares`), so replicas whose rows count different
+numbers of targets (padding, masked prompts) still add up to the gradient of one
+mean over every counted target; when every target counts, the share is 1/dp and the
+seed the plain mean's.
+
 Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
 launch, in the same order on every rank (gloo and NCCL need that).
 On CUDA, the all-reduce is enqueued on the default stream's NCCL work stream;

@@ -15,11 +15,13 @@ in the background while the next compute action does:
 
 Stage boundaries may change the layout (dp_a x tp_a -> dp_b x tp_b): a transfer
 delivers to every rank of the next stage exactly the rows of the micro-batch its
-replica needs, and the gradient goes back the same way. Every replica of a stage
-computes the mean loss (and its gradient) over its own rows and the DP reduction
-divides by the stage's dp; so when dp changes across a boundary, the returning
-gradient is multiplied by dp_a / dp_b, which makes each stage's reduced gradient
-that of the mean loss over the whole micro-batch.
+replica needs, and the gradient goes back the same way. Every replica of the last
+stage seeds its loss's backward with ``dp_b`` times its share of the step's loss
+(its rows' counted targets over the global batch's, :func:`~oases.runtime.step.step_shares`),
+and the DP reduction divides the replicas' sum by the stage's dp; so when dp
+changes across a boundary, the returning gradient is multiplied by dp_a / dp_b,
+which makes each stage's reduced gradient that of the step's mean loss over all
+counted targets.
 
 Ordering: all ranks of a stage run the same list, so their TP and DP collectives
 match; a transfer's sends and receives are matched by tag and posting order
@@ -73,12 +75,13 @@ class PipelineRunner:
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
         self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches)
 
-    def step(self, engine, model, batches: list, scale: float, amp: AmpFactory,
+    def step(self, engine, model, batches: list, scales: list[float], amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None):
         """Forward and backward of every micro-batch of one step (``batches``: this rank's
-        ``(x, y)`` of each micro-batch; a stage reads only what it needs). Returns (the
-        mean loss over the micro-batches on the last stage, else None; seconds spent in
-        F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``.
+        ``(x, y)`` of each micro-batch; a stage reads only what it needs). Micro-batch
+        ``m``'s loss gradient is seeded with ``scales[m]``. Returns (on the last stage each
+        micro-batch's mean loss over this replica's rows, in order, else None; seconds
+        spent in F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``.
         With the engine's tracer active, each action and each wait for a transfer is a
         span of the trace's "pipeline" lane."""
         ctx, dev = self.ctx, self.ctx.device
@@ -88,7 +91,7 @@ class PipelineRunner:
         sends: list = []
         runs: dict = {}
         grads_in: dict = {}
-        losses = []
+        losses: dict = {}
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
         busy = 0.0
         for i, a in enumerate(self.actions):
@@ -114,7 +117,7 @@ class PipelineRunner:
                     runs[m] = engine.forward(model, inp, tgt, amp)
                 busy += time.perf_counter() - t0
                 if ctx.is_last_stage:
-                    losses.append(runs[m].loss)
+                    losses[m] = runs[m].loss
             elif a.kind == "B":
                 g = None
                 if not ctx.is_last_stage:
@@ -126,7 +129,7 @@ class PipelineRunner:
                     before_last_backward()
                 t0 = time.perf_counter()
                 with _span(tracer, f"B{m}"):
-                    gin = engine.backward(runs.pop(m), g, scale, amp)
+                    gin = engine.backward(runs.pop(m), g, scales[m], amp)
                 busy += time.perf_counter() - t0
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
@@ -136,13 +139,12 @@ class PipelineRunner:
         if recvs or runs:  # a schedule that the checker let through must leave nothing
             raise RuntimeError(f"pipeline step left {sorted(recvs)} received and "
                                f"{sorted(runs)} forwarded but not consumed")
-        loss = torch.stack(losses).mean() if losses else None
-        return loss, busy
+        return ([losses[m] for m in range(self.n)] if ctx.is_last_stage else None), busy
 
     @torch.no_grad()
     def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory):
         """One micro-batch through the stages, no backward (evaluation): the last stage
-        returns its mean loss, the others None."""
+        returns its mean loss over this replica's counted targets, the others None."""
         ctx, dev = self.ctx, self.ctx.device
         dtype = next(model.parameters()).dtype
         inp = x.to(dev) if ctx.is_first_stage else self.recv_f.recv(self.tail, dtype, dev).wait()

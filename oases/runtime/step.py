@@ -18,6 +18,7 @@ from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.dp import GradReducer
 from oases.runtime.optim import clip_grads
 from oases.schedule.engines import MegatronSchedule
+from oases.schedule.loss_weights import loss_tokens
 
 
 def autocast(cfg: Config, ctx: ParallelContext):
@@ -33,11 +34,35 @@ class StepStats:
     bubble: float = 0.0
 
 
+def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext,
+                dp: int) -> tuple[list[float], list[float]]:
+    """Each micro-batch's share of the step's loss on this rank, and the scale its
+    backward is seeded with.
+
+    The step's loss is one mean over the targets that count in the whole global batch
+    (:mod:`oases.schedule.loss_weights`): micro-batch ``i`` of this DP rank, counting
+    ``n_i`` targets, has the share ``n_i / N``, ``N`` the count over every micro-batch
+    and DP rank (one all-reduce of an int). The DP reduction sums the replicas'
+    gradients and divides by ``dp`` (:class:`~oases.runtime.dp.GradReducer`), so the
+    seed is ``dp * n_i / N``; with every target counting that is ``1 / grad_accum``,
+    bit for bit. ``targets``: the step's micro-batches' targets, on the CPU."""
+    counts = [int(loss_tokens(model, y)) for y in targets]
+    total = sum(counts)
+    if ctx.dp > 1:  # every rank of a stage reads its own rows of the same global batch
+        t = torch.tensor(total, dtype=torch.int64, device=ctx.device)
+        all_reduce(t, ctx.dp_group)
+        total = int(t)
+    total = max(total, 1)  # nothing counts: loss 0, no gradient
+    return [c / total for c in counts], [dp * c / total for c in counts]
+
+
 def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
                ctx: ParallelContext, lr: float, schedule=None, pipe=None,
                stats: Optional[StepStats] = None) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm),
-    the loss averaged over micro-batches and DP ranks.
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm).
+    The loss is one mean over the targets that count in the whole global batch (every
+    micro-batch and DP rank), and the gradient is that mean's: micro-batches are
+    weighed by their counted targets (:func:`step_shares`).
 
     With ``pipe`` (a :class:`~oases.runtime.pipeline.PipelineRunner`), the micro-batches
     flow through the pipeline stages; the loss (known on the last stage) and the
@@ -54,38 +79,37 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     n = cfg.train.grad_accum
     schedule = schedule or MegatronSchedule()
     amp = lambda: autocast(cfg, ctx)  # noqa: E731
+    micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
+    shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp)
     if pipe is not None:
-        micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
         t0 = time.perf_counter()
-        loss_t, busy = pipe.step(schedule, model, micro, 1.0 / n, amp, reducer.arm)
+        losses, busy = pipe.step(schedule, model, micro, seeds, amp, reducer.arm)
         reducer.finish()
         norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size, reducer,
                           ctx.dp)
         elapsed = time.perf_counter() - t0
-        # one sum over the world: the last stage's loss (each of its ranks adds its
-        # share) and every rank's idle fraction
-        share = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        if loss_t is not None:
-            share[0] = float(loss_t) / ctx.stage_size
-        share[1] = (1.0 - busy / elapsed) / ctx.world_size if elapsed > 0 else 0.0
-        dist.all_reduce(share)
-        loss = float(share[0])
+        # one sum over the world: the last stage's loss (each replica adds its share of
+        # the global mean, divided among its TP ranks, which hold the same value) and
+        # every rank's idle fraction
+        sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        if losses is not None:
+            sums[0] = float(sum(w * loss for w, loss in zip(shares, losses))) / ctx.tp
+        sums[1] = (1.0 - busy / elapsed) / ctx.world_size if elapsed > 0 else 0.0
+        dist.all_reduce(sums)
+        loss = float(sums[0])
         if stats is not None:
-            stats.bubble = max(0.0, float(share[1]))
+            stats.bubble = max(0.0, float(sums[1]))
     else:
         total = torch.zeros((), device=ctx.device)
-        for i in range(n):
-            x, y = batches.next_batch()
+        for i, (x, y) in enumerate(micro):
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             if i == n - 1:
                 reducer.arm()  # DP all-reduce overlaps the last backward
-            total += schedule.forward_backward(model, x, y, 1.0 / n, amp=amp)
+            total += shares[i] * schedule.forward_backward(model, x, y, seeds[i], amp=amp)
         reducer.finish()
         norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
-        total /= n
-        if ctx.dp > 1:
+        if ctx.dp > 1:  # the replicas' shares add up to the global mean
             all_reduce(total, ctx.dp_group)
-            total /= ctx.dp
         loss = float(total)
     if math.isfinite(loss) and math.isfinite(norm):
         opt.step()
@@ -97,25 +121,27 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
 
 @torch.no_grad()
 def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext, pipe=None) -> float:
-    """Mean loss over the val file's first windows, contiguous and in order (through
-    the pipeline stages when ``pipe`` is given; the last stage's figure, shared)."""
+    """Mean loss over every target of the val file's first windows, contiguous and in
+    order (through the pipeline stages when ``pipe`` is given; the last stage's figure,
+    shared). Each batch's mean enters weighed by its counted targets, so the padding
+    rows of a partial last batch (:class:`~oases.runtime.data.ValBatches`) count for
+    nothing: the result is the token mean over the windows, as in one unsharded pass."""
     model.eval()
-    s = torch.zeros(2, device=ctx.device)  # (sum of losses, batches)
+    s = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # (sum of losses, targets)
     for x, y in val:
+        n = int(loss_tokens(model, y))
         if pipe is not None:
             out = pipe.forward_only(model, x, y, lambda: autocast(cfg, ctx))
-            if out is not None:
-                s[0] += out
         else:
             with autocast(cfg, ctx):
-                s[0] += model(x.to(ctx.device), y.to(ctx.device)).float()
-        s[1] += 1
-    if pipe is not None:  # only the last stage has losses: each of its ranks adds a share
-        if not ctx.is_last_stage:
-            s.zero_()
-        s /= ctx.stage_size
+                out = model(x.to(ctx.device), y.to(ctx.device))
+        if out is not None:  # None: a pipeline stage before the last
+            s[0] += out.double() * n
+            s[1] += n
+    if pipe is not None:  # only the last stage adds: its TP ranks hold the same sums
+        s /= ctx.tp
         dist.all_reduce(s)
     elif ctx.dp > 1:
         all_reduce(s, ctx.dp_group)
     model.train()
-    return float(s[0] / s[1])
+    return float(s[0] / s[1].clamp(min=1))

@@ -74,6 +74,7 @@ import torch.nn as nn
 
 from oases.parallel.comm import Cut, CutRecorder, _trivial, all_gather_async, all_reduce
 from oases.parallel.random import TPRNGTracker
+from oases.schedule.loss_weights import piece_shares
 from oases.schedule.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.schedule.memory import SavedTensorMeter
 from oases.schedule.rng_streams import _rng_restore, _rng_snapshot, sub_batch_rng_streams
@@ -112,6 +113,7 @@ class _SubBatch:
     name: str
     ids: torch.Tensor                         # token ids, or the stage's input activation
     targets: Optional[torch.Tensor]           # None on a pipeline stage before the last
+    share: object                             # of the micro-batch's loss (loss_weights)
     blocks: list = field(default_factory=list)
     head: Optional[tuple] = None
     loss: Optional[torch.Tensor] = None
@@ -172,14 +174,14 @@ class OasesSchedule:
     # ------------------------------------------------------------------ API
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its (detached) mean loss.
-        Parameter gradients accumulate into ``.grad`` scaled by ``scale``."""
+        """Forward and backward of one micro-batch; returns its (detached) token-mean loss
+        (:mod:`~oases.schedule.loss_weights`). Gradients accumulate scaled by ``scale``."""
         run = self._start(model, ids, targets, amp)
         self._forwards_left = self.n
         # One program per sub-batch, forward then backward: no barrier between the two
         # passes either (a's backward starts while b's last forward collectives run).
-        self._run([self._program(run, sb, scale / self.n) for sb in run.subs], run.streams)
-        return torch.stack([sb.loss for sb in run.subs]).mean()
+        self._run([self._program(run, sb, scale * sb.share) for sb in run.subs], run.streams)
+        return torch.stack([sb.share * sb.loss for sb in run.subs]).sum()
 
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
                 amp: AmpFactory = contextlib.nullcontext) -> StageRun:
@@ -189,7 +191,7 @@ class OasesSchedule:
         run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
         self._run([self._forward(run, sb) for sb in run.subs], run.streams)
         if targets is not None:
-            return StageRun(run, loss=torch.stack([sb.loss for sb in run.subs]).mean())
+            return StageRun(run, loss=torch.stack([sb.share * sb.loss for sb in run.subs]).sum())
         return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
 
     def backward(self, srun: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
@@ -200,7 +202,7 @@ class OasesSchedule:
         if grad is not None:
             for sb, g in zip(run.subs, grad.chunk(self.n)):
                 sb.grad_out = g
-        self._run([self._backward(run, sb, scale / self.n) for sb in run.subs], run.streams)
+        self._run([self._backward(run, sb, scale * sb.share) for sb in run.subs], run.streams)
         if not run.input_grad:
             return None
         return torch.cat([sb.grad_in for sb in run.subs])
@@ -216,8 +218,8 @@ class OasesSchedule:
         self._device = ids.device
         self._amp = amp
         tgts = targets.chunk(self.n) if targets is not None else [None] * self.n
-        subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y)
-                for s, (x, y) in enumerate(zip(ids.chunk(self.n), tgts))]
+        subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
+                in enumerate(zip(ids.chunk(self.n), tgts, piece_shares(model, tgts)))]
         self.stash_bytes = 0
         streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
         home = getattr(model, "home_degree", blocks[0].degree)
@@ -480,7 +482,7 @@ class OasesSchedule:
             x_last, cuts, loss = sb.head
             self._use(-1)
             with self._span(f"B{sb.name} loss"):
-                torch.autograd.backward(loss, torch.full_like(loss, scale))
+                torch.autograd.backward(loss, torch.ones_like(loss) * scale)
             yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
             sb.head, g_out = None, x_last.grad
         else:  # the gradient of the stage's output came from the next stage
