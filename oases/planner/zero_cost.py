@@ -41,3 +41,22 @@ def zero_traffic(n: int, elem: int, level: int, dp: int) -> float:
     if dp <= 1:
         return 0.0
     return _MOVED[level] * (dp - 1) / dp * n * elem
+
+
+def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,
+                   fwd_compute_s: float, bwd_compute_s: float) -> float:
+    """Seconds per step a block's data parallelism adds at ``level`` on a link of
+    ``link_Bps`` bytes/s, overlap-aware as the TP collectives are: level 3's forward
+    all-gather hides behind the previous block's forward (prefetch), its backward
+    all-gather and the gradient reduction behind the block's backward; levels 0-2
+    reduce during backward too, and 1-2 add the all-gather after the optimizer step,
+    which nothing hides."""
+    if dp <= 1:
+        return 0.0
+    piece = (dp - 1) / dp * n * elem / link_Bps       # one all-gather or reduce-scatter
+    reduce = 2 * piece                                # all-reduce (or RS on NCCL: piece)
+    if level == 0:
+        return max(0.0, reduce - bwd_compute_s)
+    if level in (1, 2):
+        return max(0.0, reduce - bwd_compute_s) + piece
+    return max(0.0, piece - fwd_compute_s) + max(0.0, piece + reduce - bwd_compute_s)

@@ -155,13 +155,16 @@ class GradReducer:
             if b.level >= 2:  # the full gradient buffer gets storage before the first grad
                 for p in b.params:
                     p.register_hook(lambda g, z=b.zero: z.ensure_grads())
-        units: dict[int, list[ShardedFlat]] = {}
+        units: dict[int, list[ShardedFlat]] = {}    # level 3: gathered for each use
+        pending: dict[int, list[ShardedFlat]] = {}  # levels 1, 2: gathered after the step
         head = len(blocks)
         for b in self.buckets:
-            if b.level >= 3:
+            if b.level:
                 blk = block_of.get(id(b.params[0]), -1)
-                units.setdefault(head if blk < 0 else blk, []).append(b.zero)
-        self.store = ParamStore(units, head, tied_head, prefetch=prefetch) if units else None
+                (units if b.level >= 3 else pending).setdefault(
+                    head if blk < 0 else blk, []).append(b.zero)
+        self.store = (ParamStore(units, head, tied_head, prefetch=prefetch, pending=pending)
+                      if units or pending else None)
         if self.store is not None:
             self.store.install_hooks(model)
 
@@ -279,10 +282,10 @@ class GradReducer:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """The optimizer updated the owned ranges: levels 1 and 2 all-gather them."""
-        for b in self.buckets:
-            if b.zero is not None and b.level < 3:
-                b.zero.sync_params()
+        """The optimizer updated the owned ranges: levels 1 and 2 start all-gathering
+        them (the store waits for each block's before its next use)."""
+        if self.store is not None:
+            self.store.sync_params()
 
     def grad_terms(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
         """(gradient tensor this rank holds, its parameter, how many ranks split it):

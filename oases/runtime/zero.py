@@ -178,8 +178,17 @@ class ShardedFlat:
         return gather_flat(self.flat, self.shard, self.group, async_op)
 
     def sync_params(self) -> None:
-        """After the optimizer updated the owned range (level 1, 2): every rank's full copy."""
-        gather_flat(self.flat, self.shard.clone(), self.group)
+        """After the optimizer updated the owned range (level 1, 2): start the all-gather
+        of every rank's range into the full parameters; :class:`ParamStore` waits for it
+        before the block is next used, so it overlaps the next step's earlier blocks."""
+        self._send = self.shard.clone()  # the output overlaps the owned range
+        self.work = gather_flat(self.flat, self._send, self.group, async_op=True)
+
+    def settle(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self._send = None
 
     def write_back(self) -> None:
         """Full parameters were written (a checkpoint load): keep the owned range."""
@@ -213,7 +222,8 @@ class ShardedFlat:
 
 
 class ParamStore:
-    """Gathers a level-3 unit's parameters before use and frees them after.
+    """Gathers a level-3 unit's parameters before use and frees them after; waits for a
+    level-1/2 unit's post-step all-gather before its first use.
 
     A *unit* is one block of the model's block protocol (index as in
     ``model.blocks()``), or the parameters outside every block (norm and head: the
@@ -231,8 +241,10 @@ class ParamStore:
     """
 
     def __init__(self, units: dict[int, list[ShardedFlat]], head: int, tied: bool,
-                 keep: int = 4, prefetch: bool = True) -> None:
+                 keep: int = 4, prefetch: bool = True,
+                 pending: Optional[dict[int, list[ShardedFlat]]] = None) -> None:
         self.units = {u: fl for u, fl in units.items() if fl}
+        self.pending = {u: fl for u, fl in (pending or {}).items() if fl}  # levels 1, 2
         self.head, self.tied, self.keep, self.prefetch = head, tied, keep, prefetch
         self.depth = 2          # units gathered ahead (queued in order on the group)
         self.wait_s = 0.0       # time spent waiting for all-gathers (exposed), since take_wait
@@ -242,6 +254,11 @@ class ParamStore:
         self.late = 0           # of which not prefetched: the caller waited for them
 
     def use(self, u: int, nxt: Optional[int] = None) -> None:
+        if u in self.pending:
+            t0 = time.perf_counter()
+            for fl in self.pending[u]:
+                fl.settle()
+            self.wait_s += time.perf_counter() - t0
         if u not in self.units:
             self._prefetch(u, nxt)
             return
@@ -308,11 +325,23 @@ class ParamStore:
         return w
 
     def release(self) -> None:
+        for fls in self.pending.values():
+            for fl in fls:
+                fl.settle()
         for u in list(self._gathered):
             self._free(u)
 
+    def sync_params(self) -> None:
+        """Levels 1, 2 after the optimizer step: launch the all-gathers in forward order."""
+        for u in sorted(self.pending):
+            for fl in self.pending[u]:
+                fl.sync_params()
+
     def gather_all(self) -> None:
         """Every unit whole, until :meth:`release` (checkpoints, loading weights)."""
+        for fls in self.pending.values():
+            for fl in fls:
+                fl.settle()
         for u in sorted(self.units):
             for fl in self.units[u]:
                 if fl.work is not None:
