@@ -293,3 +293,21 @@ def _nonfinite_body(ctx):
 
 def test_zero_nonfinite_gradient_skips_the_step():
     run_distributed(_nonfinite_body, world=2, tp=1)
+
+
+def test_zero_cost_model_arithmetic():
+    """The planner's per-level figures: memory divides as the table says, traffic and
+    the exposed time follow the overlap rule (hidden when compute covers it)."""
+    from oases.planner.zero_cost import zero_exposed_s, zero_memory, zero_traffic
+
+    n = 1000
+    assert zero_memory(n, 4, 0, 4) == {"params": 4000, "grads": 4000, "optim": 8000}
+    assert zero_memory(n, 4, 3, 4) == {"params": 1000, "grads": 1000, "optim": 2000}
+    assert zero_memory(n, 4, 3, 1) == zero_memory(n, 4, 0, 1)
+    assert zero_traffic(n, 4, 0, 2) == 4000 == zero_traffic(n, 4, 2, 2)
+    assert zero_traffic(n, 4, 3, 2) == 6000
+    piece = 2000 / 1e3  # (dp-1)/dp n e / link: 2 s
+    assert zero_exposed_s(n, 4, 3, 2, 1e3, 10, 10) == 0.0             # all hidden
+    assert zero_exposed_s(n, 4, 3, 2, 1e3, 0, 0) == pytest.approx(4 * piece)
+    assert zero_exposed_s(n, 4, 1, 2, 1e3, 10, 10) == pytest.approx(piece)  # after the step
+    assert zero_exposed_s(n, 4, 0, 2, 1e3, 0, 1) == pytest.approx(2 * piece - 1)
