@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from oases.config import Config, ModelConfig
 from oases.planner.cost import ModelShape, Profile, RunShape
+from oases.progress import bar_safe, progress
 from oases.schedule.memory import SavedTensorMeter
 
 DEFAULT_DB = Path.home() / ".cache" / "oases" / "profile_db.json"
@@ -160,7 +161,9 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     blocks: dict = {"attn": {}, "mlp": {}}
     todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
     t_start = time.perf_counter()
-    for n_done, (kind, t) in enumerate(todo, 1):
+    log = bar_safe(log)  # the per-block lines below, printed above the bar
+    for n_done, (kind, t) in enumerate(progress(todo, desc="profile", unit="block",
+                                                lines=False), 1):
         rows = run.micro_batch_size / run.sub_batches * t / run.tp
         if rows < 1 or rows != int(rows):
             continue  # this degree cannot split the sub-batch: not a candidate
