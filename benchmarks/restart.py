@@ -205,17 +205,21 @@ def restart_run(work: Path, a: argparse.Namespace) -> dict:
     return res
 
 
-def consolidate(out: Path, dest: Path) -> tuple[int, str, bool]:
-    """``python -m oases.consolidate`` on the run; (status, output, all tensors finite)."""
+def consolidate(out: Path, dest: Path) -> tuple[bool, str]:
+    """``python -m oases.consolidate`` on the run: (it worked and every tensor is finite,
+    what it said or what it wrote)."""
     p = subprocess.run([sys.executable, "-m", "oases.consolidate", str(out), "--out", str(dest)],
                        cwd=REPO, env=agent_env(), capture_output=True, text=True, timeout=300)
-    finite = False
-    if p.returncode == 0:
-        import torch
+    if p.returncode != 0:
+        text = (p.stdout + p.stderr).strip().splitlines()
+        return False, f"status {p.returncode}: {text[-1] if text else ''}"
+    import torch
 
-        state = torch.load(dest, weights_only=True)
-        finite = bool(state) and all(bool(torch.isfinite(t).all()) for t in state.values())
-    return p.returncode, (p.stdout + p.stderr).strip(), finite
+    state = torch.load(dest, weights_only=True)
+    finite = bool(state) and all(bool(torch.isfinite(t).all()) for t in state.values())
+    params = sum(t.numel() for t in state.values())
+    return finite, (f"{len(state)} tensors, {params / 1e6:.2f}M parameters, "
+                    f"{'all finite' if finite else 'NOT all finite'}")
 
 
 # ---------------------------------------------------------------------------
@@ -245,9 +249,8 @@ def check(ref: dict, run: dict, a: argparse.Namespace, work: Path) -> tuple[list
     name = latest.read_text().strip() if latest.exists() else None
     checks.append(("checkpoints/latest is the final step", name == f"step_{a.steps:06d}",
                    f"latest = {name}"))
-    rc, text, finite = consolidate(run["out"], work / "model.pt")
-    checks.append(("the final checkpoint consolidates (finite tensors)", rc == 0 and finite,
-                   text.splitlines()[-1] if text else f"status {rc}"))
+    good, text = consolidate(run["out"], work / "model.pt")
+    checks.append(("the final checkpoint consolidates (finite tensors)", good, text))
     after = resumed[0] if resumed else 0
     loss = {r["step"]: r["loss"] for r in run["records"]}
     tail = [s for s in range(after + 1, a.steps + 1)]
@@ -255,7 +258,7 @@ def check(ref: dict, run: dict, a: argparse.Namespace, work: Path) -> tuple[list
     exact = bool(tail) and len(diffs) == len(tail) and max(diffs) == 0.0
     checks.append((f"loss after the restart = the uninterrupted run's (steps {after + 1}.."
                    f"{a.steps})", exact,
-                   f"max |diff| {max(diffs):.3g} over {len(diffs)} of {len(tail)} steps"
+                   f"largest difference {max(diffs):.3g} over {len(diffs)} of {len(tail)} steps"
                    if diffs else "no steps to compare"))
     detail = {"resumed_at": after, "kill": killed, "ref_wall_s": ref["wall_s"],
               "run_wall_s": run["wall_s"], "loss_restart": loss, "loss_reference": ref["loss"],
