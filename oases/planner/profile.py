@@ -192,6 +192,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             f"fwd {1e3 * t_f:.2f} ms, bwd {1e3 * t_b:.2f} ms, "
             f"saved {meter.forward_bytes / 2**20:.1f} MiB ({time.perf_counter() - t_start:.0f}s)")
     # Constant parts at degree T: embedding + final norm + head + loss, one micro-batch.
+    consts = progress(total=2, desc="profile constants", unit="part", lines=False)
     head_cfg = dataclasses.replace(m, n_layer=1)
     vocab_local = cfg.padded_vocab_size // run.tp
     model = build_model(dataclasses.replace(head_cfg, vocab_size=min(m.vocab_size, vocab_local)),
@@ -206,12 +207,15 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
         return (loss.backward,)
 
     c_f, c_b = _time_phases(head_fwd_then_bwd, device, reps, warmup, barrier=barrier)
+    consts.update(1)
     n_params = sum((shape.block_params(k) for k in shape.kinds()), 0) / run.tp + \
         shape.other_params() / run.tp
     p = torch.zeros(int(n_params), device=device, requires_grad=True)
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p], fused=device.type == "cuda")
     c_step = _timeit(opt.step, device, 3, 1, barrier=barrier)
+    consts.update(1)
+    consts.close()
     log(f"profile constants: embedding+head fwd {1e3 * c_f:.2f} ms, bwd {1e3 * c_b:.2f} ms, "
         f"optimizer {1e3 * c_step:.2f} ms")
     peak = 3 * run.micro_batch_size * m.seq_len * vocab_local * 4
