@@ -7,9 +7,9 @@ writing and reading checkpoints, export):
   and only when stderr is a terminal;
 * otherwise (a pipe, a log file, a batch job, every rank of a torchrun job) no
   bar and no carriage returns: rank 0 writes at most a few plain lines to stderr,
-  and only for work that lasts more than a few seconds (at 5 s, then each time the
-  elapsed time has doubled: 5, 15, 35, 75, ... s, and one when it ends), so a log
-  stays line-oriented and a short job prints nothing extra.
+  and only for work that lasts more than a few seconds (at 5 s, then at 15, 35,
+  75, ... s, each gap twice the last, and one when it ends), so a log stays
+  line-oriented and a short job prints nothing extra.
 
 Under torchrun the workers share the terminal (and the other ranks' output would
 tear a bar apart), so a torchrun job always takes the line form.
@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional
 
-# first line after this many seconds; each later one once the elapsed time doubles
+# first line after this many seconds; each later gap twice the one before
 FIRST_LINE_S = 5.0
 
 
