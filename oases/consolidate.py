@@ -33,6 +33,7 @@ def consolidate(path: str | Path, out: str | Path) -> tuple[Path, dict]:
     directory) to ``out``; returns (the checkpoint used, the state dict)."""
     import torch
 
+    from oases.progress import io_progress, nbytes
     from oases.runtime import checkpoint as ckpt
 
     src = ckpt.resolve_checkpoint(path)
@@ -43,7 +44,8 @@ def consolidate(path: str | Path, out: str | Path) -> tuple[Path, dict]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        torch.save(state, tmp)
+        with io_progress(f"writing {out.name}", nbytes(state.values()), "write"):
+            torch.save(state, tmp)
         os.replace(tmp, out)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None

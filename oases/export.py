@@ -64,8 +64,10 @@ def export_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
         warnings.simplefilter("ignore", UserWarning)
         state = ckpt.full_model_state(ck)
     from models.hf import export_hf
+    from oases.progress import io_progress, nbytes
 
-    export_hf(state, mc, out)
+    with io_progress("writing model.safetensors", nbytes(state.values()), "write"):
+        export_hf(state, mc, out)
     return ck
 
 

@@ -31,12 +31,18 @@ from typing import NoReturn, Optional
 import numpy as np
 
 from oases.errors import EXIT_USER_ERROR, DataError, UserError
+from oases.progress import progress
 
 # Texts are handed to an HF tokenizer in pieces of about this many characters
 # (cut after a newline) so a large corpus is encoded in parallel by encode_batch
 # and never needs one giant Python list of ids. Only the token at a cut can differ
 # from encoding the whole text at once.
 _ENCODE_CHUNK_CHARS = 1 << 20
+# chunks per encode_batch call: enough to keep every core busy, few enough for the
+# progress bar to move
+_ENCODE_GROUP = 2 * (os.cpu_count() or 1)
+# token files are converted and written this many tokens at a time
+_WRITE_TOKENS = 1 << 24
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,9 +142,16 @@ def _tokenize(text: str, tokenizer: str) -> tuple[np.ndarray, int, str]:
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     # No special tokens: a post-processor (e.g. BERT's [CLS] ... [SEP]) would
-    # otherwise be inserted around every chunk.
-    encodings = tok.encode_batch(_chunks(text, _ENCODE_CHUNK_CHARS), add_special_tokens=False)
-    parts = [np.asarray(enc.ids, dtype=np.int64) for enc in encodings]
+    # otherwise be inserted around every chunk. The chunks go to encode_batch a group
+    # at a time (each chunk is encoded on its own either way), so the bar can move.
+    chunks = _chunks(text, _ENCODE_CHUNK_CHARS)
+    parts = []
+    with progress(total=len(text), desc="tokenizing", unit="char") as bar:
+        for i in range(0, len(chunks), _ENCODE_GROUP):
+            group = chunks[i:i + _ENCODE_GROUP]
+            for enc in tok.encode_batch(group, add_special_tokens=False):
+                parts.append(np.asarray(enc.ids, dtype=np.int64))
+            bar.update(sum(len(c) for c in group))
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(ids) and int(ids.max()) >= vocab_size:  # a malformed tokenizer file, but cheap to catch
         raise DataError(f"--tokenizer {tokenizer} produced id {int(ids.max())} >= its "
@@ -151,6 +164,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
     truncated token file that a later training run would read as valid."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_tokens(path: Path, ids: np.ndarray, dtype: np.dtype, bar) -> None:
+    """``ids`` as ``dtype`` to ``path`` (atomically, like :func:`_write_atomic`), a
+    slice at a time: no full-size converted copy, and ``bar`` advances by bytes."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for i in range(0, len(ids), _WRITE_TOKENS):
+            data = ids[i:i + _WRITE_TOKENS].astype(dtype).tobytes()
+            f.write(data)
+            bar.update(len(data))
     os.replace(tmp, path)
 
 
@@ -185,8 +210,9 @@ def prepare(corpus: _Corpus, out: Path, tokenizer: str = "bytes", val_fraction: 
             "source": corpus.source}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(train_path, ids[:n_train].astype(np_dtype).tobytes())
-        _write_atomic(val_path, ids[n_train:].astype(np_dtype).tobytes())
+        with progress(total=len(ids) * np_dtype.itemsize, desc="writing", unit="B") as bar:
+            _write_tokens(train_path, ids[:n_train], np_dtype, bar)
+            _write_tokens(val_path, ids[n_train:], np_dtype, bar)
         _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     except OSError as e:
         raise DataError(f"cannot write to {out}: {e.strerror or e}") from None

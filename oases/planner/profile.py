@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from oases.config import Config, ModelConfig
 from oases.planner.cost import ModelShape, Profile, RunShape
+from oases.progress import bar_safe, progress
 from oases.schedule.memory import SavedTensorMeter
 
 DEFAULT_DB = Path.home() / ".cache" / "oases" / "profile_db.json"
@@ -160,7 +161,9 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     blocks: dict = {"attn": {}, "mlp": {}}
     todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
     t_start = time.perf_counter()
-    for n_done, (kind, t) in enumerate(todo, 1):
+    log = bar_safe(log)  # the per-block lines below, printed above the bar
+    for n_done, (kind, t) in enumerate(progress(todo, desc="profile", unit="block",
+                                                lines=False), 1):
         rows = run.micro_batch_size / run.sub_batches * t / run.tp
         if rows < 1 or rows != int(rows):
             continue  # this degree cannot split the sub-batch: not a candidate
@@ -189,6 +192,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             f"fwd {1e3 * t_f:.2f} ms, bwd {1e3 * t_b:.2f} ms, "
             f"saved {meter.forward_bytes / 2**20:.1f} MiB ({time.perf_counter() - t_start:.0f}s)")
     # Constant parts at degree T: embedding + final norm + head + loss, one micro-batch.
+    consts = progress(total=2, desc="profile constants", unit="part", lines=False)
     head_cfg = dataclasses.replace(m, n_layer=1)
     vocab_local = cfg.padded_vocab_size // run.tp
     model = build_model(dataclasses.replace(head_cfg, vocab_size=min(m.vocab_size, vocab_local)),
@@ -203,12 +207,15 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
         return (loss.backward,)
 
     c_f, c_b = _time_phases(head_fwd_then_bwd, device, reps, warmup, barrier=barrier)
+    consts.update(1)
     n_params = sum((shape.block_params(k) for k in shape.kinds()), 0) / run.tp + \
         shape.other_params() / run.tp
     p = torch.zeros(int(n_params), device=device, requires_grad=True)
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p], fused=device.type == "cuda")
     c_step = _timeit(opt.step, device, 3, 1, barrier=barrier)
+    consts.update(1)
+    consts.close()
     log(f"profile constants: embedding+head fwd {1e3 * c_f:.2f} ms, bwd {1e3 * c_b:.2f} ms, "
         f"optimizer {1e3 * c_step:.2f} ms")
     peak = 3 * run.micro_batch_size * m.seq_len * vocab_local * 4

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from oases.errors import CheckpointError
 from oases.parallel.groups import ParallelContext
+from oases.progress import io_progress, nbytes
 
 SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
               "seq_len", "tie_embeddings", "bias")
@@ -222,8 +223,9 @@ def load_windows(path: Path, windows: dict[str, tuple[torch.Tensor, tuple]]) -> 
     checkpoint. Collective when a process group is up (every rank calls it); works
     without one (a single process)."""
     try:
-        dcp.load({k: t for k, (t, _) in windows.items()}, checkpoint_id=str(path),
-                 planner=_WindowLoadPlanner(windows))
+        with io_progress(f"loading {path.name}", nbytes(t for t, _ in windows.values()), "read"):
+            dcp.load({k: t for k, (t, _) in windows.items()}, checkpoint_id=str(path),
+                     planner=_WindowLoadPlanner(windows))
     except (Exception, CheckpointException) as e:
         failures = getattr(e, "failures", None) or {}
         causes = [v[0] if isinstance(v, tuple) else v for v in failures.values()] or [e]
@@ -313,8 +315,9 @@ def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
         (tmp / "rng").mkdir()
     dist.barrier()
     pieces = _pieces(model, opt, ctx)
-    dcp.save({p.key: p.local for p in pieces}, checkpoint_id=str(tmp),
-             planner=_ChunkSavePlanner(pieces))
+    with io_progress(f"saving {name}", kind="write"):  # bytes written by this rank
+        dcp.save({p.key: p.local for p in pieces}, checkpoint_id=str(tmp),
+                 planner=_ChunkSavePlanner(pieces))
     torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
     layout = param_layout(model)
     if ctx.pp > 1:  # each stage knows only its own parameters

@@ -15,6 +15,7 @@ calibration) to ``<out_dir>/profile.json``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -112,11 +113,14 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
                                        profile_key, save_profile)
 
     log = print if ctx.is_main else (lambda *_: None)
+    stage = _stages(log, 4)
+    stage("measuring collectives")
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
     run = run_shape(cfg)
     key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
     cached = [ctx.is_main and key in load_db(DEFAULT_DB)]
     dist.broadcast_object_list(cached, src=0)
+    stage("block compute: " + ("from the profile DB" if cached[0] else "measuring"))
     if cached[0]:
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
     else:  # every rank measures at once; the figures are averaged over the ranks
@@ -126,11 +130,12 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
             save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
     n_cal = cfg.parallel.plan_calibration_steps if time_steps is not None else 0
     measured = None
+    stage(f"calibrating: {n_cal} training steps (after 2 warm-up steps) with every block at "
+          f"degree {ctx.tp}" if n_cal else "calibration: off")
     if n_cal:
-        log(f"plan=auto: calibrating: {n_cal} training steps (after 2 warm-up steps) with "
-            f"every block at degree {ctx.tp}")
         measured = time_steps(None, n_cal)
     obj: list = [None]
+    stage("solving")
     if ctx.is_main:
         try:
             profile = Profile(prof.blocks, prof.constant, comm)
@@ -167,6 +172,19 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
     if isinstance(obj[0], UserError):
         raise obj[0]
     return obj[0]
+
+
+def _stages(log: Callable[[str], None], n: int) -> Callable[[str], None]:
+    """``stage(what)`` logs ``plan=auto [i/n] what (Ts)``: plan=auto runs under torchrun,
+    where progress is told in lines (:mod:`oases.progress`), and its stages can take
+    minutes on a large model."""
+    t0, done = time.perf_counter(), [0]
+
+    def stage(what: str) -> None:
+        done[0] += 1
+        log(f"plan=auto [{done[0]}/{n}] {what} ({time.perf_counter() - t0:.0f}s)")
+
+    return stage
 
 
 def _rank_mean(prof, ctx: ParallelContext):
