@@ -9,16 +9,21 @@
     all_gather_to_tp      all-gather along d           reduce-scatter along d
 
 ``group=None`` or a group of size 1 makes every op an identity, so the same
-model code runs unsharded. Collectives issued here go through :func:`collective`,
-which a :class:`CommCounter` can observe (tests count collectives per step).
+model code runs unsharded. Collectives issued here can be counted
+(:class:`CommCounter`, tests count collectives per step), observed
+(:class:`CommObserver`, the tracer) or skipped (:class:`NoopCollectives`); what is
+active is per thread and travels with the autograd graph into backward
+(:class:`CommScope`). No mutable state here is process-global.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from collections import Counter
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,71 +32,146 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class CommCounter:
+class CommScope(NamedTuple):
+    """What watches or suppresses collectives: the counters, observers and no-op groups
+    entered on a thread. Immutable: entering one of them makes a new scope, so a scope
+    can be captured and restored (:func:`current_scope`, :func:`comm_scope`).
+
+    Scopes are per thread, not process-global: a counter entered on one thread does
+    not see collectives issued by an unrelated thread (another engine, another model).
+    A backward runs where autograd puts it: on the calling thread on CPU, on a device
+    worker thread on CUDA, whose thread-local state is empty. So the TP functions of
+    this module capture the scope when their forward builds the graph and issue their
+    backward collectives under it, as ``torch.amp.custom_bwd`` does for autocast: a
+    backward collective is seen by exactly the counters and observers (and skipped by
+    the no-op groups) of its forward, on whichever thread and device it runs. Code
+    that issues collectives from autograd hooks (gradient buckets) should capture
+    :func:`current_scope` when it arms the hooks and run them under it."""
+
+    counters: tuple = ()
+    observers: tuple = ()
+    noop: tuple = ()      # NoopCollectives
+
+
+_EMPTY = CommScope()
+_tls = threading.local()
+
+
+def current_scope() -> CommScope:
+    """This thread's scope (empty on a thread that entered nothing)."""
+    return getattr(_tls, "scope", _EMPTY)
+
+
+@contextlib.contextmanager
+def comm_scope(scope: CommScope):
+    """Run the block under ``scope`` (captured earlier, maybe on another thread)."""
+    prev = current_scope()
+    _tls.scope = scope
+    try:
+        yield
+    finally:
+        _tls.scope = prev
+
+
+def backward_in_forward_scope(backward):
+    """For an autograd Function whose backward issues collectives: run ``backward``
+    under the scope its forward stored in ``ctx.comm_scope`` (``= current_scope()``),
+    whichever thread autograd runs it on (see :class:`CommScope`)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        with comm_scope(ctx.comm_scope):
+            return backward(ctx, *grads)
+
+    return run
+
+
+def _enter(field: str, item) -> None:
+    cur = current_scope()
+    _tls.scope = cur._replace(**{field: getattr(cur, field) + (item,)})
+
+
+def _leave(field: str, item) -> None:
+    cur = current_scope()
+    items = list(getattr(cur, field))
+    for k, x in enumerate(items):
+        if x is item:
+            del items[k]
+            break
+    _tls.scope = cur._replace(**{field: tuple(items)})
+
+
+class _Watcher:
+    """Entered with ``with``; acts only while open (a scope captured by a graph may
+    outlive the ``with`` block: its backward is then neither seen nor skipped)."""
+
+    _field = ""
+
+    def __enter__(self):
+        self._open = getattr(self, "_open", 0) + 1
+        _enter(self._field, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open -= 1
+        _leave(self._field, self)
+
+    def _is_open(self) -> bool:
+        return getattr(self, "_open", 0) > 0
+
+
+class CommCounter(_Watcher):
     """Counts collectives by kind while active (``with CommCounter() as c:``).
 
-    Counters nest: every active counter sees every collective. They live only
-    for the ``with`` block, so no state outlives a step.
+    Counters nest: every counter of the current scope (:class:`CommScope`) sees every
+    collective. They count only while their ``with`` block is open, so no state
+    outlives a step.
     """
 
-    _active: list["CommCounter"] = []
+    _field = "counters"
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
 
-    def __enter__(self) -> "CommCounter":
-        CommCounter._active.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        CommCounter._active.remove(self)
-
-    @classmethod
-    def record(cls, kind: str, t: torch.Tensor) -> None:
-        for c in cls._active:
-            c.counts[kind] += 1
-            c.bytes[kind] += t.numel() * t.element_size()
+    @staticmethod
+    def record(kind: str, t: torch.Tensor) -> None:
+        for c in current_scope().counters:
+            if c._is_open():
+                c.counts[kind] += 1
+                c.bytes[kind] += t.numel() * t.element_size()
 
 
-class CommObserver:
+class CommObserver(_Watcher):
     """Base for observers of collective lifetimes (the schedule tracer): while one is
-    entered (``with obs:``), :func:`all_reduce` reports each collective to
-    ``obs.collective(name, lane, work, start)``."""
+    entered (``with obs:``), :func:`all_reduce` reports each collective of its scope
+    (:class:`CommScope`) to ``obs.collective(name, lane, work, start)``."""
 
-    _active: list["CommObserver"] = []
-
-    def __enter__(self):
-        CommObserver._active.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        CommObserver._active.remove(self)
+    _field = "observers"
 
     def collective(self, name: str, lane: str, work, start: Optional[float] = None) -> None:
         raise NotImplementedError
 
 
-class NoopCollectives:
+def active_observers() -> list:
+    """The open observers of this thread's scope: code that issues collectives of its
+    own (not through this module) reports them to these."""
+    return [o for o in current_scope().observers if o._is_open()]
+
+
+class NoopCollectives(_Watcher):
     """Timing only: while active, collectives over ``group`` do nothing (same shapes,
     wrong values). ``with NoopCollectives(tp_group):`` gives the no-communication
-    upper bound of a schedule."""
+    upper bound of a schedule. Scoped like a counter (:class:`CommScope`)."""
 
-    _groups: list = []
+    _field = "noop"
 
     def __init__(self, group) -> None:
         self.group = group
 
-    def __enter__(self) -> "NoopCollectives":
-        NoopCollectives._groups.append(self.group)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        NoopCollectives._groups.remove(self.group)
-
-    @classmethod
-    def active(cls, group) -> bool:
-        return any(g is group for g in cls._groups)
+    @staticmethod
+    def active(group) -> bool:
+        return any(n.group is group and n._is_open() for n in current_scope().noop)
 
 
 class _DoneWork:
@@ -113,16 +193,24 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
-    """In-place all-reduce of ``t`` over ``group``; returns the work handle if async."""
+    """In-place all-reduce of ``t`` over ``group``; returns the work handle if async.
+
+    ``t`` must be contiguous: NCCL refuses other layouts (gloo copies them), so a
+    strided tensor is refused here on every backend rather than on the GPU cluster
+    only. Callers that hold a view reduce ``t.contiguous()`` and use that."""
+    if not t.is_contiguous():
+        raise ValueError(f"all_reduce of a non-contiguous tensor (shape {tuple(t.shape)}, "
+                         f"strides {t.stride()}): reduce t.contiguous() and use the result")
     CommCounter.record("all_reduce", t)
     if NoopCollectives.active(group):
         return _DoneWork() if async_op else None
-    if not CommObserver._active:
+    observers = active_observers()
+    if not observers:
         return dist.all_reduce(t, op=op, group=group, async_op=async_op)
     start = time.perf_counter()
     work = dist.all_reduce(t, op=op, group=group, async_op=True)
-    for tr in CommObserver._active:
-        tr.collective("all-reduce", "comm", work, start)
+    for obs in observers:
+        obs.collective("all-reduce", "comm", work, start)
     if async_op:
         return work
     work.wait()
@@ -140,7 +228,7 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     start = time.perf_counter()
     work = _all_gather_single(out, src, group=group, async_op=True)
-    for obs in CommObserver._active:
+    for obs in active_observers():
         obs.collective("all-gather", "comm", work, start)
     return out, work
 
@@ -180,10 +268,11 @@ def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.comm_scope = group, current_scope()
         return x
 
     @staticmethod
+    @backward_in_forward_scope
     def backward(ctx, g):
         g = g.contiguous().clone()
         all_reduce(g, ctx.group)
@@ -216,10 +305,11 @@ class _GatherFromTP(torch.autograd.Function):
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
         return _split(x, group, dim)
 
     @staticmethod
+    @backward_in_forward_scope
     def backward(ctx, g):
         return _all_gather(g, ctx.group, ctx.dim), None, None
 
@@ -227,10 +317,11 @@ class _ScatterToTP(torch.autograd.Function):
 class _ReduceScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
         return _reduce_scatter(x, group, dim)
 
     @staticmethod
+    @backward_in_forward_scope
     def backward(ctx, g):
         return _all_gather(g, ctx.group, ctx.dim), None, None
 
@@ -238,10 +329,11 @@ class _ReduceScatterToTP(torch.autograd.Function):
 class _AllGatherToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
         return _all_gather(x, group, dim)
 
     @staticmethod
+    @backward_in_forward_scope
     def backward(ctx, g):
         return _reduce_scatter(g, ctx.group, ctx.dim), None, None
 
@@ -266,31 +358,51 @@ class CutRecorder:
     its backward all-reduce, and records the cut, so that a schedule can run the
     backward up to the cut, launch the all-reduce of the cut's gradient itself
     (asynchronously) and continue later. The same source tensor entering several
-    column-parallel layers is cut once (one all-reduce for their summed gradient)."""
+    column-parallel layers is cut once (one all-reduce for their summed gradient).
 
-    _active: list["CutRecorder"] = []
+    Active per thread. A recorder is consulted only while a forward builds the graph
+    (:func:`copy_to_tp`, ``ColumnParallelLinear``), on the thread that runs that
+    forward and entered the recorder around it; nothing reads it in backward (the
+    ``oases`` engine recomputes on its own thread, entering a recorder again). A
+    thread-local stack is therefore exact, and an engine on another thread, or
+    autograd's device thread re-running a ``torch.utils.checkpoint`` region, never
+    sees it."""
+
+    _tls = threading.local()
 
     def __init__(self) -> None:
         self.cuts: list[Cut] = []
 
+    @classmethod
+    def _stack(cls) -> list:
+        st = getattr(cls._tls, "stack", None)
+        if st is None:
+            st = cls._tls.stack = []
+        return st
+
     def __enter__(self) -> "CutRecorder":
-        CutRecorder._active.append(self)
+        self._stack().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        CutRecorder._active.remove(self)
+        self._stack().remove(self)
 
     def cut(self, x: torch.Tensor, group) -> torch.Tensor:
+        """The tensor the TP region computes on: a view of the cut's leaf. A view, so
+        that autocast never caches its low-precision copy (it caches casts of leaves
+        that require grad, for the weights, until its outermost region exits, and an
+        engine may hold that region for a whole run)."""
         for c in self.cuts:
             if c.source is x and c.group is group:
-                return c.leaf
+                return c.leaf.view_as(c.leaf)
         leaf = x.detach().requires_grad_(x.requires_grad)
         self.cuts.append(Cut(x, leaf, group))
-        return leaf
+        return leaf.view_as(leaf)
 
     @classmethod
     def current(cls) -> Optional["CutRecorder"]:
-        return cls._active[-1] if cls._active else None
+        st = cls._stack()
+        return st[-1] if st else None
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:

@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, copy_to_tp, gather_from_tp,
-                                 group_rank, group_size, reduce_from_tp, scatter_to_tp)
+from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, backward_in_forward_scope,
+                                 copy_to_tp, current_scope, gather_from_tp, group_rank,
+                                 group_size, reduce_from_tp, scatter_to_tp)
 from oases.parallel.sharding import TPSpec, divide, set_spec
 
 
@@ -53,9 +54,11 @@ class _LinearAsyncGradAllReduce(torch.autograd.Function):
         ctx.save_for_backward(xc, wc)
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.w_dtype = weight.dtype
+        ctx.comm_scope = current_scope()  # autograd may run the backward on another thread
         return F.linear(xc, wc, None if bias is None else bias.to(dt))
 
     @staticmethod
+    @backward_in_forward_scope
     def backward(ctx, g):
         xc, wc = ctx.saved_tensors
         g = g.contiguous()

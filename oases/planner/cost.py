@@ -36,7 +36,13 @@ collective still takes compute cycles: the profiler measures that loss per byte
 
 Memory per device: parameters, gradients and Adam state (16 B/param) of each
 block at its degree, saved activations of the recompute mode, and a runtime
-peak term (the largest graph rebuilt during backward, the logits).
+peak term (the largest graph rebuilt during backward, the logits). Activations
+come in two dtypes: the compute dtype (``act_bytes``: what the matmuls produce,
+so the partial sums and their all-reduce) and the residual stream's
+(``residual_bytes``: block inputs and outputs; under bf16 autocast the stream
+stays fp32, since its adds are not autocast ops and the weights are fp32).
+Under bf16 the engine keeps one bf16 copy of each weight matrix for a run
+(autocast's cast cache, shared by the sub-batches and by recompute).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from typing import Optional
 from oases.planner.cluster import CommModel
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
+PARAM_BYTES = 4            # parameters are fp32 (bf16 runs keep fp32 master weights)
 
 
 @dataclass
@@ -76,6 +83,17 @@ class ModelShape:
             return norm + qkv + self.n_head * hd * d + b * d
         up = (2 if self.arch == "llama" else 1) * self.ffn_hidden
         return norm + d * up + b * up + self.ffn_hidden * d + b * d
+
+    def matrix_params(self, kind: str) -> int:
+        """A block's weight-matrix parameters: what autocast casts and the matmuls save."""
+        d, hd = self.d_model, self.d_model // self.n_head
+        if kind == "attn":
+            return d * (self.n_head + 2 * self.n_kv_heads) * hd + self.n_head * hd * d
+        return d * (2 if self.arch == "llama" else 1) * self.ffn_hidden + self.ffn_hidden * d
+
+    def norm_params(self, kind: str) -> int:
+        """A block's norm parameters (LayerNorm weight and bias, or RMSNorm weight)."""
+        return self.d_model * (2 if self.arch == "gpt" else 1)
 
     def other_params(self) -> int:
         """Embedding (+ positions), final norm, untied head."""
@@ -109,7 +127,8 @@ class RunShape:
     sub_batches: int
     schedule: str                # "oases" | "megatron"
     recompute: str               # "none" | "full" | "fine"
-    act_bytes: int = 4           # bytes per activation element (fp32 4, bf16 2)
+    act_bytes: int = 4           # bytes per element in the compute dtype (fp32 4, bf16 2)
+    residual_bytes: int = 4      # bytes per element of the residual stream (fp32 either way)
 
 
 @dataclass
@@ -140,7 +159,41 @@ class CostModel:
         return self.run.micro_batch_size / self.run.sub_batches * t / self.T
 
     def _act_bytes(self, t: int) -> float:
+        """One sub-batch's (rows, seq, d) activation in the compute dtype."""
         return self.rows(t) * self.shape.seq_len * self.shape.d_model * self.run.act_bytes
+
+    def _stream_bytes(self, t: int) -> float:
+        """One sub-batch's (rows, seq, d) slice of the residual stream."""
+        return self.rows(t) * self.shape.seq_len * self.shape.d_model * self.run.residual_bytes
+
+    def weight_bytes(self, kind: str, t: int) -> float:
+        """A block's weights as its forward saves them for backward: the matrices in the
+        compute dtype (under bf16 the copy, one per run, see the module docstring; in
+        fp32 the parameters themselves) and the norm's fp32 parameters. The profiled
+        ``saved`` figure includes them once."""
+        return self.run.act_bytes * self.shape.matrix_params(kind) / t + \
+            PARAM_BYTES * self.shape.norm_params(kind)
+
+    def cast_bytes(self, kind: str, t: int) -> float:
+        """Memory a block's weights take beyond the parameters: the bf16 copy of the
+        matrices, or 0."""
+        if self.run.act_bytes >= PARAM_BYTES:
+            return 0.0
+        return self.run.act_bytes * self.shape.matrix_params(kind) / t
+
+    def saved_bytes(self, kind: str, t: int) -> float:
+        """Activation bytes one sub-batch keeps for a block from its forward to its
+        backward, weights excluded (:class:`SavedTensorMeter` measures this plus, under
+        ``none``, the weights once). ``none``: the profiled figure (one sub-batch's
+        forward, which holds the weights once); ``fine``: the block input (residual
+        stream) and the all-reduce output (compute dtype); ``full``: the layer input,
+        kept by its first block."""
+        r = self.run.recompute
+        if r == "none":
+            return max(0.0, self.profile.blocks[kind][str(t)]["saved"] - self.weight_bytes(kind, t))
+        if r == "fine":
+            return self._stream_bytes(t) + self._act_bytes(t)
+        return self._stream_bytes(t) if kind == "attn" else 0.0
 
     def _subgroups(self, t: int) -> list[list[int]]:
         return [list(range(g * t, g * t + t)) for g in range(self.T // t)]
@@ -205,16 +258,12 @@ class CostModel:
                 self.m[kind, t] = self.ar_time(t, self._act_bytes(t))
                 self.sync[kind, t] = self._grad_sync(kind, t)
                 static = ADAM_BYTES_PER_PARAM * self.shape.block_params(kind) / t
-                act = self._act_bytes(t)
-                if r.recompute == "none":
-                    saved = prof["saved"]
-                elif r.recompute == "fine":
-                    saved = 2 * act                      # block input + all-reduce output
-                else:
-                    saved = act if kind == "attn" else 0.0   # one input per layer
-                self.mem[kind, t] = static + nsub * saved
-                # rebuilt during backward: one block's graph per sub-batch
-                self.trans[kind, t] = nsub * prof["saved"] if r.recompute != "none" else 0.0
+                static += self.cast_bytes(kind, t)
+                self.mem[kind, t] = static + nsub * self.saved_bytes(kind, t)
+                # rebuilt during backward: one block's graph per sub-batch (the weights'
+                # copy is the one already counted)
+                rebuilt = max(0.0, prof["saved"] - self.weight_bytes(kind, t))
+                self.trans[kind, t] = nsub * rebuilt if r.recompute != "none" else 0.0
                 # What block i's backward leaves for the gradient syncs of the blocks
                 # after it to hide behind (their syncs start once the last sub-batch has
                 # done their backward). Under oases the sub-batches take turns at every
@@ -327,7 +376,9 @@ class CostModel:
         return t
 
     def static_memory(self) -> float:
-        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.T + \
+        head_cast = self.run.act_bytes * self.shape.vocab_size * self.shape.d_model / self.T \
+            if self.run.act_bytes < PARAM_BYTES else 0.0  # the head matrix's bf16 copy
+        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.T + head_cast + \
             self.profile.constant.get("peak", 0.0)
 
     def plan_memory(self, degrees: list[int]) -> float:
@@ -344,7 +395,8 @@ class CostModel:
 def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
                      flops_per_s: float = 50e9) -> Profile:
     """A profile from FLOP counts at a given throughput (for tests and a first look;
-    the real planner measures). Saved bytes follow Korthikanti et al. in fp32."""
+    the real planner measures). Saved bytes follow Korthikanti et al., plus the
+    weight matrices once, as the profiler's measurement holds them."""
     blocks: dict = {"attn": {}, "mlp": {}}
     s, d = shape.seq_len, shape.d_model
     for t in degrees:
@@ -355,7 +407,8 @@ def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
             if kind == "attn":
                 flops += 4 * rows * s * s * d / t
             saved = rows * s * d * run.act_bytes * (5 if kind == "attn" else 6) + \
-                (rows * shape.n_head / t * s * s * 4 if kind == "attn" else 0)
+                (rows * shape.n_head / t * s * s * 4 if kind == "attn" else 0) + \
+                run.act_bytes * shape.matrix_params(kind) / t + PARAM_BYTES * shape.norm_params(kind)
             blocks[kind][str(t)] = {"fwd": flops / flops_per_s, "bwd": 2 * flops / flops_per_s,
                                     "saved": saved}
     head = 2 * run.micro_batch_size * s * shape.vocab_size * d / run.tp

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.parallel.comm import CommCounter, CommObserver, group_rank, group_size
+from oases.parallel.comm import CommCounter, active_observers, group_rank, group_size
 
 LEVELS = (0, 1, 2, 3)
 
@@ -64,7 +64,7 @@ def gather_flat(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool =
     CommCounter.record("all_gather", shard)
     start = time.perf_counter()
     work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
-    for obs in CommObserver._active:
+    for obs in active_observers():
         obs.collective("zero-gather", "comm", work, start)
     if async_op:
         return work
@@ -86,7 +86,7 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group):
         work = dist.all_reduce(full, group=group, async_op=True)
     else:
         work = dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
-    for obs in CommObserver._active:
+    for obs in active_observers():
         obs.collective("reduce-scatter", "comm", work, start)
     return work
 

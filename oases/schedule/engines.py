@@ -61,23 +61,28 @@ their memory to another kernel while the communication stream still reads them.
 Pipeline stages: ``forward`` and ``backward`` run the same programs as separate
 actions, the sub-batches' state kept in a :class:`StageRun` in between; an input
 activation becomes a leaf whose gradient ``backward`` returns.
+
+Mixed precision: forward segments and recompute run under ``amp()``, backward
+segments without it; the run sits in one enclosing autocast region, so each
+weight is cast once per run and its copy shared (:meth:`OasesRun.cast_cache`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Generator, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from oases.parallel.comm import Cut, CutRecorder, _trivial, all_gather_async, all_reduce
+from oases.parallel.comm import Cut, CutRecorder
 from oases.parallel.random import TPRNGTracker
 from oases.schedule.loss_weights import piece_shares
 from oases.schedule.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.schedule.memory import SavedTensorMeter
-from oases.schedule.rng_streams import _rng_restore, _rng_snapshot, sub_batch_rng_streams
+from oases.schedule.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
+from oases.schedule.runner import Launch, OasesRun, Program, Stashed, Wait, run_programs
 
 __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
            "sub_batch_rng_streams"]
@@ -85,11 +90,14 @@ __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
 
 class _Graft(torch.autograd.Function):
     """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
-    unchanged (the all-reduce's backward is the identity)."""
+    unchanged (the all-reduce's backward is the identity). The output shares the
+    buffer's memory but is not an autograd view of it, so a ``combine`` may modify it
+    in place (autograd forbids that on a custom Function's views); where the buffer
+    is also stashed (``fine``) the stash's version check refuses it."""
 
     @staticmethod
     def forward(ctx, partial, reduced):
-        return reduced.view_as(reduced)
+        return reduced.detach()
 
     @staticmethod
     def backward(ctx, g):
@@ -100,8 +108,8 @@ class _Graft(torch.autograd.Function):
 class _BlockState:
     """One block of one sub-batch. ``out`` set = its autograd graph is live."""
     x_in: Optional[torch.Tensor] = None       # block input (a leaf when the graph is live)
-    saved_x: Optional[torch.Tensor] = None    # stashed input for recompute
-    saved_r: Optional[torch.Tensor] = None    # stashed all-reduce output (fine)
+    saved_x: Optional[Stashed] = None         # stashed input for recompute
+    saved_r: Optional[Stashed] = None         # stashed all-reduce output (fine)
     rng_partial: Optional[dict] = None
     rng_combine: Optional[dict] = None
     cuts: list = field(default_factory=list)
@@ -122,36 +130,14 @@ class _SubBatch:
     grad_in: Optional[torch.Tensor] = None    # the input activation's gradient
 
 
-@dataclass
-class _OasesRun:
-    model: nn.Module
-    blocks: list
-    groups: list
-    subs: list
-    streams: list                             # each sub-batch's RNG streams
-    input_grad: bool = False                  # the input is a previous stage's activation
-    home: int = 1                             # degree of the input and output (embedding's)
-
-
-Program = Generator[list, list, None]
-
-
-@dataclass
-class _Launch:
-    """Yielded by a program: start these collectives and resume me at once (the
-    answer is an opaque ticket for :class:`_Wait`); I have compute that does not
-    need their results."""
-    reqs: list
-
-
-@dataclass
-class _Wait:
-    """Yielded by a program: switch to the others, then hand me the results of the
-    collectives of this ticket (from :class:`_Launch`)."""
-    launched: list
-
-
 class OasesSchedule:
+    """The ``oases`` engine. It holds only its configuration: each call's state lives
+    in an :class:`~oases.schedule.runner.OasesRun` (a pipeline stage's is returned in
+    the :class:`StageRun`), so one engine serves interleaved runs (several forwards
+    before their backwards) and several threads. (Dropout draws from the process's
+    generators, a sub-batch's streams swapped in per segment: runs that draw random
+    numbers on two threads at once would take each other's draws.)"""
+
     name = "oases"
 
     def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
@@ -164,7 +150,6 @@ class OasesSchedule:
         self.tracker = tracker
         self.tracer = tracer
         self.params = params  # ZeRO-3 ParamStore: use(block) before it runs (None: no-op)
-        self.stash_bytes = 0  # bytes stashed for recompute in the last forward (memory tests)
         # Recompute the next block down while an input-gradient all-reduce is in flight
         # (it needs only the stash). Not under ``full``: its recompute re-issues forward
         # all-reduces, which would queue on the link behind the pending one (measured
@@ -177,10 +162,10 @@ class OasesSchedule:
         """Forward and backward of one micro-batch; returns its (detached) token-mean loss
         (:mod:`~oases.schedule.loss_weights`). Gradients accumulate scaled by ``scale``."""
         run = self._start(model, ids, targets, amp)
-        self._forwards_left = self.n
+        run.forwards_left = self.n
         # One program per sub-batch, forward then backward: no barrier between the two
         # passes either (a's backward starts while b's last forward collectives run).
-        self._run([self._program(run, sb, scale * sb.share) for sb in run.subs], run.streams)
+        run_programs(run, [self._program(run, sb, scale * sb.share) for sb in run.subs])
         return torch.stack([sb.share * sb.loss for sb in run.subs]).sum()
 
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
@@ -189,7 +174,7 @@ class OasesSchedule:
         :meth:`MegatronSchedule.forward`): the sub-batches take turns as in
         :meth:`forward_backward`, and keep their state until :meth:`backward`."""
         run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
-        self._run([self._forward(run, sb) for sb in run.subs], run.streams)
+        run_programs(run, [self._forward(run, sb) for sb in run.subs])
         if targets is not None:
             return StageRun(run, loss=torch.stack([sb.share * sb.loss for sb in run.subs]).sum())
         return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
@@ -198,16 +183,16 @@ class OasesSchedule:
                  amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
         """Backward of a :meth:`forward` run (see :meth:`MegatronSchedule.backward`)."""
         run, srun.state = srun.state, None
-        self._amp = amp
+        run.amp = amp  # recompute runs under it
         if grad is not None:
             for sb, g in zip(run.subs, grad.chunk(self.n)):
                 sb.grad_out = g
-        self._run([self._backward(run, sb, scale * sb.share) for sb in run.subs], run.streams)
+        run_programs(run, [self._backward(run, sb, scale * sb.share) for sb in run.subs])
         if not run.input_grad:
             return None
         return torch.cat([sb.grad_in for sb in run.subs])
 
-    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> _OasesRun:
+    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> OasesRun:
         if ids.shape[0] % self.n:
             raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
                              f"sub-batches")
@@ -215,100 +200,23 @@ class OasesSchedule:
         first = 0 if input_grad else 1  # the model's first block (embedding): never recomputed
         groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
                   else [(i, i + 1) for i in range(first, len(blocks))])
-        self._device = ids.device
-        self._amp = amp
         tgts = targets.chunk(self.n) if targets is not None else [None] * self.n
         subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
                 in enumerate(zip(ids.chunk(self.n), tgts, piece_shares(model, tgts)))]
-        self.stash_bytes = 0
-        streams = sub_batch_rng_streams(self.tracker, self._device, self.n)
+        streams = sub_batch_rng_streams(self.tracker, ids.device, self.n)
         home = getattr(model, "home_degree", blocks[0].degree)
-        return _OasesRun(model, blocks, groups, subs, streams, input_grad, home)
+        return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
+                        input_grad, home)
 
-    def _program(self, run: _OasesRun, sb: _SubBatch, scale: float) -> Program:
+    def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
-        self._forwards_left -= 1
-        if self._forwards_left == 0:  # every sub-batch's activations are saved now
+        run.forwards_left -= 1
+        if run.forwards_left == 0:  # every sub-batch's activations are saved now
             SavedTensorMeter.end_of_forward()
         yield from self._backward(run, sb, scale)
 
-    # --------------------------------------------------------------- runner
-    def _run(self, programs: list[Program], streams: list[dict]) -> None:
-        """Round-robin: resume each program with the results of the collectives it
-        launched before the others ran their next segment."""
-        pending: list = [None] * len(programs)
-        alive = [True] * len(programs)
-
-        def advance(s: int, value) -> None:
-            live = self._snap()
-            _rng_restore(self.tracker, self._device, streams[s])
-            try:
-                req = programs[s].send(value)
-                while isinstance(req, _Launch):  # launch, keep computing in the same program
-                    req = programs[s].send(self._launch(req.reqs))
-            except StopIteration:
-                alive[s] = False
-                pending[s] = None
-                return
-            finally:  # sub-batch s's streams advance only by its own draws
-                streams[s] = self._snap()
-                _rng_restore(self.tracker, self._device, live)
-            # a _Wait hands back collectives launched earlier; a list is launched now
-            pending[s] = req.launched if isinstance(req, _Wait) else self._launch(req)
-
-        for s in range(len(programs)):
-            advance(s, None)
-        while any(alive):
-            for s in range(len(programs)):
-                if alive[s]:
-                    advance(s, self._wait(pending[s]))
-
-    @staticmethod
-    def _launch(reqs: list[tuple]) -> list:
-        """Start each requested collective: ("ar", buf, group) all-reduces ``buf`` in
-        place; ("ag", t, group) all-gathers ``t`` along dim 0 into a new tensor.
-        (An active Tracer sees them through the comm functions.)"""
-        out = []
-        for kind, t, group in reqs:
-            if _trivial(group):
-                out.append((t, None))
-            elif kind == "ar":
-                out.append((t, all_reduce(t, group, async_op=True)))
-            else:
-                out.append(all_gather_async(t, group))
-        return out
-
-    @staticmethod
-    def _wait(pending: list) -> list[torch.Tensor]:
-        res = []
-        for b, work in pending:
-            if work is not None:
-                work.wait()  # orders the current stream after the collective
-            res.append(b)
-        return res
-
     def _span(self, name: str):
         return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
-
-    def _snap(self) -> dict:
-        return _rng_snapshot(self.tracker, self._device)
-
-    @contextlib.contextmanager
-    def _replay(self, st: Optional[dict]):
-        if st is None:
-            yield
-            return
-        live = self._snap()
-        _rng_restore(self.tracker, self._device, st)
-        try:
-            yield
-        finally:
-            _rng_restore(self.tracker, self._device, live)
-
-    def _stash(self, t: torch.Tensor) -> torch.Tensor:
-        self.stash_bytes += t.numel() * t.element_size()
-        SavedTensorMeter.track(t)
-        return t
 
     # ------------------------------------------------------------- forward
     def _to_degree(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
@@ -339,7 +247,7 @@ class OasesSchedule:
         (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
         return gathered
 
-    def _forward(self, run: _OasesRun, sb: _SubBatch) -> Program:
+    def _forward(self, run: OasesRun, sb: _SubBatch) -> Program:
         model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
@@ -356,23 +264,26 @@ class OasesSchedule:
             else:
                 x_in = x.detach().requires_grad_(keep)
             if not keep:
-                st.rng_partial = self._snap()
+                st.rng_partial = run.snap()
                 if self.recompute == "fine" or i in starts:
-                    st.saved_x = self._stash(x_in)
+                    st.saved_x = run.stash(x_in, "input x")
             self._use(i, i + 1)  # ZeRO-3: block i whole, block i + 1's gather launched
-            with self._span(f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), self._amp(), \
+            with self._span(f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), run.amp(), \
                     CutRecorder() as rec:
                 p = blk.partial(x_in)
-            buf = p.detach().clone()
+            buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
             (reduced,) = yield [("ar", buf, blk.tp_group)]   # all-reduce of the partial sum
             if not keep:
-                st.rng_combine = self._snap()
+                st.rng_combine = run.snap()
                 if self.recompute == "fine":
-                    st.saved_r = self._stash(reduced)
+                    st.saved_r = run.stash(reduced, "reduced input (the all-reduced partial sum)")
             self._use(i)
-            with self._span(f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), self._amp():
+            with self._span(f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), run.amp():
                 r = _Graft.apply(p, reduced) if keep else reduced
                 out = blk.combine(x_in, r)
+            for kept in (st.saved_x, st.saved_r):  # fail here, not with wrong gradients later
+                if kept is not None:
+                    kept.check(blk, i, self.recompute)
             if keep:
                 st.x_in, st.cuts, st.out = x_in, rec.cuts, out
             sb.blocks.append(st)
@@ -383,13 +294,13 @@ class OasesSchedule:
             return
         x_last = x.detach().requires_grad_()
         if hasattr(model, "loss_partial"):  # the loss's collective is scheduled too
-            with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
+            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 state, stats = model.loss_partial(x_last, sb.targets)
             (stats,) = yield [("ar", stats, model.tp_group)]
-            with self._span(f"F{sb.name} loss"), self._amp():
+            with self._span(f"F{sb.name} loss"), run.amp():
                 loss = model.loss_combine(state, stats)
         else:
-            with self._span(f"F{sb.name} loss"), self._amp(), CutRecorder() as rec:
+            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 loss = model.loss_from_hidden(x_last, sb.targets)
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
@@ -409,66 +320,70 @@ class OasesSchedule:
         cuts = [c for c in cuts if c.leaf.grad is not None]
         early = self._early_prepare and prepare is not None
         if cuts:
-            ticket = yield _Launch([("ar", c.leaf.grad, c.group) for c in cuts])
+            ticket = yield Launch([("ar", c.leaf.grad, c.group) for c in cuts])
             if early:
                 yield from prepare
-            grads = yield _Wait(ticket)
+            grads = yield Wait(ticket)
             self._use(unit)
             with self._span(name):
                 torch.autograd.backward([c.source for c in cuts], grads)
         if prepare is not None and not (early and cuts):
             yield from prepare
 
-    def _rebuild(self, blk, st: _BlockState, reduced: torch.Tensor, x_in: torch.Tensor, p):
-        with self._replay(st.rng_combine), torch.enable_grad(), self._amp():
+    def _rebuild(self, run: OasesRun, blk, st: _BlockState, reduced: torch.Tensor,
+                 x_in: torch.Tensor, p):
+        with run.replay(st.rng_combine), torch.enable_grad(), run.amp():
             st.out = blk.combine(x_in, _Graft.apply(p, reduced))
         st.x_in = x_in
 
-    def _recompute_fine(self, blk, st: _BlockState, name: str) -> None:
-        x_in = st.saved_x.detach().requires_grad_()
-        with self._span(name), self._replay(st.rng_partial), torch.enable_grad(), self._amp(), \
+    def _recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:
+        blk = run.blocks[i]
+        x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
+        reduced = st.saved_r.get(blk, i, self.recompute)
+        with self._span(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp(), \
                 CutRecorder() as rec:
             p = blk.partial(x_in)
         st.cuts = rec.cuts
         with self._span(name):
-            self._rebuild(blk, st, st.saved_r, x_in, p)
+            self._rebuild(run, blk, st, reduced, x_in, p)
         st.saved_x = st.saved_r = None
 
-    def _recompute_group(self, model, blocks, sbs: list[_BlockState], a: int, b: int,
+    def _recompute_group(self, run: OasesRun, sbs: list[_BlockState], a: int, b: int,
                          name: str) -> Program:
         """Re-run blocks a..b-1 from the stashed group input, forward all-reduces (and
         resharding all-gathers) included."""
-        x = sbs[a].saved_x
+        model, blocks = run.model, run.blocks
+        x = sbs[a].saved_x.get(blocks[a], a, self.recompute)
         for i in range(a, b):
             st = sbs[i]
             if i > a:
                 x = yield from self._to_degree(model, x, blocks[i - 1].degree, blocks[i].degree)
             x_in = x.detach().requires_grad_()
             self._use(i, i + 1)
-            with self._span(f"{name} P{i}"), self._replay(st.rng_partial), torch.enable_grad(), \
-                    self._amp(), CutRecorder() as rec:
+            with self._span(f"{name} P{i}"), run.replay(st.rng_partial), torch.enable_grad(), \
+                    run.amp(), CutRecorder() as rec:
                 p = blocks[i].partial(x_in)
-            buf = p.detach().clone()
+            buf = p.detach().clone(memory_format=torch.contiguous_format)
             (reduced,) = yield [("ar", buf, blocks[i].tp_group)]  # forward all-reduce, re-issued
             st.cuts = rec.cuts
             with self._span(f"{name} C{i}"):
-                self._rebuild(blocks[i], st, reduced, x_in, p)
+                self._rebuild(run, blocks[i], st, reduced, x_in, p)
             x = st.out
         sbs[a].saved_x = None
 
-    def _prepare(self, model, blocks, group_of, sb: _SubBatch, i: int) -> Program:
+    def _prepare(self, run: OasesRun, group_of, sb: _SubBatch, i: int) -> Program:
         """Make block i's autograd graph live again (recompute), if the forward dropped it."""
         st = sb.blocks[i]
         if st.out is not None:
             return
         self._use(i)
         if self.recompute == "fine":
-            self._recompute_fine(blocks[i], st, f"R{sb.name} {i}")
+            self._recompute_fine(run, i, st, f"R{sb.name} {i}")
         else:
             a, b = group_of[i]
-            yield from self._recompute_group(model, blocks, sb.blocks, a, b, f"R{sb.name}")
+            yield from self._recompute_group(run, sb.blocks, a, b, f"R{sb.name}")
 
-    def _backward(self, run: _OasesRun, sb: _SubBatch, scale: float) -> Program:
+    def _backward(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
         recompute of the next block down runs while it is in flight (it needs only the
         stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
@@ -477,7 +392,7 @@ class OasesSchedule:
         model, blocks, groups = run.model, run.blocks, run.groups
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         home = run.home
-        last_block = self._prepare(model, blocks, group_of, sb, len(blocks) - 1)
+        last_block = self._prepare(run, group_of, sb, len(blocks) - 1)
         if sb.head is not None:
             x_last, cuts, loss = sb.head
             self._use(-1)
@@ -494,7 +409,7 @@ class OasesSchedule:
             self._use(i, i - 1)
             with self._span(f"B{sb.name} {i}"):
                 torch.autograd.backward(st.out, g)
-            nxt = self._prepare(model, blocks, group_of, sb, i - 1) if i > 0 else None
+            nxt = self._prepare(run, group_of, sb, i - 1) if i > 0 else None
             yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
             g = st.x_in.grad if i > 0 or run.input_grad else None
             t_to = blocks[i - 1].degree if i > 0 else home
