@@ -11,7 +11,8 @@ from models import build_model
 from oases.config import Config
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.reshard import grad_group_of
+from oases.parallel.replicas import ReplicaGradSum
+from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.runtime.dp import GradReducer, TiedTableSync
 from oases.runtime.optim import build_optimizer
 from oases.schedule.engines import build_schedule
@@ -65,8 +66,12 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         base = group_of
         group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
+    # after the DP reduction: the tied table's two copies, the replicated kv heads' rows
+    syncs = [f for f in (tie_sync, ReplicaGradSum.for_model(model, kv_group_of(ctx, ctx.tp),
+                                                             ctx.tp)) if f is not None]
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
-                          prescale_of=prescale_of, then=tie_sync)
+                          prescale_of=prescale_of,
+                          then=(lambda: [f() for f in syncs]) if syncs else None)
     pipe = None
     if ctx.layout is not None:
         from oases.runtime.pipeline import PipelineRunner

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from oases.config import TrainConfig
 from oases.parallel.comm import all_reduce
+from oases.parallel.sharding import part_views
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -51,10 +52,12 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
-            if getattr(p, "tp_spec", None) is not None:
-                # a block of degree t < T is replicated over T/t subgroups: count it once
+            spec = getattr(p, "tp_spec", None)
+            if spec is not None:
+                # a block of degree t < T is replicated over T/t subgroups, and a part
+                # held alike by r ranks of its group (GQA kv heads) r times: count once
                 t = getattr(p, "tp_coords", (0, T))[1]
-                sharded.append((p.grad, t / T))
+                sharded += [(g, t / T / r) for g, r in part_views(p.grad, spec, t)]
             else:
                 replicated.append(p.grad)
     dev = next(model.parameters()).device
