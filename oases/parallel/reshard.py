@@ -120,7 +120,10 @@ class DegreeGroups:
             return x
         group = self.reshard_group(t_from, t_to)
         if t_to < t_from:
-            return scatter_to_tp(x, group, dim=0)    # slice; backward all-gathers
+            # slice; backward all-gathers. A batch slice is a view: saved by the next block,
+            # it would keep the whole batch's activation alive, where the planner's memory
+            # model (a block profiled on its own rows) counts this piece only. Copy it.
+            return scatter_to_tp(x, group, dim=0).clone()
         return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
 
 
