@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.config import ModelConfig
+from oases.heads import heads_problem, local_kv_heads
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
@@ -107,19 +108,40 @@ class ResidualBlock(TPBlock):
 
 
 class ParallelAttention(ResidualBlock):
-    """Pre-norm causal self-attention; heads split over TP ranks (GQA: kv heads too)."""
+    """Pre-norm causal self-attention; heads split over TP ranks (GQA: kv heads too).
+
+    Over more ranks than kv heads, each kv head is replicated on the ``r = tp /
+    n_kv_heads`` ranks whose query heads use it (oases.heads): the fused qkv keeps
+    its k and v parts whole per head (``units``), so those r ranks hold the same kv
+    rows. Their gradients then need one more sum, over the *kv replica group*:
+
+        forward, rank j of replica group h:   K_j = X W_h^T   (V alike), used only by
+                                              rank j's own query heads
+        dL/dW_h = sum_j dL/dK_j^T X  over the r ranks j of group h
+
+    each rank's backward computes only its own term (its query heads' share), so the
+    kv rows' gradients are summed over the group (oases.parallel.replicas, with the
+    DP reduction) and the replicas stay identical. The input gradient needs nothing
+    new: dL/dX = sum over all tp ranks of dL/dY_j W_j, and each rank's term -- its
+    q, its kv share -- is distinct, so the column-parallel all-reduce of dX over the
+    TP group already adds every replica's term exactly once.
+    """
 
     def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group, tracker: Optional[TPRNGTracker],
                  rotary: Optional[Rotary]) -> None:
         super().__init__(tp_group, cfg.dropout)
         tp = group_size(tp_group)
         hd = cfg.head_dim
-        self.n_head, self.n_kv = cfg.n_head // tp, cfg.n_kv_heads // tp   # local heads
+        problem = heads_problem(cfg.n_head, cfg.n_kv_heads, tp)
+        if problem:
+            raise ValueError(f"attention at TP degree {tp}: the degree {problem}")
+        self.n_head, self.n_kv = cfg.n_head // tp, local_kv_heads(cfg.n_kv_heads, tp)  # local
         self.head_dim = hd
         self.norm = norm
         self.qkv = ColumnParallelLinear(
             cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_heads) * hd, tp_group, bias=cfg.bias,
-            parts=(cfg.n_head * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd), init_std=cfg.init_std)
+            parts=(cfg.n_head * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
+            units=(cfg.n_head, cfg.n_kv_heads, cfg.n_kv_heads), init_std=cfg.init_std)
         self.proj = RowParallelLinear(cfg.n_head * hd, cfg.d_model, tp_group, bias=cfg.bias,
                                       reduce_output=False,
                                       init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))

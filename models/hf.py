@@ -27,7 +27,10 @@ zeros up to the model's padded vocabulary.
 
 Each rank reads only the rows/columns of its own shard (``safe_open().get_slice``
 for safetensors, a memory-mapped ``torch.load`` for ``.bin``), part by part for
-fused tensors, which gives exactly ``shard(full, p.tp_spec, tp_rank, tp)``.
+fused tensors, which gives exactly ``shard(full, p.tp_spec, tp_rank, tp)``. With more
+TP ranks than kv heads, the ranks that share a kv head each read that head
+(oases.heads); export starts from full tensors (a checkpoint's, where replicas
+are saved once), so it writes every kv head once.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 
 from oases.errors import CheckpointError, UserError
 from oases.hf_config import hf_model_fields
+from oases.parallel.sharding import chunk_of
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,10 @@ def _read_param(w: _Weights, p: torch.Tensor, parts: list[_Part], tp_rank: int, 
         raise UserError(f"HF parts {lens} do not match the model's fused parts {spec.parts}")
     sharded = spec is not None and tp > 1
     pieces = []
-    for q, n in zip(parts, lens):
-        a, b = (tp_rank * n // tp, (tp_rank + 1) * n // tp) if sharded else (0, n)
+    for i, (q, n) in enumerate(zip(parts, lens)):
+        # this rank's chunk of the part; kv heads replicated over ranks read the same one
+        c, k = chunk_of(spec, i, tp_rank, tp) if sharded else (0, 1)
+        a, b = c * n // k, (c + 1) * n // k
         shape = list(full)
         shape[axis] = b - a
         out = torch.zeros(shape, dtype=p.dtype)

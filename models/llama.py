@@ -1,9 +1,9 @@
 """LLaMA-like: RMSNorm, rotary embeddings (rotate-half, as HF), SwiGLU, grouped-query attention.
 
-With tensor parallelism every rank owns whole kv heads: ``parallel.tp`` must
-divide ``model.n_kv_heads`` (config validation refuses otherwise). Replicating
-kv heads across ranks would need an extra gradient reduction of the kv weights
-over the replicas; oases refuses instead of silently paying for it.
+With tensor parallelism the kv heads are split over the ranks while ``parallel.tp``
+divides ``model.n_kv_heads``; above that each kv head is replicated on the
+``tp / n_kv_heads`` ranks whose query heads use it, and its gradient summed over
+them once per step (oases.heads, models.common.ParallelAttention).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from oases.errors import ConfigError
+from oases.heads import heads_problem
 from oases.model_sizes import MODEL_SIZES
 
 
@@ -395,11 +396,11 @@ class Config:
         if pp > 1 and self.parallel.plan == "auto":
             raise ConfigError("parallel.plan=auto chooses per-block TP degrees for pp=1 only; "
                               "with parallel.pp > 1 give a plan file or no plan")
-        for what, n in (("model.n_head", m.n_head), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.ffn_hidden", m.ffn_hidden)):
-            if n % tp:
-                # kv heads are not replicated across TP ranks: each rank must own whole kv heads
-                raise ConfigError(f"parallel.tp={tp} does not divide {what}={n}")
+        heads = heads_problem(m.n_head, m.n_kv_heads, tp)  # kv heads: split or replicated
+        if heads:
+            raise ConfigError(f"parallel.tp={tp} {heads}")
+        if m.ffn_hidden % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}")
         if self.parallel.schedule == "oases":
             mbs, n = self.train.micro_batch_size, self.parallel.sub_batches
             if mbs < n or mbs % n:

@@ -161,10 +161,12 @@ def tp_not_dividing_heads(ws, run, data):
 
 
 @case
-def tp_not_dividing_kv_heads(ws, run, data):
-    args = base_args(run, data, "parallel.tp=4")
-    args[1] = str(REPO / "configs" / "llama-tiny.yaml")  # 4 heads, 2 kv heads
-    return dict(args=args, needles=["parallel.tp=4 does not divide model.n_kv_heads=2"],
+def tp_not_fitting_kv_heads(ws, run, data):
+    args = base_args(run, data, "parallel.tp=4", "model.d_model=96", "model.n_head=12",
+                     "model.n_kv_heads=3")
+    args[1] = str(REPO / "configs" / "llama-tiny.yaml")
+    return dict(args=args, needles=["parallel.tp=4 neither divides model.n_kv_heads=3 nor is "
+                                    "a multiple of it"],
                 env={"WORLD_SIZE": "4", "RANK": "0"})
 
 

@@ -167,7 +167,8 @@ def test_malformed_inputs(tmp_path):
 @pytest.mark.parametrize("overrides,world,needles", [
     (["parallel.tp=3"], 4, ["parallel.tp=3", "world size 4"]),
     (["parallel.tp=8"], 8, ["parallel.tp=8", "model.n_head=4"]),
-    (["model.name=llama-tiny", "parallel.tp=4"], 4, ["parallel.tp=4", "model.n_kv_heads=2"]),
+    (["model.name=llama-tiny", "model.d_model=96", "model.n_head=12", "model.n_kv_heads=3",
+      "parallel.tp=4"], 4, ["parallel.tp=4 neither divides", "model.n_kv_heads=3"]),
     (["model.ffn_hidden=510", "parallel.tp=4"], 4, ["parallel.tp=4", "model.ffn_hidden=510"]),
     (["model.d_model=130"], 1, ["model.d_model=130", "model.n_head=4"]),
     (["model.n_kv_heads=3", "model.name=llama-tiny"], 1, ["model.n_head=4",

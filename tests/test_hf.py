@@ -178,10 +178,13 @@ def test_missing_directory_or_config_json(tmp_path):
         load_config(None, [f"model.init_from={tmp_path}"]).validate(1)
 
 
-def test_llama_with_two_kv_heads_is_refused_at_tp4(hf_dirs):
-    with pytest.raises(ConfigError, match="parallel.tp=4 does not divide model.n_kv_heads=2"):
+def test_llama_with_two_kv_heads_at_tp4_and_tp8(hf_dirs):
+    # tp=4 replicates the 2 kv heads (import and export at tp=4: tests/test_gqa.py);
+    # tp=8 would split the 4 query heads
+    load_config(None, [f"model.init_from=hf:{hf_dirs['llama'][0]}", "parallel.tp=4"]).validate(4)
+    with pytest.raises(ConfigError, match="parallel.tp=8 does not divide model.n_head=4"):
         load_config(None, [f"model.init_from=hf:{hf_dirs['llama'][0]}",
-                           "parallel.tp=4"]).validate(4)
+                           "parallel.tp=8"]).validate(8)
 
 
 # ---------------------------------------------------------------------------

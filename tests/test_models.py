@@ -150,11 +150,13 @@ def test_llama_gqa_matches_unsharded_tp2():
     run_distributed(_parity_body, world=2, tp=2, args=("llama-tiny", LLAMA_VARIANTS))
 
 
-def test_llama_tiny_tp4_refused():
-    # every rank must own whole kv heads: tp=4 cannot split 2 kv heads
-    with pytest.raises(ConfigError, match=r"model\.n_kv_heads=2") as e:
-        _cfg("llama-tiny", 4, 4)
-    assert "parallel.tp=4" in str(e.value)
+def test_kv_heads_neither_split_nor_replicated_whole_refused():
+    # tp=4 above 2 kv heads replicates them (tests/test_gqa.py); 3 kv heads at tp=4 could
+    # be neither split nor replicated whole
+    _cfg("llama-tiny", 4, 4)
+    with pytest.raises(ConfigError, match=r"parallel\.tp=4 neither divides "
+                                          r"model\.n_kv_heads=3 nor is a multiple of it"):
+        _cfg("llama-tiny", 4, 4, ["model.d_model=96", "model.n_head=12", "model.n_kv_heads=3"])
 
 
 def test_padded_vocab_size():

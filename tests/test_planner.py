@@ -169,6 +169,99 @@ def test_memory_limit_makes_mixed_plan_win():
     assert len(set(sol.degrees)) > 1 and sol.time_s < uni.time_s
 
 
+def _gpt_tiny_t2():
+    return load_config(None, ["model.name=gpt-tiny", "model.seq_len=64", "model.dropout=0",
+                              "parallel.tp=2", "parallel.schedule=megatron",
+                              "parallel.recompute=none", "train.micro_batch_size=4",
+                              "train.grad_accum=4", "data.kind=synthetic"]).validate(2)
+
+
+def _measure_memory_body(ctx, plans: dict, out: str) -> None:
+    """Per plan, the most any rank holds: parameter, gradient and Adam bytes (the tensors
+    themselves) plus the peak of the saved activations over a real train_step."""
+    from oases.runtime.data import TrainBatches
+    from oases.runtime.optim import build_optimizer
+    from oases.runtime.step import train_step
+    from oases.schedule.memory import SavedTensorMeter
+
+    cfg = _gpt_tiny_t2()
+    got = {}
+    for name, degrees in plans.items():
+        mixed = set(degrees) != {ctx.tp}
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=0,
+                            degrees=degrees if mixed else None,
+                            degree_groups=ctx.degree_groups() if mixed else None)
+        opt = build_optimizer(model, cfg.train, ctx.device)
+        red = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
+        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                               cfg.train.micro_batch_size, 0, 1, cfg.seed)
+        with SavedTensorMeter() as meter:
+            train_step(model, batches, opt, red, cfg, ctx, 1e-3)
+        held = sum(t.numel() * t.element_size() for p in model.parameters()
+                   for t in (p, p.grad, *opt.state[p].values()) if t.dim() > 0)
+        v = torch.tensor([float(held + meter.peak_bytes)], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        got[name] = float(v)
+    if ctx.rank == 0:
+        torch.save(got, out)
+
+
+def test_memory_limit_makes_mixed_plan_win_measured(tmp_path):
+    """The same claim on a model small enough to run (gpt-tiny at T=2, world 2, gloo):
+    the profiler measures each block's saved activations (as ``plan=auto`` does); the
+    step times are the FLOP model's on a slow link (so degree 1 is faster, and a
+    memory limit between the uniform plans makes the ILP mix degrees: a real step
+    time on this shared CPU host could not rank plans 10% apart). Then the chosen
+    mixed plan and both uniform plans run a real ``train_step``, each rank measuring
+    what it holds: its parameters, gradients and Adam moments (the tensors' bytes)
+    plus the peak of the saved activations (``SavedTensorMeter``).
+
+    Memory is counted, not timed, so it is exact and deterministic. The cost model
+    predicts every plan's memory relative to uniform degree T (the embedding, head and
+    loss are the same in every plan) to within ``allow``: it divides each block's
+    parameters by its degree, whereas the norms and the row-parallel bias (3 d per
+    block) are replicated, which at most 16 B x 3 d per block can be off (measured:
+    24 KiB over 8 blocks for uniform degree 1, against 48 KiB allowed and a 6.5 MiB
+    span between the uniform plans). Measured the same way, the mixed plan fits the
+    limit and uniform degree 1 exceeds it by half the span. A memory model that
+    ignores the limit, drops the saved activations or the 1/t of the parameters, or
+    a runtime that keeps more alive than the model says (a batch slice kept as a view
+    of the whole activation: 64 KiB) fails here."""
+    from oases.planner.profile import profile_compute
+
+    cfg = _gpt_tiny_t2()
+    shape = ModelShape.from_config(cfg.model)
+    run = RunShape(2, 1, 4, 4, 1, "megatron", "none")
+    measured = profile_compute(cfg, run, torch.device("cpu"), reps=1, warmup=1,
+                               log=lambda s: None)
+    prof = analytic_profile(shape, run, [1, 2], 20e9)
+    for kind, per_degree in prof.blocks.items():
+        for t, entry in per_degree.items():
+            entry["saved"] = measured.blocks[kind][t]["saved"]
+    cm = CostModel(shape, run, Cluster("slow", 2, 1, 1, 100, 0.2), prof)
+    mem = {t: cm.plan_memory([t] * cm.n) for t in cm.degrees}
+    limit = (mem[1] + mem[2]) / 2            # uniform degree 1 does not fit
+    sol, uni = ilp.solve(cm, limit), ilp.best_uniform(cm, limit)
+    assert ilp.solve(cm).degrees == [1] * cm.n  # without the limit degree 1 is fastest
+    assert uni.degrees == [2] * cm.n
+
+    plans = {"uniform 2": [2] * cm.n, "uniform 1": [1] * cm.n, "mixed": sol.degrees}
+    out = tmp_path / "mem.pt"
+    run_distributed(_measure_memory_body, world=2, tp=2, args=(plans, str(out)))
+    got = torch.load(out)
+    base = "uniform 2"
+    allow = 16 * 3 * cfg.model.d_model * cm.n
+    for name, degrees in plans.items():
+        pred = cm.plan_memory(degrees) - cm.plan_memory(plans[base])
+        real = got[name] - got[base]
+        assert abs(real - pred) <= allow, (name, degrees, real, pred)
+    real_limit = limit - cm.plan_memory(plans[base]) + got[base]  # the limit in measured bytes
+    assert got["mixed"] <= real_limit < got["uniform 1"], (sol.degrees, got, real_limit)
+    assert got["uniform 1"] - real_limit > 0.4 * (got["uniform 1"] - got[base])
+    # and the plan that fits is a mix, faster than the only uniform plan that fits
+    assert len(set(sol.degrees)) > 1 and sol.time_s < uni.time_s
+
+
 def test_plan_file_checks(tmp_path):
     cfg = load_config(None, ["model.name=gpt-tiny", "parallel.tp=4"]).validate(4)
     p = tmp_path / "plan.yaml"

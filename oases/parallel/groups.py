@@ -5,6 +5,11 @@ Rank layout (TP ranks contiguous, so a TP group stays inside one node):
     rank = dp_rank * tp + tp_rank
     world 4, tp 2:   tp groups {0,1} {2,3}     dp groups {0,2} {1,3}
 
+GQA with more TP ranks than kv heads replicates each kv head on consecutive
+ranks (oases.heads); their *kv replica groups* sum the kv gradients:
+
+    world 4, tp 4, n_kv_heads 2:   kv replica groups {0,1} {2,3}
+
 Layers receive the :class:`ParallelContext` (or its ``tp_group``) explicitly;
 nothing in oases reads process groups from module globals.
 """
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from oases.errors import UserError
+from oases.heads import kv_replicas
 
 
 @dataclass
@@ -43,6 +49,10 @@ class ParallelContext:
     # First and last stage with tied embeddings: the ranks at this TP position on both
     # stages, over which the two copies' gradients are summed.
     tie_group: Optional[dist.ProcessGroup] = None
+    # The model's kv heads, and the ranks of this TP group holding the same kv head as
+    # this one (None: kv heads are not replicated at this tp).
+    kv_heads: Optional[int] = None
+    kv_group: Optional[dist.ProcessGroup] = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -63,7 +73,8 @@ class ParallelContext:
             from oases.parallel.reshard import DegreeGroups
 
             self._degree_groups = DegreeGroups(self.rank, self.world_size, self.tp, self.dp,
-                                               self.tp_group, self.dp_group)
+                                               self.tp_group, self.dp_group,
+                                               kv_heads=self.kv_heads, kv_group=self.kv_group)
         return self._degree_groups
 
     @property
@@ -91,10 +102,12 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
                      timeout_s: float = 600.0, layout=None,
-                     tie_embeddings: bool = False) -> ParallelContext:
+                     tie_embeddings: bool = False,
+                     kv_heads: Optional[int] = None) -> ParallelContext:
     """Join (or create, for a plain ``python train.py``) the default process group
     and build the dp x tp groups, or a pipelined ``layout``'s groups
-    (:func:`build_pipeline_context`). Works with torchrun's environment variables."""
+    (:func:`build_pipeline_context`); with ``kv_heads`` (the model's), the kv replica
+    groups too. Works with torchrun's environment variables."""
     dev = pick_device(device)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -107,12 +120,41 @@ def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     if layout is not None and layout.pp > 1:
-        return build_pipeline_context(layout, dev, tie_embeddings)
-    return build_context(tp, dev)
+        return build_pipeline_context(layout, dev, tie_embeddings, kv_heads)
+    return build_context(tp, dev, kv_heads)
 
 
-def build_context(tp: int, device: torch.device) -> ParallelContext:
-    """dp x tp groups over an initialised default process group."""
+def kv_replica_ranks(first: int, dp: int, T: int, t: int,
+                     kv_heads: Optional[int]) -> list[list[int]]:
+    """The kv replica groups of attention blocks at degree t on ``dp`` x ``T`` ranks from
+    rank ``first`` (a stage; T = t unless a plan gives blocks their own degree): in DP
+    replica d, degree-t subgroup g, the r = t / kv_heads ranks holding kv head h,
+
+        {first + d*T + g*t + h*r + i : i < r}
+
+    None of them when kv heads are not replicated at degree t (or ``kv_heads`` unknown)."""
+    r = kv_replicas(kv_heads, t) if kv_heads else 1
+    if r == 1:
+        return []
+    return [[first + d * T + g * t + h * r + i for i in range(r)]
+            for d in range(dp) for g in range(T // t) for h in range(t // r)]
+
+
+def new_groups(rank: int, rank_lists: list[list[int]]) -> Optional[dist.ProcessGroup]:
+    """Create every group of ``rank_lists`` (collective: all ranks, in the same order);
+    returns the one ``rank`` belongs to, if any."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def build_context(tp: int, device: torch.device,
+                  kv_heads: Optional[int] = None) -> ParallelContext:
+    """dp x tp groups (and the kv replica groups of a model with ``kv_heads``) over an
+    initialised default process group."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
@@ -120,19 +162,22 @@ def build_context(tp: int, device: torch.device) -> ParallelContext:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    kv_group = new_groups(rank, kv_replica_ranks(0, dp, tp, tp, kv_heads))
     return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
                            tp_rank=rank % tp, dp_rank=rank // tp,
                            tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
-                           device=device, mesh=mesh)
+                           device=device, mesh=mesh, kv_heads=kv_heads, kv_group=kv_group)
 
 
-def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -> ParallelContext:
+def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
+                           kv_heads: Optional[int] = None) -> ParallelContext:
     """The groups of a pipelined layout (oases.layout.PipelineLayout) over an initialised
     default process group; returns this rank's stage's context. Collective: every rank
     creates every group of every stage in the same order (``new_group`` requires it).
 
         stage s, replica d:  TP group  {first_s + d*tp_s + t : t < tp_s}
         stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
+        stage s:             kv replica groups at tp_s (:func:`kv_replica_ranks`)
     """
     from oases.parallel.reshard import DegreeGroups
 
@@ -140,7 +185,7 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -
     if layout.world != world:
         raise UserError(f"the layout has {layout.world} ranks but the world size is {world}")
     me = layout.stage_of(rank)
-    tp_group = dp_group = tie_group = degree_groups = None
+    tp_group = dp_group = tie_group = degree_groups = kv_group = None
     for s, st in enumerate(layout.stages):
         for d in range(st.dp):
             ranks = [st.first + d * st.tp + t for t in range(st.tp)]
@@ -152,11 +197,16 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -
             g = dist.new_group(ranks)
             if rank in ranks:
                 dp_group = g
+    for s, st in enumerate(layout.stages):  # each stage's kv replicas at its own tp
+        g = new_groups(rank, kv_replica_ranks(st.first, st.dp, st.tp, st.tp, kv_heads))
+        if s == me:
+            kv_group = g
     for s, st in enumerate(layout.stages):
         if st.degrees is not None and set(st.degrees) != {st.tp}:
             mine = s == me
             dg = DegreeGroups(rank, world, st.tp, st.dp, tp_group if mine else None,
-                              dp_group if mine else None, base=st.first)
+                              dp_group if mine else None, base=st.first, kv_heads=kv_heads,
+                              kv_group=kv_group if mine else None)
             if mine:
                 degree_groups = dg
     first, last = layout.stages[0], layout.stages[-1]
@@ -177,7 +227,8 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool) -
     return ParallelContext(rank=rank, world_size=world, tp=st.tp, dp=st.dp, tp_rank=tp_rank,
                            dp_rank=dp_rank, tp_group=tp_group, dp_group=dp_group,
                            device=device, _degree_groups=degree_groups, pp=layout.pp,
-                           stage=me, layout=layout, tie_group=tie_group)
+                           stage=me, layout=layout, tie_group=tie_group, kv_heads=kv_heads,
+                           kv_group=kv_group)
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, backward_in_forward_scope,
                                  copy_to_tp, current_scope, gather_from_tp, group_rank,
                                  group_size, reduce_from_tp, scatter_to_tp)
-from oases.parallel.sharding import TPSpec, divide, set_spec
+from oases.parallel.sharding import TPSpec, chunk_of, divide, local_parts, set_spec
 
 
 def _set_coords(layer: nn.Module, group) -> None:
@@ -83,30 +83,40 @@ class ColumnParallelLinear(nn.Module):
 
     ``parts`` fuses several projections in one matmul (QKV, SwiGLU gate+up): the
     full output is ``cat(parts)`` and each part is sharded on its own, so a rank's
-    local output is ``cat(part_r for part in parts)``.
+    local output is ``cat(part_r for part in parts)``. ``units`` (per part, e.g. its
+    attention heads) lets a part with fewer units than ranks be replicated instead
+    (oases.parallel.sharding.chunk_of): the ranks sharing a unit hold the same rows,
+    and their gradients must be summed over them (oases.parallel.replicas).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
                  gather_output: bool = False, parts: Optional[Sequence[int]] = None,
-                 init_std: float = 0.02, device=None, dtype=None) -> None:
+                 init_std: float = 0.02, device=None, dtype=None,
+                 units: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.tp = group_size(tp_group)
         if parts is not None and sum(parts) != out_features:
             raise ValueError(f"parts {tuple(parts)} do not add up to out_features={out_features}")
         self.parts = tuple(parts) if parts else None
+        units = tuple(units) if units else None
+        spec = TPSpec(0, (out_features, in_features), self.parts, units=units)
         for i, p in enumerate(self.parts or (out_features,)):
-            divide(p, self.tp, f"ColumnParallelLinear out_features part {i}")
+            n = chunk_of(spec, i, 0, self.tp)[1]  # tp, or the part's units when fewer
+            divide(p, n, f"ColumnParallelLinear out_features part {i}")
+            if self.tp % n:
+                raise ValueError(f"ColumnParallelLinear part {i} has {n} units, which do not "
+                                 f"divide tp={self.tp}: it can be neither split nor replicated")
         self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = out_features // self.tp
+        self._local_parts = tuple(local_parts(spec, self.tp))
+        self.out_per_rank = sum(self._local_parts)
         self.gather_output = gather_output
         kw = dict(device=device, dtype=dtype)
         self.weight = set_spec(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)),
-                               TPSpec(0, (out_features, in_features), self.parts),
-                               ("normal", init_std))
+                               spec, ("normal", init_std))
         if bias:
             self.bias = set_spec(nn.Parameter(torch.empty(self.out_per_rank, **kw)),
-                                 TPSpec(0, (out_features,), self.parts), ("zeros",))
+                                 TPSpec(0, (out_features,), self.parts, units=units), ("zeros",))
         else:
             self.register_parameter("bias", None)
         _set_coords(self, tp_group)
@@ -114,7 +124,7 @@ class ColumnParallelLinear(nn.Module):
     @property
     def local_parts(self) -> tuple:
         """Sizes of the fused parts in this rank's output."""
-        return tuple(p // self.tp for p in (self.parts or (self.out_features,)))
+        return self._local_parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (_trivial(self.tp_group) or CutRecorder.current() is not None
@@ -124,8 +134,9 @@ class ColumnParallelLinear(nn.Module):
         else:
             y = _LinearAsyncGradAllReduce.apply(x, self.weight, self.bias, self.tp_group)
         if self.gather_output:
-            if self.parts:
-                raise ValueError("gather_output with fused parts would interleave the parts")
+            if self.parts or self.weight.tp_spec.units:
+                raise ValueError("gather_output with fused or replicated parts would "
+                                 "interleave them")
             y = gather_from_tp(y, self.tp_group, dim=-1)
         return y
 

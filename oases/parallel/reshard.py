@@ -25,6 +25,15 @@ The weights of a degree-t block are replicated over the T/t subgroups, each of
 which saw a different batch part: their gradients are *summed* over those
 replicas and averaged over DP, in one all-reduce over the *gradient group*
 {d*T + g*t + j : all DP replicas d, all subgroups g} of this rank's position j.
+
+Each degree has its own GQA layout (oases.heads): an attention block of degree
+t > n_kv_heads replicates each kv head on t / n_kv_heads consecutive ranks of its
+subgroup, whose kv gradients are summed over that *kv replica group* (at degree T
+the context's; ``kv[t]`` here, built by the same rank formula,
+oases.parallel.groups.kv_replica_ranks):
+
+    T = 4, n_kv_heads 2:   degree 4: kv replicas {0 1} {2 3}     degree 2, 1: none
+    T = 4, n_kv_heads 1:   degree 4: {0 1 2 3}   degree 2: {0 1} {2 3}
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from oases.parallel.comm import gather_from_tp, scatter_to_tp
+from oases.parallel.groups import kv_replica_ranks, new_groups
 
 
 def divisors_pow2(T: int) -> list[int]:
@@ -47,9 +57,11 @@ class DegreeGroups:
     creates every group in the same order (``new_group`` is collective)."""
 
     def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group,
-                 base: int = 0) -> None:
+                 base: int = 0, kv_heads: Optional[int] = None, kv_group=None) -> None:
         """``base``: the first global rank of the ranks these groups cover (a pipeline
-        stage's; ranks outside ``base .. base + dp*T - 1`` only take part in creating them)."""
+        stage's; ranks outside ``base .. base + dp*T - 1`` only take part in creating them).
+        ``kv_heads``: the model's, for the kv replica groups; ``kv_group``: this rank's at
+        degree T (the context builds it)."""
         self.T, self.dp, self.rank = T, dp, rank
         self.degrees = divisors_pow2(T)
         d_idx, r = divmod(rank - base, T)
@@ -85,6 +97,10 @@ class DegreeGroups:
                 grp = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.grad[t] = grp
+        self.kv: dict[int, Optional[dist.ProcessGroup]] = {T: kv_group}
+        for t in self.degrees:
+            if t < T:
+                self.kv[t] = new_groups(rank, kv_replica_ranks(base, dp, T, t, kv_heads))
 
     def position(self, t: int) -> tuple[int, int]:
         """(subgroup index = batch part, position in the subgroup) at degree t."""
@@ -104,7 +120,10 @@ class DegreeGroups:
             return x
         group = self.reshard_group(t_from, t_to)
         if t_to < t_from:
-            return scatter_to_tp(x, group, dim=0)    # slice; backward all-gathers
+            # slice; backward all-gathers. A batch slice is a view: saved by the next block,
+            # it would keep the whole batch's activation alive, where the planner's memory
+            # model (a block profiled on its own rows) counts this piece only. Copy it.
+            return scatter_to_tp(x, group, dim=0).clone()
         return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
 
 
@@ -116,5 +135,16 @@ def grad_group_of(ctx, T: int):
     def group_of(p):
         t = getattr(p, "tp_degree", T)
         return ctx.dp_group if t == T or dg is None else dg.grad[t]
+
+    return group_of
+
+
+def kv_group_of(ctx, T: int):
+    """For the kv replica sum (oases.parallel.replicas): the kv replica group of a block
+    of degree t (None where kv heads are not replicated)."""
+    dg = ctx._degree_groups
+
+    def group_of(t: int):
+        return ctx.kv_group if t == T or dg is None else dg.kv.get(t)
 
     return group_of

@@ -43,6 +43,10 @@ so the partial sums and their all-reduce) and the residual stream's
 stays fp32, since its adds are not autocast ops and the weights are fp32).
 Under bf16 the engine keeps one bf16 copy of each weight matrix for a run
 (autocast's cast cache, shared by the sub-batches and by recompute).
+Above
+``n_kv_heads`` ranks a kv head is replicated, not split: each replica counts a whole
+head (:meth:`ModelShape.rank_params`), and the per-step sum of its gradients over
+the replicas adds to the block's node cost (:meth:`CostModel._kv_sync`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from oases.heads import heads_problem
 from oases.planner.cluster import CommModel
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
@@ -95,6 +100,20 @@ class ModelShape:
         """A block's norm parameters (LayerNorm weight and bias, or RMSNorm weight)."""
         return self.d_model * (2 if self.arch == "gpt" else 1)
 
+    def kv_params(self) -> int:
+        """The kv projection's parameters (k and v rows of the fused qkv) of one layer."""
+        hd, b = self.d_model // self.n_head, 1 if self.bias else 0
+        return 2 * self.n_kv_heads * hd * (self.d_model + b)
+
+    def rank_params(self, kind: str, t: int) -> float:
+        """Parameters one rank holds of a block at degree t: the block split t ways,
+        except that above ``n_kv_heads`` ranks a kv head is replicated, not split
+        (oases.heads): each rank then holds one kv head, ``kv_params / n_kv_heads``."""
+        p = self.block_params(kind) / t
+        if kind == "attn" and t > self.n_kv_heads:
+            p += self.kv_params() / self.n_kv_heads - self.kv_params() / t
+        return p
+
     def other_params(self) -> int:
         """Embedding (+ positions), final norm, untied head."""
         d = self.d_model
@@ -111,7 +130,7 @@ class ModelShape:
         out = []
         t = 1
         while t <= T:
-            if T % t == 0 and self.n_head % t == 0 and self.n_kv_heads % t == 0 \
+            if T % t == 0 and heads_problem(self.n_head, self.n_kv_heads, t) is None \
                     and self.ffn_hidden % t == 0:
                 out.append(t)
             t *= 2
@@ -221,12 +240,22 @@ class CostModel:
         n = self.run.dp * self.T // t
         if n < 2:
             return 0.0
-        nbytes = self.shape.block_params(kind) / t * 4
+        nbytes = self.shape.rank_params(kind, t) * 4
         ranks = [d * self.T + g * t for d in range(self.run.dp) for g in range(self.T // t)]
         fit = self.profile.comm.get("grad_all_reduce", {}).get(str(t))
         if fit:
             return fit[0] + fit[1] * nbytes
         return self.comm.all_reduce(nbytes, ranks)
+
+    def _kv_sync(self, kind: str, t: int) -> float:
+        """Summing the kv gradients of an attention block whose kv heads are replicated
+        (t > n_kv_heads) over each head's replicas: once per step, after the DP reduction
+        (oases.parallel.replicas), so not hidden behind the backward."""
+        r = t // self.shape.n_kv_heads
+        if kind != "attn" or r < 2:
+            return 0.0
+        nbytes = self.shape.kv_params() / self.shape.n_kv_heads * 4
+        return self.comm.all_reduce(nbytes, list(range(r)))
 
     def cpu_per_byte(self, t: int) -> float:
         """Compute time the host loses per byte all-reduced at degree t while it computes
@@ -247,7 +276,7 @@ class CostModel:
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
         self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
-        self.free = {}
+        self.free, self.kv_sync = {}, {}
         for kind in ("attn", "mlp"):
             for t in self.degrees:
                 prof = self.profile.blocks[kind][str(t)]
@@ -257,8 +286,9 @@ class CostModel:
                 self.cf[kind, t], self.cb[kind, t] = fwd, bwd
                 self.m[kind, t] = self.ar_time(t, self._act_bytes(t))
                 self.sync[kind, t] = self._grad_sync(kind, t)
-                static = ADAM_BYTES_PER_PARAM * self.shape.block_params(kind) / t
+                static = ADAM_BYTES_PER_PARAM * self.shape.rank_params(kind, t)
                 static += self.cast_bytes(kind, t)
+                self.kv_sync[kind, t] = self._kv_sync(kind, t)
                 self.mem[kind, t] = static + nsub * self.saved_bytes(kind, t)
                 # rebuilt during backward: one block's graph per sub-batch (the weights'
                 # copy is the one already counted)
@@ -303,8 +333,8 @@ class CostModel:
         if i == self.n - 1:
             cost += self.edge_out(t)
         if self.sync[k, t] and r.schedule == "oases":  # its replica sync steals cycles too
-            cost += self.shape.block_params(k) / t * 4 * self.sync_cpu_per_byte()
-        return cost * r.grad_accum
+            cost += self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
+        return cost * r.grad_accum + self.kv_sync[k, t]
 
     def sync_exposed(self, degrees: list[int]) -> float:
         """The replica gradient syncs that outlast the backward. Backward runs blocks
@@ -402,7 +432,7 @@ def analytic_profile(shape: ModelShape, run: RunShape, degrees: list[int],
     for t in degrees:
         rows = run.micro_batch_size / run.sub_batches * t / run.tp
         for kind in ("attn", "mlp"):
-            p = shape.block_params(kind) / t
+            p = shape.rank_params(kind, t)  # replicated kv heads are computed on each replica
             flops = 2 * rows * s * p
             if kind == "attn":
                 flops += 4 * rows * s * s * d / t

@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from oases.errors import UserError
+from oases.heads import heads_problem
 
 SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
               "seq_len")
@@ -115,18 +116,20 @@ def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:
 
 def check_degrees(degrees: list[int], tp: int, m, path: str, first_block: int = 0) -> None:
     """Every degree a power of two dividing ``tp`` (the stage's TP size) and the model's
-    heads, kv heads and ffn width; ``first_block`` numbers the blocks in messages."""
+    heads, kv heads (split or replicated whole, see oases.heads) and ffn width;
+    ``first_block`` numbers the blocks in messages."""
     for j, t in enumerate(degrees):
         i = first_block + j
         what = "attn" if i % 2 == 0 else "mlp"
         if t < 1 or tp % t or t & (t - 1):
             raise UserError(f"{path}: block {i} ({what}) has degree {t}, which is not a power "
                             f"of two dividing tp={tp}")
-        for name, n in (("n_head", m.n_head), ("n_kv_heads", m.n_kv_heads),
-                        ("ffn_hidden", m.ffn_hidden)):
-            if n % t:
-                raise UserError(f"{path}: block {i} ({what}) has degree {t}, which does not "
-                                f"divide model.{name}={n}")
+        heads = heads_problem(m.n_head, m.n_kv_heads, t)  # kv heads: split or replicated
+        if heads:
+            raise UserError(f"{path}: block {i} ({what}) has degree {t}, which {heads}")
+        if m.ffn_hidden % t:
+            raise UserError(f"{path}: block {i} ({what}) has degree {t}, which does not "
+                            f"divide model.ffn_hidden={m.ffn_hidden}")
 
 
 def check_zero(zero, n_layer: int, path: str = "plan") -> list[int]:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from oases.config import Config, ModelConfig
+from oases.heads import local_kv_heads
 from oases.planner.cost import ModelShape, Profile, RunShape
 from oases.progress import bar_safe, progress
 from oases.schedule.memory import SavedTensorMeter
@@ -135,7 +136,9 @@ def _block(kind: str, cfg: ModelConfig, t: int):
 
     sc = _ShardShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)},
                      fixed_head_dim=cfg.head_dim)
-    sc.n_head, sc.n_kv_heads, sc.ffn_hidden = cfg.n_head // t, cfg.n_kv_heads // t, cfg.ffn_hidden // t
+    # one rank's share; above n_kv_heads ranks it holds one (replicated) kv head
+    sc.n_head, sc.ffn_hidden = cfg.n_head // t, cfg.ffn_hidden // t
+    sc.n_kv_heads = local_kv_heads(cfg.n_kv_heads, t)
     proto = ARCHS[cfg.arch]
     lm = proto.__new__(proto)  # only for make_norm / make_mlp / make_rotary
     if kind == "attn":
@@ -208,7 +211,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
 
     c_f, c_b = _time_phases(head_fwd_then_bwd, device, reps, warmup, barrier=barrier)
     consts.update(1)
-    n_params = sum((shape.block_params(k) for k in shape.kinds()), 0) / run.tp + \
+    n_params = sum((shape.rank_params(k, run.tp) for k in shape.kinds()), 0) + \
         shape.other_params() / run.tp
     p = torch.zeros(int(n_params), device=device, requires_grad=True)
     p.grad = torch.zeros_like(p)

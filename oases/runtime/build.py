@@ -12,7 +12,8 @@ from oases.config import Config
 from oases.parallel.groups import ParallelContext
 from oases.planner.plan import check_zero, load_plan
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.reshard import grad_group_of
+from oases.parallel.replicas import ReplicaGradSum
+from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.runtime.dp import GradReducer, TiedTableSync
 from oases.runtime.optim import build_optimizer
 from oases.schedule.engines import build_schedule
@@ -66,16 +67,24 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         base = group_of
         group_of = lambda p: ctx.tie_group if p is tied else base(p)  # noqa: E731
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
+    # after the DP reduction: the tied table's two copies, the replicated kv heads' rows
+    kv_sum = ReplicaGradSum.for_model(model, kv_group_of(ctx, ctx.tp), ctx.tp)
+    syncs = [f for f in (tie_sync, kv_sum) if f is not None]
     if zero_levels is None:
         zero_levels = plan_zero_levels(cfg, ctx)
     level_of = zero_level_of(model, zero_levels, par.zero)
     if tied is not None:  # its group spans two stages: replicated
         inner = level_of
         level_of = lambda p: 0 if p is tied else inner(p)  # noqa: E731
+    if kv_sum is not None:  # the kv-replica sum needs whole gradients: at most level 1
+        kv = {id(p) for ps in kv_sum.params.values() for p in ps}
+        outer = level_of
+        level_of = lambda p: min(1, outer(p)) if id(p) in kv else outer(p)  # noqa: E731
     tied_head = (cfg.model.tie_embeddings and getattr(model, "head", None) is None
                  and getattr(model, "is_first", True) and getattr(model, "is_last", True))
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
-                          prescale_of=prescale_of, then=tie_sync, level_of=level_of,
+                          prescale_of=prescale_of, level_of=level_of,
+                          then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch)
     reducer.norm_by_terms = bool(par.zero) or bool(zero_levels and any(zero_levels))
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.optimizer_params(model))

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from oases.errors import CheckpointError
 from oases.parallel.groups import ParallelContext
+from oases.parallel.sharding import chunk_of
 from oases.progress import io_progress, nbytes
 
 SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
@@ -92,11 +93,12 @@ def _param_pieces(prefix: str, name: str, t: torch.Tensor, spec, coords) -> list
     if spec.parts:
         out, off = [], 0
         for i, part in enumerate(spec.parts):
-            n = part // size
+            chunk, chunks = chunk_of(spec, i, rank, size)  # replicas: same chunk, saved once
+            n = part // chunks
             full = list(spec.full_shape)
             full[dim] = part
             offsets = [0] * t.dim()
-            offsets[dim] = rank * n
+            offsets[dim] = chunk * n
             out.append(Piece(f"{prefix}/{name}.part{i}", t.narrow(dim, off, n), tuple(offsets),
                              tuple(full)))
             off += n

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from oases.config import TrainConfig
 from oases.parallel.comm import all_reduce
+from oases.parallel.sharding import part_views
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
@@ -57,10 +58,12 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
-            if getattr(p, "tp_spec", None) is not None:
-                # a block of degree t < T is replicated over T/t subgroups: count it once
+            spec = getattr(p, "tp_spec", None)
+            if spec is not None:
+                # a block of degree t < T is replicated over T/t subgroups, and a part
+                # held alike by r ranks of its group (GQA kv heads) r times: count once
                 t = getattr(p, "tp_coords", (0, T))[1]
-                sharded.append((p.grad, t / T))
+                sharded += [(g, t / T / r) for g, r in part_views(p.grad, spec, t)]
             else:
                 replicated.append(p.grad)
     dev = next(model.parameters()).device
@@ -91,9 +94,16 @@ def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: in
     for g, p, G in terms:
         if pp and getattr(p, "shared_copy", False):
             continue
-        w = getattr(p, "tp_coords", (0, T))[1] / T if getattr(p, "tp_spec", None) is not None \
-            else 1.0 / T
-        sq += g.double().pow(2).sum() * (w * G)
+        spec = getattr(p, "tp_spec", None)
+        if spec is None:
+            sq += g.double().pow(2).sum() * (G / T)
+            continue
+        t = getattr(p, "tp_coords", (0, T))[1]
+        # whole gradients (G = 1) may hold parts that r ranks of the group hold alike
+        # (GQA kv heads, kept at level <= 1): each counts 1/r, as in grad_norm
+        parts = part_views(g, spec, t) if G == 1 else [(g, 1)]
+        for v, r in parts:
+            sq += v.double().pow(2).sum() * (t / T / r * G)
     sq /= dp
     dist.all_reduce(sq)
     return sq.sqrt().float()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from oases.config import Config
 from oases.errors import ConfigError, UserError
+from oases.heads import heads_problem
 from oases.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.parallel.groups import ParallelContext
 from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan, check_zero,
@@ -54,10 +55,12 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
         raise ConfigError(f"{where} has {len(plan.stages)} stages but parallel.pp={p.pp}")
     layout = stages_layout(plan.stages, world, cfg.model.n_layer, where, cfg.pipeline_batch)
     for s in layout.stages:
-        for what, n in (("model.n_head", cfg.model.n_head), ("model.n_kv_heads",
-                        cfg.model.n_kv_heads), ("model.ffn_hidden", cfg.model.ffn_hidden)):
-            if n % s.tp:
-                raise ConfigError(f"{where}: a stage at tp={s.tp} does not divide {what}={n}")
+        heads = heads_problem(cfg.model.n_head, cfg.model.n_kv_heads, s.tp)
+        if heads:
+            raise ConfigError(f"{where}: a stage at tp={s.tp} {heads}")
+        if cfg.model.ffn_hidden % s.tp:
+            raise ConfigError(f"{where}: a stage at tp={s.tp} does not divide "
+                              f"model.ffn_hidden={cfg.model.ffn_hidden}")
         if s.degrees is not None:
             check_degrees(list(s.degrees), s.tp, cfg.model, where, 2 * s.layers[0])
         _check_rows(cfg, s.degrees, s.tp, cfg.pipeline_batch // s.dp)

@@ -96,7 +96,8 @@ def run(cfg: Config) -> None:
         check_out_dir(cfg)
     _init_torchelastic_attempt(cfg)
     ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
-                           cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings))
+                           cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings),
+                           cfg.model.n_kv_heads)
     try:
         _run(cfg, ctx)
     except (RuntimeError, ckpt.CheckpointException) as e:
