@@ -1,0 +1,125 @@
+"""The pipeline MILP (UniAP) and AMP's partition DP against brute force on small instances."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from oases.planner import amp, uniap
+
+
+def _instance(L, P, S, seed, per_stage=False, schedule="1f1b", c=4, tight=0.5):
+    """Random costs; the memory limit sits at the ``tight`` quantile of the plans' peaks."""
+    rng = random.Random(seed)
+    R = lambda: rng.uniform(1.0, 10.0)  # noqa: E731
+    grid = lambda: [[R() for _ in range(S)] for _ in range(L)]  # noqa: E731
+    pairs = lambda k: [[[k * R() * (r != s) for s in range(S)] for r in range(S)]  # noqa: E731
+                       for _ in range(L)]
+    t = [grid() for _ in range(P)] if per_stage else grid()
+    inst = uniap.Instance([f"s{k}" for k in range(S)], P, c, t, grid(), grid(), math.inf,
+                          e=pairs(0.5), x=[[[R() for _ in range(S)] for _ in range(S)]
+                                           for _ in range(L)], schedule=schedule)
+    peaks = sorted(max(mem) for _, _, mem in _plans(inst))
+    inst.memory_limit = [peaks[int(tight * (len(peaks) - 1))]] * P
+    return inst
+
+
+def _plans(inst, strategies=None):
+    """Every contiguous placement x strategy assignment: (starts, strat, memory)."""
+    L, P = inst.L, inst.stages
+    for cuts in itertools.combinations(range(1, L), P - 1):
+        for strat in strategies or itertools.product(range(inst.S), repeat=L):
+            starts = [0, *cuts]
+            yield starts, strat, uniap.evaluate(inst, starts, strat)[1]
+
+
+def _brute(inst, strategies=None):
+    best = None
+    for starts, strat, mem in _plans(inst, strategies):
+        if all(m <= lim for m, lim in zip(mem, inst.memory_limit)):
+            t = uniap.evaluate(inst, starts, strat)[0]
+            best = t if best is None else min(best, t)
+    return best
+
+
+CASES = [  # L, P, S, seed, per-stage t, schedule
+    (4, 2, 2, 0, False, "1f1b"),
+    (5, 2, 3, 1, False, "eager-1f1b"),
+    (6, 2, 3, 2, True, "1f1b"),
+    (6, 2, 2, 3, False, "1f1b"),
+    (5, 3, 2, 4, True, "eager-1f1b"),
+]
+
+
+@pytest.mark.parametrize("L,P,S,seed,per_stage,schedule", CASES)
+def test_milp_equals_brute_force(L, P, S, seed, per_stage, schedule):
+    inst = _instance(L, P, S, seed, per_stage, schedule)
+    want = _brute(inst)
+    got = uniap.solve(inst, gap=1e-9)
+    assert got.status == "optimal"
+    assert got.time == pytest.approx(want, rel=1e-6)
+    assert got.objective == pytest.approx(got.time, rel=1e-6)  # the model prices the plan right
+    assert all(m <= lim * (1 + 1e-9) for m, lim in zip(got.memory, inst.memory_limit))
+    assert [lo for lo, _ in got.stages] == sorted(lo for lo, _ in got.stages)
+    assert got.stages[0][0] == 0 and got.stages[-1][1] == L
+
+
+def test_order_preserving_constraints_matter():
+    """Layers 1, 2, 1 on two stages, two micro-batches: contiguous stages take 1 | 3
+    (time 4 + max 3 = 7); without the order rows the solver puts layers 0 and 2
+    on one stage (2 | 2, time 6), a plan no pipeline can run."""
+    inst = uniap.Instance(["only"], 2, 2, [[1.0], [2.0], [1.0]], [[0.0]] * 3, [[0.0]] * 3, 1.0)
+    real = uniap.solve(inst, gap=1e-9)
+    loose = uniap.solve(inst, gap=1e-9, order_preserving=False)
+    assert real.time == pytest.approx(7.0) and real.placement in ([0, 0, 1], [0, 1, 1])
+    assert loose.objective == pytest.approx(6.0) and loose.objective < real.time - 0.5
+    assert loose.placement in ([0, 1, 0], [1, 0, 1])
+
+
+def test_infeasible_memory_reports_minimum():
+    inst = _instance(5, 2, 3, 7)
+    need = min(max(mem) for _, _, mem in _plans(inst))
+    inst.memory_limit = [0.9 * need] * 2
+    with pytest.raises(uniap.InfeasibleMemory) as err:
+        uniap.solve(inst)
+    assert err.value.min_memory == pytest.approx(need, rel=1e-6)
+    assert "leanest plan needs" in str(err.value)
+    inst.memory_limit = [need * (1 + 1e-9)] * 2  # and at that limit a plan exists
+    assert uniap.solve(inst).time == pytest.approx(_brute(inst), rel=1e-3)
+
+
+@pytest.mark.parametrize("L,P,c,seed", [(6, 2, 4, 0), (7, 3, 3, 1), (6, 3, 1, 2), (6, 4, 8, 3)])
+def test_amp_partition_equals_brute_force(L, P, c, seed):
+    inst = _instance(L, P, 3, seed, per_stage=True, c=c, tight=0.3)
+    rng = random.Random(seed)
+    for _ in range(3):
+        strat = [rng.randrange(3) for _ in range(L)]
+        want = _brute(inst, [strat])
+        got = amp.partition(inst, strat)
+        if want is None:
+            assert got is None
+        else:
+            assert got.time == pytest.approx(want, rel=1e-9)
+            assert got.time == pytest.approx(uniap.evaluate(inst, got.starts, strat)[0])
+
+
+@pytest.mark.parametrize("L,P,S,seed", [(6, 2, 3, 11), (6, 3, 2, 12)])
+def test_milp_never_worse_than_amp_uniform(L, P, S, seed):
+    inst = _instance(L, P, S, seed, per_stage=True, tight=0.9)
+    uni = amp.best_uniform(inst)
+    want = min(_brute(inst, [[s] * L]) or math.inf for s in range(S))
+    assert uni.partition.time == pytest.approx(want)
+    assert uniap.solve(inst, gap=1e-9).time <= uni.partition.time * (1 + 1e-9)
+
+
+def test_search_uniform_ranks_choices():
+    """AMP's sweep: one Instance per (pp, micro-batches); the fastest comes first."""
+    def build(key):
+        pp, c = key
+        return _instance(6, pp, 2, pp * 10 + c, c=c, tight=1.0)
+
+    found = amp.search_uniform([(1, 4), (2, 4), (3, 2)], build)
+    assert [ch.partition.time for ch in found] == sorted(ch.partition.time for ch in found)
+    for ch in found:
+        assert ch.partition.time == pytest.approx(amp.best_uniform(build(ch.key)).partition.time)
