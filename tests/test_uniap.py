@@ -9,7 +9,7 @@ import pytest
 from oases.planner import amp, uniap
 
 
-def _instance(L, P, S, seed, per_stage=False, schedule="1f1b", c=4, tight=0.5):
+def _instance(L, P, S, seed, per_stage=False, schedule="1f1b", c=4, tight=0.5, xscale=1.0):
     """Random costs; the memory limit sits at the ``tight`` quantile of the plans' peaks."""
     rng = random.Random(seed)
     R = lambda: rng.uniform(1.0, 10.0)  # noqa: E731
@@ -18,7 +18,7 @@ def _instance(L, P, S, seed, per_stage=False, schedule="1f1b", c=4, tight=0.5):
                        for _ in range(L)]
     t = [grid() for _ in range(P)] if per_stage else grid()
     inst = uniap.Instance([f"s{k}" for k in range(S)], P, c, t, grid(), grid(), math.inf,
-                          e=pairs(0.5), x=[[[R() for _ in range(S)] for _ in range(S)]
+                          e=pairs(0.5), x=[[[xscale * R() for _ in range(S)] for _ in range(S)]
                                            for _ in range(L)], schedule=schedule)
     peaks = sorted(max(mem) for _, _, mem in _plans(inst))
     inst.memory_limit = [peaks[int(tight * (len(peaks) - 1))]] * P
@@ -91,9 +91,10 @@ def test_infeasible_memory_reports_minimum():
 
 @pytest.mark.parametrize("L,P,c,seed", [(6, 2, 4, 0), (7, 3, 3, 1), (6, 3, 1, 2), (6, 4, 8, 3)])
 def test_amp_partition_equals_brute_force(L, P, c, seed):
-    inst = _instance(L, P, 3, seed, per_stage=True, c=c, tight=0.3)
+    """Transfers up to 4x a layer's compute, so cuts matter and can be the max."""
+    inst = _instance(L, P, 3, seed, per_stage=True, c=c, tight=0.7, xscale=4.0)
     rng = random.Random(seed)
-    for _ in range(3):
+    for _ in range(6):
         strat = [rng.randrange(3) for _ in range(L)]
         want = _brute(inst, [strat])
         got = amp.partition(inst, strat)
@@ -104,9 +105,30 @@ def test_amp_partition_equals_brute_force(L, P, c, seed):
             assert got.time == pytest.approx(uniap.evaluate(inst, got.starts, strat)[0])
 
 
-@pytest.mark.parametrize("L,P,S,seed", [(6, 2, 3, 11), (6, 3, 2, 12)])
+@pytest.mark.parametrize("seed", [7, 116, 129])
+def test_amp_partition_random(seed):
+    """Random sizes, micro-batches and transfer scales (seeds where a bound sweep
+    that stops early, or skips candidates, loses the optimum)."""
+    rng = random.Random(seed)
+    L, P, c, xscale = rng.choice([5, 6]), rng.choice([2, 3]), rng.choice([2, 4, 8]), \
+        rng.choice([1.0, 4.0, 8.0])
+    inst = _instance(L, P, 3, seed, per_stage=True, c=c, tight=0.8, xscale=xscale)
+    strat = [rng.randrange(3) for _ in range(L)]
+    assert amp.partition(inst, strat).time == pytest.approx(_brute(inst, [strat]), rel=1e-9)
+
+
+def test_in_flight_micro_batches():
+    inst = _instance(4, 4, 1, 0, c=3)
+    assert [inst.in_flight(p) for p in range(4)] == [3, 3, 2, 1]
+    inst.schedule = "eager-1f1b"
+    assert [inst.in_flight(p) for p in range(4)] == [3, 3, 3, 1]
+    inst.micro_batches = 8
+    assert [inst.in_flight(p) for p in range(4)] == [7, 5, 3, 1]
+
+
+@pytest.mark.parametrize("L,P,S,seed", [(6, 2, 3, 11), (6, 3, 2, 12), (5, 2, 3, 13)])
 def test_milp_never_worse_than_amp_uniform(L, P, S, seed):
-    inst = _instance(L, P, S, seed, per_stage=True, tight=0.9)
+    inst = _instance(L, P, S, seed, per_stage=True, tight=0.9, xscale=2.0)
     uni = amp.best_uniform(inst)
     want = min(_brute(inst, [[s] * L]) or math.inf for s in range(S))
     assert uni.partition.time == pytest.approx(want)

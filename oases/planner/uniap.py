@@ -44,9 +44,19 @@ Proof: the third constraint says layer l's stage is layer l-1's or the next one,
 so the stage index starts at 0, never decreases and grows by at most one per
 layer; ending at P-1 it takes every value 0..P-1, each on one run of layers:
 stages are non-empty, contiguous and in pipeline order. Conversely every such
-placement satisfies the three. ``order_preserving=False`` drops them (and keeps
-"every stage non-empty"), an ablation for tests only: a layer then may return to
-an earlier stage, the step back costs nothing, and the objective can only drop.
+placement satisfies the three. For the LP bound we add valid equalities (they
+hold for every such placement, and on their own they too force the step rule):
+w[l][p][s] = sum_r (v[l][p][r][s] + g[l][p-1][r][s]), and likewise for l-1, plus
+sum_s w[l][p][s] = z[l][p], sum_p w[l][p][s] = y[l][s]. ``order_preserving=False``
+drops the order rows and those pair equalities (keeping "every stage
+non-empty"), an ablation for tests only: a layer then may return to an earlier
+stage, the step back costs nothing, and the objective can only drop.
+
+Scale (CBC, 2 cores, random costs): 6 layers x 2 stages x 3 strategies solve to
+optimality in about 0.4 s, 12 x 3 x 3 in about 7 s; 24 x 4 x 3 stops at the
+10 s limit 15% from its bound, and 40 x 6 x 4 finds no plan in 5 s. The model
+has about 2 L P S^2 pair variables: real models need HiGHS, longer limits or
+coarser layers (several blocks to one layer).
 """
 
 from __future__ import annotations
