@@ -181,6 +181,15 @@ class Result:
     solve_s: float
     placement: list[int] = field(default_factory=list)  # stage of each layer
 
+    def summary(self) -> str:
+        if self.gap is not None:
+            gap = f"gap {100 * self.gap:.2f}% to bound {self.bound:.6g}"
+        elif self.status == "optimal":
+            gap = "optimal within the gap tolerance (the solver reported no bound)"
+        else:
+            gap = "gap unknown (the solver reported no bound)"
+        return f"{self.status}: {self.time:.6g} per iteration, {gap}; {self.solver}, {self.solve_s:.2f} s"
+
 
 class InfeasibleMemory(UserError):
     """No plan fits; ``min_memory`` is the smallest per-device limit that would."""
@@ -190,12 +199,36 @@ class InfeasibleMemory(UserError):
         self.min_memory = min_memory
 
 
-def _solver(time_limit: float, gap: float, log_path: str):
+def _solver(time_limit: float, gap: float, log_path: str, warm: bool = False):
+    opts = dict(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm)
     for name in ("HiGHS", "HiGHS_CMD"):
         cls = getattr(pulp, name, None)
         if cls is not None and cls(msg=False).available():
-            return cls(msg=False, timeLimit=time_limit, gapRel=gap)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path)
+            return cls(**opts)
+    return pulp.PULP_CBC_CMD(logPath=log_path, **opts)
+
+
+def _warm(inst: Instance, var, C, starts, strat):
+    """Set every variable to its value under one contiguous plan."""
+    place = [sum(lo <= l for lo in starts[1:]) for l in range(inst.L)]
+    pair = lambda l, r, s: l > 0 and (strat[l - 1], strat[l]) == (r, s)  # noqa: E731
+    for l in range(inst.L):
+        for s in range(inst.S):
+            var["y"][l][s].setInitialValue(int(strat[l] == s))
+        for p in range(inst.stages):
+            var["z"][l][p].setInitialValue(int(place[l] == p))
+            for s in range(inst.S):
+                var["w"][l][p][s].setInitialValue(int(place[l] == p and strat[l] == s))
+                for r in range(inst.S):
+                    same = pair(l, r, s) and place[l - 1] == p == place[l]
+                    cut = pair(l, r, s) and place[l - 1] == p == place[l] - 1
+                    for name, hit in (("v", same), ("g", cut)):
+                        if var[name][l][p][r][s] is not None:
+                            var[name][l][p][r][s].setInitialValue(int(hit))
+    ends = list(starts[1:]) + [inst.L]
+    C.setInitialValue(max([stage_cost(inst, p, lo, hi, strat) for p, (lo, hi) in
+                           enumerate(zip(starts, ends))]
+                          + [inst.x[lo][strat[lo - 1]][strat[lo]] for lo in starts[1:]]))
 
 
 def _bound(solver, prob, log_path: str):
@@ -283,7 +316,8 @@ def _lp(inst: Instance, order_preserving: bool):
             _pair_margins(prob, w, v, g, l, P, S)
     mem = [pulp.lpSum((inst.m[p][l][s] + inst.in_flight(p) * inst.a[p][l][s]) * w[l][p][s]
                       for l in range(L) for s in range(S)) for p in range(P)]
-    return prob, z, y, [pulp.lpSum(q) for q in T], [pulp.lpSum(q) for q in O], mem
+    var = dict(z=z, y=y, w=w, v=v, g=g)
+    return prob, var, [pulp.lpSum(q) for q in T], [pulp.lpSum(q) for q in O], mem
 
 
 def _read(inst: Instance, z, y):
@@ -293,25 +327,33 @@ def _read(inst: Instance, z, y):
 
 
 def solve(inst: Instance, time_limit: float = 10.0, gap: float = 1e-3,
-          order_preserving: bool = True) -> Result:
+          order_preserving: bool = True, start=None) -> Result:
     """The best contiguous placement and per-layer strategies; raises
-    :class:`InfeasibleMemory` (with the least memory that would fit) if none fits."""
+    :class:`InfeasibleMemory` (with the least memory that would fit) if none fits.
+
+    ``start`` = (stage starts, strategy index per layer), a plan that fits (e.g.
+    AMP's best uniform one), is handed to the solver as its first incumbent: a
+    solve cut short by the time limit then returns nothing worse."""
     with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x's 4.0 notices
-        return _solve(inst, time_limit, gap, order_preserving, os.path.join(tmp, "cbc.log"))
+        return _solve(inst, time_limit, gap, order_preserving, os.path.join(tmp, "cbc.log"),
+                      start)
 
 
-def _solve(inst, time_limit, gap, order_preserving, log_path) -> Result:
+def _solve(inst, time_limit, gap, order_preserving, log_path, start) -> Result:
     t0 = time.perf_counter()
     P = inst.stages
-    prob, z, y, T, O, mem = _lp(inst, order_preserving)
+    prob, var, T, O, mem = _lp(inst, order_preserving)
+    z, y = var["z"], var["y"]
     C = pulp.LpVariable("C_max", 0)
     for q in T + O:
         prob += C >= q
     prob += pulp.lpSum(T) + pulp.lpSum(O) + (inst.micro_batches - 1) * C
     for p in range(P):
         prob += mem[p] <= inst.memory_limit[p]
-    solver = _solver(time_limit, gap, log_path)
+    if start is not None:
+        _warm(inst, var, C, *start)
+    solver = _solver(time_limit, gap, log_path, start is not None)
     prob.solve(solver)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         if prob.status == pulp.LpStatusInfeasible:
@@ -347,7 +389,7 @@ def min_memory(inst: Instance, time_limit: float = 10.0, order_preserving: bool 
     per-device limit under which :func:`solve` finds a plan (a second MILP)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        prob, _, _, _, _, mem = _lp(inst, order_preserving)
+        prob, _, _, _, mem = _lp(inst, order_preserving)
         peak = pulp.LpVariable("peak", 0)
         for q in mem:
             prob += peak >= q
