@@ -105,15 +105,19 @@ def test_amp_partition_equals_brute_force(L, P, c, seed):
             assert got.time == pytest.approx(uniap.evaluate(inst, got.starts, strat)[0])
 
 
-@pytest.mark.parametrize("seed", [7, 116, 129])
-def test_amp_partition_random(seed):
-    """Random sizes, micro-batches and transfer scales (seeds where a bound sweep
-    that stops early, or skips candidates, loses the optimum)."""
+@pytest.mark.parametrize("seed,S,sizes,scales", [
+    (7, 3, [5, 6], [1.0, 4.0, 8.0]), (116, 3, [5, 6], [1.0, 4.0, 8.0]),
+    (129, 3, [5, 6], [1.0, 4.0, 8.0]), (0, 2, [4, 5], [4.0, 8.0, 16.0]),
+    (1, 2, [4, 5], [4.0, 8.0, 16.0])])
+def test_amp_partition_random(seed, S, sizes, scales):
+    """Random sizes, micro-batches and transfer scales: seeds where a bound sweep
+    that stops early, or leaves the cuts' costs out of its candidates, loses the
+    optimum (the last two have transfers that dwarf every stage)."""
     rng = random.Random(seed)
-    L, P, c, xscale = rng.choice([5, 6]), rng.choice([2, 3]), rng.choice([2, 4, 8]), \
-        rng.choice([1.0, 4.0, 8.0])
-    inst = _instance(L, P, 3, seed, per_stage=True, c=c, tight=0.8, xscale=xscale)
-    strat = [rng.randrange(3) for _ in range(L)]
+    L, P, c, xscale = rng.choice(sizes), rng.choice([2, 3]), rng.choice([2, 4, 8]), \
+        rng.choice(scales)
+    inst = _instance(L, P, S, seed, per_stage=True, c=c, tight=0.8, xscale=xscale)
+    strat = [rng.randrange(S) for _ in range(L)]
     assert amp.partition(inst, strat).time == pytest.approx(_brute(inst, [strat]), rel=1e-9)
 
 
