@@ -151,9 +151,11 @@ def test_search_uniform_ranks_choices():
         assert ch.partition.time == pytest.approx(amp.best_uniform(build(ch.key)).partition.time)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.x notices
 def test_time_limit_keeps_the_warm_start_and_reports_the_gap():
-    """16 layers x 3 stages x 3 strategies, 0.05 s: the MILP starts from AMP's best
-    uniform plan, so stopping early never returns worse, and the gap comes back."""
+    """16 layers x 3 stages x 3 strategies: the MILP starts from AMP's best uniform
+    plan (every row holds there, the objective is its time), so a solve stopped
+    by the time limit never returns worse, and reports its gap."""
     rng = random.Random(5)
     L, P, S = 16, 3, 3
     grid = lambda: [[rng.uniform(1, 10) for _ in range(S)] for _ in range(L)]  # noqa: E731
@@ -161,8 +163,13 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap():
                      for _ in range(L)]
     inst = uniap.Instance(["a", "b", "c"], P, 4, grid(), grid(), grid(), 160.0, e=pairs(), x=pairs())
     uni = amp.best_uniform(inst)
-    got = uniap.solve(inst, time_limit=0.05, start=(uni.partition.starts,
-                                                   [inst.strategies.index(uni.strategy)] * L))
+    start = (uni.partition.starts, [inst.strategies.index(uni.strategy)] * L)
+    prob, var, C, _ = uniap._model(inst)
+    uniap._warm(inst, var, C, *start)
+    assert prob.valid(1e-9)
+    assert prob.objective.value() == pytest.approx(uni.partition.time)
+    assert uniap._solver(1.0, 1e-3, "log", warm=True).optionsDict.get("warmStart")
+    got = uniap.solve(inst, time_limit=0.3, start=start)
     assert got.time <= uni.partition.time * (1 + 1e-9)
     assert got.time == pytest.approx(uniap.evaluate(inst, [lo for lo, _ in got.stages],
                                                     [inst.strategies.index(s) for s in got.strategies])[0])

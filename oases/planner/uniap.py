@@ -340,24 +340,35 @@ def solve(inst: Instance, time_limit: float = 10.0, gap: float = 1e-3,
                       start)
 
 
-def _solve(inst, time_limit, gap, order_preserving, log_path, start) -> Result:
-    t0 = time.perf_counter()
-    P = inst.stages
+def _model(inst: Instance, order_preserving: bool = True):
+    """The full MILP: objective, max rows and memory rows on top of :func:`_lp`."""
     prob, var, T, O, mem = _lp(inst, order_preserving)
-    z, y = var["z"], var["y"]
     C = pulp.LpVariable("C_max", 0)
     for q in T + O:
         prob += C >= q
     prob += pulp.lpSum(T) + pulp.lpSum(O) + (inst.micro_batches - 1) * C
-    for p in range(P):
+    for p in range(inst.stages):
         prob += mem[p] <= inst.memory_limit[p]
+    return prob, var, C, mem
+
+
+def _solve(inst, time_limit, gap, order_preserving, log_path, start) -> Result:
+    t0 = time.perf_counter()
+    P = inst.stages
+    prob, var, C, mem = _model(inst, order_preserving)
+    z, y = var["z"], var["y"]
     if start is not None:
         _warm(inst, var, C, *start)
     solver = _solver(time_limit, gap, log_path, start is not None)
-    prob.solve(solver)
+    try:
+        prob.solve(solver)
+    except pulp.PulpSolverError as err:  # CBC killed by a very short limit writes no solution
+        raise RuntimeError(f"MILP solver stopped without a plan in {time_limit} s: {err}")
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        if prob.status == pulp.LpStatusInfeasible:
-            need = min_memory(inst, time_limit, order_preserving)
+        # memory is the only row a contiguous placement can break; a solver cut
+        # short may still call the model infeasible, so check that memory is why
+        need = min_memory(inst, order_preserving=order_preserving)
+        if prob.status == pulp.LpStatusInfeasible and min(inst.memory_limit) < need < math.inf:
             raise InfeasibleMemory(
                 f"no pipeline plan fits in the memory limits {_gib(inst.memory_limit)} per device: "
                 f"the leanest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) on its "
