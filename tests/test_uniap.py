@@ -152,7 +152,7 @@ def test_search_uniform_ranks_choices():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.x notices
-def test_time_limit_keeps_the_warm_start_and_reports_the_gap():
+def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
     """16 layers x 3 stages x 3 strategies: the MILP starts from AMP's best uniform
     plan (every row holds there, the objective is its time), so a solve stopped
     by the time limit never returns worse, and reports its gap."""
@@ -168,8 +168,12 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap():
     uniap._warm(inst, var, C, *start)
     assert prob.valid(1e-9)
     assert prob.objective.value() == pytest.approx(uni.partition.time)
-    assert uniap._solver(1.0, 1e-3, "log", warm=True).optionsDict.get("warmStart")
+    solvers = []
+    real = uniap._solver
+    monkeypatch.setattr(uniap, "_solver", lambda *a: solvers.append(real(*a)) or solvers[-1])
     got = uniap.solve(inst, time_limit=0.3, start=start)
+    assert solvers[0].optionsDict.get("warmStart")
+    assert all(v.varValue is not None for v in prob.variables())  # _warm left none unset
     assert got.time <= uni.partition.time * (1 + 1e-9)
     assert got.time == pytest.approx(uniap.evaluate(inst, [lo for lo, _ in got.stages],
                                                     [inst.strategies.index(s) for s in got.strategies])[0])
