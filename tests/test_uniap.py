@@ -171,8 +171,10 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
     solvers = []
     real = uniap._solver
     monkeypatch.setattr(uniap, "_solver", lambda *a: solvers.append(real(*a)) or solvers[-1])
+    warmed, warm = [], uniap._warm
+    monkeypatch.setattr(uniap, "_warm", lambda *a: warmed.append(a[3:]) or warm(*a))
     got = uniap.solve(inst, time_limit=0.3, start=start)
-    assert solvers[0].optionsDict.get("warmStart")
+    assert solvers[0].optionsDict.get("warmStart") and warmed == [start]
     assert all(v.varValue is not None for v in prob.variables())  # _warm left none unset
     assert got.time <= uni.partition.time * (1 + 1e-9)
     assert got.time == pytest.approx(uniap.evaluate(inst, [lo for lo, _ in got.stages],
