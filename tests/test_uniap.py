@@ -161,7 +161,8 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
     grid = lambda: [[rng.uniform(1, 10) for _ in range(S)] for _ in range(L)]  # noqa: E731
     pairs = lambda: [[[rng.uniform(1, 10) for _ in range(S)] for _ in range(S)]  # noqa: E731
                      for _ in range(L)]
-    inst = uniap.Instance(["a", "b", "c"], P, 4, grid(), grid(), grid(), 160.0, e=pairs(), x=pairs())
+    inst = uniap.Instance(["a", "b", "c"], P, 4, grid(), grid(), grid(), 160.0,
+                          e=pairs(), x=pairs())
     uni = amp.best_uniform(inst)
     start = (uni.partition.starts, [inst.strategies.index(uni.strategy)] * L)
     prob, var, C, _ = uniap._model(inst)
@@ -177,8 +178,8 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
     assert solvers[0].optionsDict.get("warmStart") and warmed == [start]
     assert all(v.varValue is not None for v in prob.variables())  # _warm left none unset
     assert got.time <= uni.partition.time * (1 + 1e-9)
-    assert got.time == pytest.approx(uniap.evaluate(inst, [lo for lo, _ in got.stages],
-                                                    [inst.strategies.index(s) for s in got.strategies])[0])
+    strat = [inst.strategies.index(s) for s in got.strategies]
+    assert got.time == pytest.approx(uniap.evaluate(inst, [lo for lo, _ in got.stages], strat)[0])
     if got.status != "optimal":
         assert got.status == "feasible (time limit)" and got.bound <= got.objective
         assert got.gap == pytest.approx((got.objective - got.bound) / got.objective)

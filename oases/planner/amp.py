@@ -122,7 +122,8 @@ def best_uniform(inst: Instance) -> Optional[Choice]:
     return best
 
 
-def search_uniform(choices: Iterable, build: Callable[[object], Optional[Instance]]) -> list[Choice]:
+def search_uniform(choices: Iterable,
+                   build: Callable[[object], Optional[Instance]]) -> list[Choice]:
     """AMP's sweep: ``build(choice)`` gives the Instance for one (pp, tp, dp,
     micro-batch...) choice (None to skip it); every uniform strategy of it is
     partitioned. Returns the feasible choices, fastest first."""

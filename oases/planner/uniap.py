@@ -52,11 +52,13 @@ drops the order rows and those pair equalities (keeping "every stage
 non-empty"), an ablation for tests only: a layer then may return to an earlier
 stage, the step back costs nothing, and the objective can only drop.
 
-Scale (CBC, 2 cores, random costs): 6 layers x 2 stages x 3 strategies solve to
-optimality in about 0.4 s, 12 x 3 x 3 in about 7 s; 24 x 4 x 3 stops at the
-10 s limit 15% from its bound, and 40 x 6 x 4 finds no plan in 5 s. The model
-has about 2 L P S^2 pair variables: real models need HiGHS, longer limits or
-coarser layers (several blocks to one layer).
+Scale (CBC, 2 shared cores, random costs): 6 layers x 2 stages x 3 strategies
+solve to optimality in about 0.4 s, 12 x 3 x 3 in about 7 s; 24 x 4 x 3 stops at
+the 10 s limit 15% from its bound, and 40 x 6 x 4 finds no plan at all in 5 s
+unless ``solve`` is given a start (AMP's best uniform plan: it then returns that
+plan, 31% from the bound, after 14 s of model building and solving). About
+2 L P S^2 pair variables: real models need HiGHS, longer limits or coarser
+layers (several blocks to one layer).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ class Result:
             gap = "optimal within the gap tolerance (the solver reported no bound)"
         else:
             gap = "gap unknown (the solver reported no bound)"
-        return f"{self.status}: {self.time:.6g} per iteration, {gap}; {self.solver}, {self.solve_s:.2f} s"
+        return (f"{self.status}: {self.time:.6g} per iteration, {gap}; "
+                f"{self.solver}, {self.solve_s:.2f} s")
 
 
 class InfeasibleMemory(UserError):
@@ -242,11 +245,12 @@ def _bound(solver, prob, log_path: str):
         if "Optimal solution found" in text:
             return "optimal", None  # proven within gapRel; CBC prints no bound then
         return ("feasible (time limit)" if stopped else "optimal"), None
-    try:  # HiGHS through highspy
-        info = solver.solverModel.getInfo() if hasattr(solver, "solverModel") else prob.solverModel.getInfo()
-        return "optimal", float(info.mip_dual_bound)
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible (time limit)"
+    model = getattr(solver, "solverModel", None) or getattr(prob, "solverModel", None)
+    try:  # HiGHS through highspy keeps its model; HiGHS_CMD leaves no bound to read
+        return status, float(model.getInfo().mip_dual_bound)
     except Exception:
-        return "optimal", None
+        return status, None
 
 
 def _pair_margins(prob, w, v, g, l, P, S):
