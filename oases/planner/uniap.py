@@ -46,11 +46,13 @@ layer; ending at P-1 it takes every value 0..P-1, each on one run of layers:
 stages are non-empty, contiguous and in pipeline order. Conversely every such
 placement satisfies the three. For the LP bound we add valid equalities (they
 hold for every such placement, and on their own they too force the step rule):
-w[l][p][s] = sum_r (v[l][p][r][s] + g[l][p-1][r][s]), and likewise for l-1, plus
-sum_s w[l][p][s] = z[l][p], sum_p w[l][p][s] = y[l][s]. ``order_preserving=False``
-drops the order rows and those pair equalities (keeping "every stage
-non-empty"), an ablation for tests only: a layer then may return to an earlier
-stage, the step back costs nothing, and the objective can only drop.
+w[l][p][s] = sum_r (v[l][p][r][s] + g[l][p-1][r][s]), and likewise for l-1
+(with them the product rows above are implied, too); sum_s w[l][p][s] = z[l][p]
+and sum_p w[l][p][s] = y[l][s] hold for any placement and stay always.
+``order_preserving=False`` drops the order rows and the pair equalities
+(keeping "every stage non-empty"), an ablation for tests only: a layer then may
+return to an earlier stage, the step back costs nothing, and the objective can
+only drop.
 
 Scale (CBC, 2 shared cores, random costs): 6 layers x 2 stages x 3 strategies
 solve to optimality in about 0.4 s, 12 x 3 x 3 in about 7 s; 24 x 4 x 3 stops at
