@@ -55,11 +55,14 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--run-timeout", type=float, default=300.0)
+    p.add_argument("--micro-batch-size", type=int, default=DEFAULT_MODEL["micro_batch_size"],
+                   help="more tokens per step: more compute for the same parameter traffic")
+    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/zero)")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.warmup = 1, 4, 1
-    a.tp, a.model_shape = 1, dict(DEFAULT_MODEL)
+    a.tp, a.model_shape = 1, {**DEFAULT_MODEL, "micro_batch_size": a.micro_batch_size}
     return a
 
 
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     overlap.TRAIN_MODES.update(MODES)  # run_one takes a mode's overrides from there
-    out = overlap.RESULTS / ("zero-quick" if args.quick else "zero")
+    out = Path(args.out) if args.out else overlap.RESULTS / ("zero-quick" if args.quick else "zero")
     workdir = REPO / "runs" / "bench-zero" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs, t0 = [], time.monotonic()
     with EmulatedCluster(spec) as cluster:
