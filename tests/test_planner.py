@@ -176,14 +176,30 @@ def _gpt_tiny_t2():
                               "train.grad_accum=4", "data.kind=synthetic"]).validate(2)
 
 
+class _ActivationMeter:
+    """SavedTensorMeter without the parameters autograd saves (they are counted once,
+    with the gradients and Adam moments, as the cost model's 16 B per parameter)."""
+
+    def __new__(cls, model):
+        from oases.schedule.memory import SavedTensorMeter
+
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        class Meter(SavedTensorMeter):
+            def _add(self, t):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params:
+                    return
+                super()._add(t)
+
+        return Meter()
+
+
 def _measure_memory_body(ctx, plans: dict, out: str) -> None:
     """Per plan, the most any rank holds: parameter, gradient and Adam bytes (the tensors
     themselves) plus the peak of the saved activations over a real train_step."""
     from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import train_step
-    from oases.schedule.memory import SavedTensorMeter
-
     cfg = _gpt_tiny_t2()
     got = {}
     for name, degrees in plans.items():
@@ -195,7 +211,7 @@ def _measure_memory_body(ctx, plans: dict, out: str) -> None:
         red = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
         batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                                cfg.train.micro_batch_size, 0, 1, cfg.seed)
-        with SavedTensorMeter() as meter:
+        with _ActivationMeter(model) as meter:
             train_step(model, batches, opt, red, cfg, ctx, 1e-3)
         held = sum(t.numel() * t.element_size() for p in model.parameters()
                    for t in (p, p.grad, *opt.state[p].values()) if t.dim() > 0)
