@@ -24,6 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from oases.errors import ConfigError
+from oases.blend_spec import check_blend
 from oases.heads import heads_problem
 from oases.model_sizes import MODEL_SIZES
 
@@ -224,64 +225,10 @@ class DataConfig:
     val_path: str = ""              # optional; enables eval.interval
     dtype: str = "uint16"           # token file dtype: "uint16" | "uint32"
 
-    _BLEND_FORM = "{path: FILE, weight: W}"  # not a field: no annotation
-
-    @staticmethod
-    def _blend_weight(where: str, value: Any) -> float:
-        """A blend weight: a finite number > 0 (a string only as YAML reads ``1e-3``)."""
-        w = value
-        if isinstance(value, str):
-            try:
-                w = float(value)
-            except ValueError:
-                w = None
-        if not isinstance(w, (int, float)) or isinstance(w, bool):
-            raise ConfigError(f"{where}.weight={value!r} is not a number")
-        if not (w > 0 and math.isfinite(w)):
-            raise ConfigError(f"{where}.weight={value!r} must be a finite number > 0")
-        return float(w)
-
-    @classmethod
-    def _blend_entry(cls, i: int, entry: Any, check_files: bool) -> tuple[str, float]:
-        where, form = f"data.train_paths[{i}]", cls._BLEND_FORM
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where} must be a mapping {form}, got {entry!r}")
-        unknown = sorted(str(k) for k in entry if k not in ("path", "weight"))
-        if unknown:
-            raise ConfigError(f"{where} has unknown key {unknown[0]!r}; an entry is {form}")
-        for k in ("path", "weight"):
-            if entry.get(k) is None:
-                raise ConfigError(f"{where} needs a {k}; an entry is {form}")
-        path = entry["path"]
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{where}.path={path!r} must be a file path")
-        weight = cls._blend_weight(where, entry["weight"])
-        if check_files and not Path(path).is_file():
-            what = "is a directory, not a token file" if Path(path).is_dir() else "does not exist"
-            raise ConfigError(f"{where}.path={path} {what}")
-        return path, weight
-
     def blend(self, check_files: bool = True) -> list[tuple[str, float]]:
         """``train_paths`` checked, as ``[(path, weight), ...]`` with the weights
-        normalised to sum 1. Every problem is a one-line ConfigError naming the entry."""
-        entries = self.train_paths
-        if not isinstance(entries, list):
-            raise ConfigError(f"data.train_paths must be a list of {self._BLEND_FORM} mappings, "
-                              f"got {type(entries).__name__}")
-        if not entries:
-            raise ConfigError(f"data.train_paths is empty; list at least one {self._BLEND_FORM}")
-        pairs = [self._blend_entry(i, e, check_files) for i, e in enumerate(entries)]
-        seen: dict[str, int] = {}
-        for i, (path, _) in enumerate(pairs):
-            key = str(Path(path).resolve())
-            if key in seen:
-                raise ConfigError(f"data.train_paths[{seen[key]}] and [{i}] are both {path}; "
-                                  f"give the file one entry with the summed weight")
-            seen[key] = i
-        total = math.fsum(w for _, w in pairs)
-        if not math.isfinite(total):
-            raise ConfigError(f"data.train_paths weights sum to {total}; use smaller weights")
-        return [(path, w / total) for path, w in pairs]
+        normalised to sum 1 (:func:`oases.blend_spec.check_blend`)."""
+        return check_blend(self.train_paths, check_files)
 
     def validate(self) -> None:
         _choice("data.kind", self.kind, ("synthetic", "tokens"))
