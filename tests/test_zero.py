@@ -57,16 +57,23 @@ def _full_params(model, ctx) -> dict[str, torch.Tensor]:
     return out
 
 
+def _build(cfg, ctx, rows=None):
+    """What the trainer builds for this rank: model, engine, optimizer, reducer, pipeline
+    runner (None at pp = 1) and the data (``rows`` per DP rank and micro-batch)."""
+    tracker = seed_tracker(cfg, ctx)
+    model = model_for(cfg, ctx, tracker, None, cfg.seed)
+    engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                           rows or cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+    return model, engine, opt, reducer, pipe, batches
+
+
 def run_levels(ctx, levels, schedule, recompute, extra=()):
     """{level: (losses, norms, full params, store stats)} on every rank."""
     res = {}
     for zero in levels:
         cfg = _cfg(ctx.world_size, ctx.tp, zero, schedule, recompute, extra)
-        tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, cfg.seed)
-        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
-        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
         losses, norms = [], []
         for step in range(STEPS):
             loss, norm = train_step(model, batches, opt, reducer, cfg, ctx,
@@ -109,11 +116,7 @@ def _memory_body(ctx, out):
     for zero in (0, 1, 2, 3):
         cfg = _cfg(ctx.world_size, 1, zero, "megatron", "none",
                    ("train.grad_accum=1", "parallel.dp_bucket_mb=25"))
-        tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, cfg.seed)
-        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
-        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
         train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
         if ctx.rank == 0:
             out[zero] = reducer.memory(model, opt)
@@ -219,11 +222,7 @@ def _pp_body(rank, schedule, recompute):
                    ("parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2", *extra))
         layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
         ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
-        tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, cfg.seed)
-        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
-        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                               cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
+        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx, cfg.pipeline_batch // ctx.dp)
         losses = [train_step(model, batches, opt, reducer, cfg, ctx, lr_at(s, cfg.train),
                              engine, pipe) for s in range(STEPS)]
         with reducer.unsharded(opt, model):
@@ -270,11 +269,7 @@ def _nonfinite_body(ctx):
 
     for zero in (2, 3):
         cfg = _cfg(ctx.world_size, 1, zero, "oases", "fine")
-        tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, cfg.seed)
-        engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
-        batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                               cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
         train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
         with reducer.unsharded(opt, model) as o:
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
