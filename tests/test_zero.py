@@ -40,7 +40,8 @@ PARAM_ATOL = 1e-5  # see the module docstring
 
 def _cfg(world: int, tp: int, zero: int, schedule: str, recompute: str, extra=()):
     return load_config(None, [
-        "model.name=gpt-tiny", "model.n_layer=2", "model.dropout=0", "model.seq_len=32", f"parallel.tp={tp}",
+        "model.name=gpt-tiny", "model.n_layer=2", "model.dropout=0", "model.seq_len=32",
+        f"parallel.tp={tp}",
         f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
         f"parallel.zero={zero}", "data.kind=synthetic", "data.val_path=",
         "train.micro_batch_size=4", "train.grad_accum=2", f"train.steps={STEPS}",
@@ -98,7 +99,8 @@ def _body(ctx, schedule, recompute):
         assert_close(torch.tensor(norms), torch.tensor(ref_n), rtol=1e-5, atol=0,
                      msg=f"zero={zero} norms")
         for name, p in params.items():
-            assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=lambda m, n=name: f"zero={zero} {n}: {m}")
+            assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL,
+                         msg=lambda m, n=name: f"zero={zero} {n}: {m}")
     gathers, late = res[3][3]
     assert gathers > 0
     if schedule == "oases":  # every block but the first of each pass was prefetched

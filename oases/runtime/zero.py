@@ -232,9 +232,10 @@ class ParamStore:
     next block's gather runs during this block's compute, in forward (nxt = u + 1)
     and backward (nxt = u - 1); the gathers of ``depth`` units ahead are queued. At
     most ``keep + depth`` units stay gathered; the least recently used one is freed
-    first (so the last blocks of the forward are still whole when backward starts). A unit is never used without ``use``: the
-    engines call it before a block's forward, recompute and backward, and hooks on
-    the model cover plain ``model(...)`` calls (the megatron engine, evaluation).
+    first (so the last blocks of the forward are still whole when backward starts).
+    A unit is never used without ``use``: the engines call it before a block's
+    forward, recompute and backward, and hooks on the model cover plain
+    ``model(...)`` calls (the megatron engine, evaluation).
     Every rank of a unit's group makes the same calls in the same order (they run
     the same schedule), so the all-gathers match. ``release()`` (end of every
     backward pass of a step, before the optimizer changes the owned ranges) frees all.
