@@ -212,14 +212,16 @@ def test_zero_levels_from_a_plan(tmp_path):
     run_distributed(_plan_body, world=4, tp=2, args=(str(tmp_path),))
 
 
-def _pp_body(rank, schedule, recompute):
-    """pp 2 x dp 2 (tied embeddings across the stages): zero 3 and mixed levels equal
-    zero 0, stage by stage."""
+def _pp_body(rank, schedule, recompute, plan=None):
+    """pp 2 x dp 2 (tied embeddings across the stages): zero 3 equals zero 0, stage by
+    stage; with ``plan``, per-block levels from a plan file that leaves the first stage
+    at level 0 and shards the second's."""
     from oases.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
 
     res = {}
-    for name, extra in (("0", ("parallel.zero=0",)), ("3", ("parallel.zero=3",))):
+    other = ("parallel.zero=3",) if plan is None else (f"parallel.plan={plan}",)
+    for name, extra in (("0", ("parallel.zero=0",)), ("3", other)):
         cfg = _cfg(4, 1, 0, schedule, recompute,
                    ("parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2", *extra))
         layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
@@ -240,6 +242,14 @@ def _pp_body(rank, schedule, recompute):
 @pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
 def test_zero_in_a_pipeline(schedule, recompute):
     run_distributed(_pp_body, world=4, tp=None, args=(schedule, recompute))
+
+
+def test_zero_plan_levels_differ_between_stages(tmp_path):
+    import yaml
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"zero": [0, 0, 0, 3, 2, 3]}))  # stage 1 only
+    run_distributed(_pp_body, world=4, tp=None, args=("megatron", "none", str(plan)))
 
 
 # -- every recompute mode, active clipping, the non-finite check -----------------------

@@ -70,8 +70,11 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     # after the DP reduction: the tied table's two copies, the replicated kv heads' rows
     kv_sum = ReplicaGradSum.for_model(model, kv_group_of(ctx, ctx.tp), ctx.tp)
     syncs = [f for f in (tie_sync, kv_sum) if f is not None]
+    # whether the run uses ZeRO anywhere: the same on every rank and stage (collectives)
+    any_zero = bool(par.zero) or bool(zero_levels and any(zero_levels))
     if zero_levels is None:
         zero_levels = plan_zero_levels(cfg, ctx)
+        any_zero = bool(par.zero) or plan_uses_zero(cfg)
     level_of = zero_level_of(model, zero_levels, par.zero)
     if tied is not None:  # its group spans two stages: replicated
         inner = level_of
@@ -85,8 +88,8 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
                           prescale_of=prescale_of, level_of=level_of,
                           then=(lambda: [f() for f in syncs]) if syncs else None,
-                          tied_head=tied_head, prefetch=par.zero_prefetch)
-    reducer.norm_by_terms = bool(par.zero) or bool(zero_levels and any(zero_levels))
+                          tied_head=tied_head, prefetch=par.zero_prefetch,
+                          zero=any_zero)
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.optimizer_params(model))
     reducer.seed_optimizer(opt)
     schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
@@ -115,6 +118,12 @@ def plan_zero_levels(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
     a, b = ctx.layout.stages[ctx.stage].layers
     return (zero[:1] if ctx.is_first_stage else []) + zero[1 + 2 * a: 1 + 2 * b] + \
         [zero[-1] if ctx.is_last_stage else 0]
+
+
+def plan_uses_zero(cfg: Config) -> bool:
+    """The plan file gives some block (of any stage) a ZeRO level above 0."""
+    path = cfg.parallel.plan
+    return bool(path) and path != "auto" and any(load_plan(path).zero)
 
 
 def zero_level_of(model, levels: Optional[list[int]], default: int):

@@ -98,16 +98,19 @@ class GradReducer:
                  prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None,
                  then: Optional[Callable[[], None]] = None,
                  level_of: Optional[Callable[[nn.Parameter], int]] = None,
-                 tied_head: bool = False, prefetch: bool = True) -> None:
+                 tied_head: bool = False, prefetch: bool = True,
+                 zero: bool = False) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
         such a bucket is not divided by dp afterwards. ``then``: a collective to run at the
         end of every :meth:`finish` (:class:`TiedTableSync`). ``level_of(param)``: the
         ZeRO level of the parameter's block (default 0); ``tied_head``: the head uses
-        the embedding block's table (level 3 gathers it for the head too)."""
+        the embedding block's table (level 3 gathers it for the head too). ``zero``: the
+        run asks for ZeRO anywhere (the same on every rank, every stage): clipping then
+        measures the owned pieces, with the same collectives everywhere."""
         self._then = then
-        self.norm_by_terms = False  # clip_grads: measure through grad_terms (set by config)
+        self.norm_by_terms = zero  # clip_grads: measure through grad_terms
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
