@@ -75,14 +75,12 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     if zero_levels is None:
         zero_levels = plan_zero_levels(cfg, ctx)
         any_zero = bool(par.zero) or plan_uses_zero(cfg)
-    level_of = zero_level_of(model, zero_levels, par.zero)
-    if tied is not None:  # its group spans two stages: replicated
-        inner = level_of
-        level_of = lambda p: 0 if p is tied else inner(p)  # noqa: E731
-    if kv_sum is not None:  # the kv-replica sum needs whole gradients: at most level 1
-        kv = {id(p) for ps in kv_sum.params.values() for p in ps}
-        outer = level_of
-        level_of = lambda p: min(1, outer(p)) if id(p) in kv else outer(p)  # noqa: E731
+    # the highest level some parameters allow: the tied table's group spans two stages
+    # (replicated), the kv-replica sum needs whole gradients (level 1 at most)
+    cap = {id(p): 1 for ps in (kv_sum.params.values() if kv_sum else []) for p in ps}
+    if tied is not None:
+        cap[id(tied)] = 0
+    level_of = zero_level_of(model, zero_levels, par.zero, cap)
     tied_head = (cfg.model.tie_embeddings and getattr(model, "head", None) is None
                  and getattr(model, "is_first", True) and getattr(model, "is_last", True))
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
@@ -126,11 +124,13 @@ def plan_uses_zero(cfg: Config) -> bool:
     return bool(path) and path != "auto" and any(load_plan(path).zero)
 
 
-def zero_level_of(model, levels: Optional[list[int]], default: int):
+def zero_level_of(model, levels: Optional[list[int]], default: int,
+                  cap: Optional[dict[int, int]] = None):
     """param -> ZeRO level: its block's entry of ``levels`` (the last entry: parameters
-    outside every block), else ``default``."""
+    outside every block), else ``default``; at most ``cap[id(param)]``."""
+    cap = cap or {}
     if not levels:
-        return lambda p: default
+        return lambda p: min(default, cap.get(id(p), default))
     blocks = model.blocks()
     if len(levels) != len(blocks) + 1:
         raise ValueError(f"{len(levels)} ZeRO levels for {len(blocks)} blocks + head")
@@ -138,7 +138,7 @@ def zero_level_of(model, levels: Optional[list[int]], default: int):
     for i, blk in enumerate(blocks):
         for p in blk.parameters():
             of.setdefault(id(p), levels[i])
-    return lambda p: of.get(id(p), levels[-1])
+    return lambda p: min(of.get(id(p), levels[-1]), cap.get(id(p), 3))
 
 
 class _FixedBatches:

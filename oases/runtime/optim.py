@@ -42,6 +42,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def _tp_parts(g: torch.Tensor, p: nn.Parameter, T: int):
+    """``g`` (a TP-sharded parameter's whole gradient, or a piece of it) as (view, weight)
+    pairs, the weight making a sum over the TP group count the full parameter once: a
+    block of degree t < T is replicated over T/t subgroups, and a part held alike by r
+    ranks of its group (GQA kv heads) r times. None for a replicated parameter."""
+    spec = getattr(p, "tp_spec", None)
+    if spec is None:
+        return None
+    t = getattr(p, "tp_coords", (0, T))[1]
+    if g.shape != p.shape:  # a flat ZeRO piece: no replicated parts (those stay whole)
+        return [(g, t / T)]
+    return [(v, t / T / r) for v, r in part_views(g, spec, t)]
+
+
 @torch.no_grad()
 def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     """Global L2 norm of the gradient of the *full* model.
@@ -58,14 +72,11 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
-            spec = getattr(p, "tp_spec", None)
-            if spec is not None:
-                # a block of degree t < T is replicated over T/t subgroups, and a part
-                # held alike by r ranks of its group (GQA kv heads) r times: count once
-                t = getattr(p, "tp_coords", (0, T))[1]
-                sharded += [(g, t / T / r) for g, r in part_views(p.grad, spec, t)]
-            else:
+            parts = _tp_parts(p.grad, p, T)
+            if parts is None:
                 replicated.append(p.grad)
+            else:
+                sharded += parts
     dev = next(model.parameters()).device
     sq_sharded = sum((g.float().pow(2).sum() * w for g, w in sharded), torch.zeros((), device=dev))
     sq_repl = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=dev))
@@ -94,16 +105,8 @@ def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: in
     for g, p, G in terms:
         if pp and getattr(p, "shared_copy", False):
             continue
-        spec = getattr(p, "tp_spec", None)
-        if spec is None:
-            sq += g.double().pow(2).sum() * (G / T)
-            continue
-        t = getattr(p, "tp_coords", (0, T))[1]
-        # whole gradients (G = 1) may hold parts that r ranks of the group hold alike
-        # (GQA kv heads, kept at level <= 1): each counts 1/r, as in grad_norm
-        parts = part_views(g, spec, t) if G == 1 else [(g, 1)]
-        for v, r in parts:
-            sq += v.double().pow(2).sum() * (t / T / r * G)
+        for v, w in _tp_parts(g, p, T) or [(g, 1.0 / T)]:
+            sq += v.double().pow(2).sum() * (w * G)
     sq /= dp
     dist.all_reduce(sq)
     return sq.sqrt().float()
