@@ -71,6 +71,13 @@ TRAIN_MODES = {
     "nocomm": ["parallel.schedule=oases", "parallel.recompute=fine", "parallel.tp_comm_noop=true"],
     "megatron+full+nocomm": ["parallel.schedule=megatron", "parallel.recompute=full",
                              "parallel.tp_comm_noop=true"],
+    # need grad_accum >= 2 (--model grad_accum=2): each backward paired with the next
+    # micro-batch's forward, two sub-batches inside each (fb) or one (fb1)
+    "oases+fine+fb": ["parallel.schedule=oases", "parallel.recompute=fine",
+                      "parallel.overlap_fb=true"],
+    "oases+fine+fb1": ["parallel.schedule=oases", "parallel.recompute=fine",
+                       "parallel.overlap_fb=true", "parallel.sub_batches=1"],
+    "oases+selective": ["parallel.schedule=oases", "parallel.recompute=selective"],
 }
 PEER_MODES = {"dtensor": "dtensor_gpt.py", "megatron-core": "megatron_core_gpt.py"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]
@@ -83,13 +90,17 @@ TARGETS = [
     ("oases+full >= 1.2x megatron+full", "oases+full", "megatron+full", 1.2),
     ("oases+fine >= 1.3x dtensor", "oases+fine", "dtensor", 1.3),
     ("oases+fine >= 1.3x megatron-core", "oases+fine", "megatron-core", 1.3),
+    ("oases+fine+fb >= 0.85x nocomm", "oases+fine+fb", "nocomm", 0.85),
+    ("oases+fine+fb >= 1.7x megatron+full", "oases+fine+fb", "megatron+full", 1.7),
+    ("oases+fine+fb1 >= 0.85x nocomm", "oases+fine+fb1", "nocomm", 0.85),
+    ("oases+fine+fb1 >= 1.7x megatron+full", "oases+fine+fb1", "megatron+full", 1.7),
 ]
 
 # The shape: chosen so that megatron+full spends >= 50% of its step in TP
 # communication at both default link rates on a quiet 2-core machine (~55% at
 # 500 Mbit/s, ~70% at 300 Mbit/s; measurements in benchmarks/README.md).
 DEFAULT_MODEL = {"d_model": 512, "n_layer": 2, "n_head": 8, "seq_len": 128,
-                 "micro_batch_size": 8}
+                 "micro_batch_size": 8, "grad_accum": 1}
 
 
 # ---------------------------------------------------------------------------
@@ -107,6 +118,7 @@ def train_overrides(mode: str, model: dict, args, out_dir: Path, tp: int) -> lis
         f"parallel.timeout_s={args.run_timeout}",
         *TRAIN_MODES[mode],
         f"train.steps={args.steps}", f"train.micro_batch_size={model['micro_batch_size']}",
+        f"train.grad_accum={model['grad_accum']}",
         "train.log_interval=1", "wandb.mode=disabled", "data.kind=synthetic",
         "checkpoint.save_final=false", "checkpoint.interval=0", "eval.interval=0",
         f"out_dir={out_dir}",
@@ -147,6 +159,10 @@ def run_one(cluster: EmulatedCluster, mode: str, model: dict, args, out_dir: Pat
     rec: dict = {"cluster": spec.name, "mode": mode, "ok": False, "error": None}
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    if mode in PEER_MODES and model["grad_accum"] != 1:
+        rec["error"] = "the peer scripts run one micro-batch per step (grad_accum=1)"
+        rec["skip_retries"] = True
+        return rec
     if mode in PEER_MODES:
         script = PEERS / PEER_MODES[mode]
         if not script.is_file():
@@ -186,7 +202,7 @@ def run_one(cluster: EmulatedCluster, mode: str, model: dict, args, out_dir: Pat
             recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines()
                     if ln.strip()]
             times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
-            tokens = model["micro_batch_size"] * model["seq_len"] * dp
+            tokens = model["micro_batch_size"] * model["grad_accum"] * model["seq_len"] * dp
     except (OSError, ValueError, KeyError, TypeError) as e:
         rec["error"] = f"could not read the step times: {type(e).__name__}: {e}"
         return rec
@@ -298,7 +314,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
          f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/cluster.py). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
          f"ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq {m['seq_len']}, micro batch "
-         f"{m['micro_batch_size']}, fp32. Each figure: median over {meta['repeats']} repeats "
+         f"{m['micro_batch_size']} x {m.get('grad_accum', 1)} per step, fp32. Each figure: median over {meta['repeats']} repeats "
          f"(fresh processes, modes interleaved round-robin) of the median step time of steps "
          f"{meta['warmup'] + 1}..{meta['steps']}. tokens/s = tokens per step / that time. "
          f"Absolute times on a shared 2-core machine are noisy; compare ratios within a table.",
@@ -392,7 +408,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=3, help="steps dropped before the median")
     p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="shape overrides: d_model, n_layer, n_head, seq_len, micro_batch_size "
+                   help="shape overrides: d_model, n_layer, n_head, seq_len, micro_batch_size, grad_accum "
                         f"(default {' '.join(f'{k}={v}' for k, v in DEFAULT_MODEL.items())})")
     p.add_argument("--vocab-size", type=int, default=256, help="train.py vocabulary (peers choose their own)")
     p.add_argument("--tp", type=int, default=2)

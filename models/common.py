@@ -148,6 +148,7 @@ class ParallelAttention(ResidualBlock):
         self.rotary = rotary
         self.tracker = tracker
         self.attn_dropout = cfg.dropout
+        self.selective = False  # recompute=selective: the core is recomputed in backward
 
     def partial(self, x):
         B, T, _ = x.shape
@@ -157,17 +158,24 @@ class ParallelAttention(ResidualBlock):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
         if self.rotary is not None:
             q, k = self.rotary(q, k)
+        if self.selective and self.training and torch.is_grad_enabled():
+            y = recompute(self._core, q, k, v, tracker=self.tracker)  # keeps q, k, v only
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        return self.proj.partial(y)
+
+    def _core(self, q, k, v):
+        """softmax(q k^T / sqrt(d)) v with dropout: what ``recompute=selective`` recomputes
+        (its saved tensors grow with T^2 where the math kernel keeps the probabilities)."""
         p = self.attn_dropout if self.training else 0.0
         gqa = self.n_kv != self.n_head
         if p > 0.0 and self.tracker is not None:
             with self.tracker.fork():  # sharded region: each rank's heads get their own masks
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                   enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
-        return self.proj.partial(y)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                      enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                              enable_gqa=gqa)
 
 
 class GeluMLP(ResidualBlock):
@@ -312,6 +320,8 @@ class CausalLM(nn.Module):
                 ParallelAttention(cfg, self.make_norm(cfg), group(2 * i), tracker, rotary),
                 self.make_mlp(cfg, self.make_norm(cfg), group(2 * i + 1)), self.resharder)
             for i in range(b - a)], first=a)
+        for layer in self.layers:
+            layer.attn.selective = recompute == "selective"
         for blk in self.blocks():  # the reduction group of every gradient follows from it
             for p in blk.parameters():
                 p.tp_degree = blk.degree

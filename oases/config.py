@@ -130,11 +130,17 @@ class ParallelConfig:
     #   (the backward all-reduce of the column input gradient overlaps the weight gradient);
     # "oases": two sub-batches interleaved so every TP collective overlaps compute.
     schedule: str = "megatron"
-    # "none": save everything; "full": recompute each transformer layer (forward
-    # all-reduces included); "fine" (oases only): save each forward all-reduce's
-    # output and recompute from there, never re-issuing a forward collective.
+    # "none": save everything; "selective": everything but the attention core's
+    # activations (recomputed, as Megatron's selective); "full": recompute each
+    # transformer layer (forward all-reduces included); "fine" (oases only): save each
+    # forward all-reduce's output and recompute from there, never re-issuing a forward
+    # collective.
     recompute: str = "none"
     sub_batches: int = 2            # oases schedule only: micro-batch split along the batch
+    # oases only: run each micro-batch's backward interleaved with the next one's forward
+    # (pp=1 with grad_accum >= 2; a pipeline's eager-1f1b steady state), so the forward's
+    # all-reduces hide behind the backward's compute. sub_batches may then be 1.
+    overlap_fb: bool = False
     backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
     device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
     timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
@@ -167,13 +173,16 @@ class ParallelConfig:
         _choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
         _choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
         _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
-        _choice("parallel.recompute", self.recompute, ("none", "full", "fine"))
+        _choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute == "fine" and self.schedule != "oases":
             raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
-        if self.sub_batches < 2:
-            raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= 2")
+        if self.overlap_fb and self.schedule != "oases":
+            raise ConfigError("parallel.overlap_fb needs parallel.schedule=oases")
+        if self.sub_batches < (1 if self.overlap_fb else 2):
+            raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= "
+                              f"{1 if self.overlap_fb else 2}")
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _positive("parallel.timeout_s", self.timeout_s)
@@ -340,6 +349,8 @@ class Config:
             raise ConfigError(f"train.grad_accum={n_mb} micro-batches is fewer than "
                               f"parallel.pp={pp} stages: {self.parallel.pp_schedule} needs "
                               f"at least pp micro-batches per step")
+        if self.parallel.overlap_fb:
+            _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
         if pp > 1 and self.parallel.plan == "auto":
             raise ConfigError("parallel.plan=auto chooses per-block TP degrees for pp=1 only; "
                               "with parallel.pp > 1 give a plan file or no plan")
@@ -358,6 +369,19 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
+    """A backward pairs with the next micro-batch's forward: at pp=1 there must be two
+    micro-batches; in a pipeline the pairs must not wait on each other across stages,
+    which takes eager-1f1b's warm-up (python -m oases.schedule --overlap-fb shows why)."""
+    if pp == 1 and micro_batches < 2:
+        raise ConfigError("parallel.overlap_fb pairs a micro-batch's backward with the next "
+                          "one's forward: it needs train.grad_accum >= 2")
+    if pp > 1 and kind != "eager-1f1b":
+        raise ConfigError(f"parallel.overlap_fb in a pipeline needs parallel.pp_schedule="
+                          f"eager-1f1b, not {kind}: under 1f1b each fused pair waits for the "
+                          f"next stage's whole pair, which halves the rate")
 
 
 # ---------------------------------------------------------------------------

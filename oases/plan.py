@@ -72,7 +72,8 @@ def run_shape(cfg):
     return RunShape(tp=p.tp, dp=cfg.dp, micro_batch_size=cfg.train.micro_batch_size,
                     grad_accum=cfg.train.grad_accum, sub_batches=p.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
-                    act_bytes=2 if cfg.train.precision == "bf16" else 4)
+                    act_bytes=2 if cfg.train.precision == "bf16" else 4,
+                    overlap_fb=p.overlap_fb)
 
 
 def report(plan, cm, uni, log=print) -> None:

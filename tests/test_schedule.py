@@ -32,7 +32,8 @@ from oases.schedule.memory import SavedTensorMeter
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")
-PAIRS = [("megatron", "full"), ("oases", "none"), ("oases", "full"), ("oases", "fine")]
+PAIRS = [("megatron", "full"), ("megatron", "selective"), ("oases", "none"),
+         ("oases", "selective"), ("oases", "full"), ("oases", "fine")]
 
 
 def _full_grads(model, ctx) -> dict:
@@ -63,12 +64,13 @@ def _run_mode(ctx, cfg, mode, ids, y, n_sub=2):
     tracker.seed(11, ctx.tp_rank, ctx.dp_rank)
     sched, rc = mode
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                        rc if sched == "megatron" else "none", seed=3)
+                        rc if sched == "megatron" or rc == "selective" else "none", seed=3)
     with CommCounter() as counter:
         if sched == "megatron":
             loss = _reference(model, tracker, ids, y, n_sub)
         else:
-            loss = OasesSchedule(ctx.tp_group, n_sub, rc, tracker).forward_backward(model, ids, y)
+            eng = build_schedule("oases", ctx.tp_group, n_sub, rc, tracker)
+            loss = eng.forward_backward(model, ids, y)
     return loss, _full_grads(model, ctx), counter
 
 
@@ -121,6 +123,7 @@ def _count_body(ctx):
     assert base == n_sub * (1 + 2 * L + 2 * L + 1 + 1)
     assert counts[("oases", "fine")] == base          # fine never re-issues forward collectives
     assert counts[("oases", "none")] == base
+    assert counts[("oases", "selective")] == counts[("megatron", "selective")] == base
     extra = n_sub * 2 * L                            # re-issued forward all-reduces
     assert counts[("oases", "full")] == base + extra
     assert counts[("megatron", "full")] == base + extra
@@ -136,18 +139,18 @@ def _memory_body(ctx, out):
     ids = torch.randint(0, 256, (8, 128))
     res = {}
     for sched, rc in [("megatron", "none"), ("megatron", "full"), ("oases", "none"),
-                      ("oases", "full"), ("oases", "fine")]:
+                      ("oases", "selective"), ("oases", "full"), ("oases", "fine")]:
         tracker = TPRNGTracker(CPU)
         tracker.seed(1, ctx.tp_rank)
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                            rc if sched == "megatron" else "none", seed=1)
+                            rc if sched == "megatron" or rc == "selective" else "none", seed=1)
         with SavedTensorMeter() as meter:
             build_schedule(sched, ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids)
         res[(sched, rc)] = meter.forward_bytes
     if ctx.rank == 0:
         out.update(res)
     none, fine, full = res[("oases", "none")], res[("oases", "fine")], res[("oases", "full")]
-    assert full < fine < none, res
+    assert full < fine < res[("oases", "selective")] < none, res
     assert res[("megatron", "full")] < res[("megatron", "none")]
     # fine keeps 2 (B, T, d) tensors per block; none keeps far more
     assert fine < 0.5 * none

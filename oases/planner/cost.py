@@ -145,9 +145,10 @@ class RunShape:
     grad_accum: int
     sub_batches: int
     schedule: str                # "oases" | "megatron"
-    recompute: str               # "none" | "full" | "fine"
+    recompute: str               # "none" | "selective" | "full" | "fine"
     act_bytes: int = 4           # bytes per element in the compute dtype (fp32 4, bf16 2)
     residual_bytes: int = 4      # bytes per element of the residual stream (fp32 either way)
+    overlap_fb: bool = False     # oases: each backward paired with the next forward
 
 
 @dataclass
@@ -208,7 +209,7 @@ class CostModel:
         stream) and the all-reduce output (compute dtype); ``full``: the layer input,
         kept by its first block."""
         r = self.run.recompute
-        if r == "none":
+        if r in ("none", "selective"):  # selective: profiled with the core recomputed
             return max(0.0, self.profile.blocks[kind][str(t)]["saved"] - self.weight_bytes(kind, t))
         if r == "fine":
             return self._stream_bytes(t) + self._act_bytes(t)
@@ -293,7 +294,7 @@ class CostModel:
                 # rebuilt during backward: one block's graph per sub-batch (the weights'
                 # copy is the one already counted)
                 rebuilt = max(0.0, prof["saved"] - self.weight_bytes(kind, t))
-                self.trans[kind, t] = nsub * rebuilt if r.recompute != "none" else 0.0
+                self.trans[kind, t] = nsub * rebuilt if r.recompute in ("fine", "full") else 0.0
                 # What block i's backward leaves for the gradient syncs of the blocks
                 # after it to hide behind (their syncs start once the last sub-batch has
                 # done their backward). Under oases the sub-batches take turns at every
@@ -312,6 +313,7 @@ class CostModel:
     def node_cost(self, i: int, t: int) -> float:
         k, r = self.kinds[i], self.run
         cf, cb, m = self.cf[k, t], self.cb[k, t], self.m[k, t]
+        host = 0.0
         if r.schedule == "megatron":
             n = r.sub_batches
             m_full = self.ar_time(t, self._act_bytes(t) * n)
@@ -321,20 +323,48 @@ class CostModel:
                 bwd += n * self.profile.blocks[k][str(t)]["fwd"] + m_full
             cost = fwd + bwd
         else:
-            cost = max(cf, m) + max(cb, m)
+            # one sub-batch alone waits for each of its collectives
+            cost = cf + cb + 2 * m if r.sub_batches == 1 else max(cf, m) + max(cb, m)
             n_ar = 2
             if r.recompute == "full":
                 cost += max(self.profile.blocks[k][str(t)]["fwd"], m)  # re-issued all-reduce
                 n_ar = 3
             # the host cycles the overlapped all-reduces take from compute
-            cost += n_ar * r.sub_batches * self._act_bytes(t) * self.cpu_per_byte(t)
+            host = n_ar * r.sub_batches * self._act_bytes(t) * self.cpu_per_byte(t)
+            cost += host
         if i == 0:
             cost += self.edge_in(t)
         if i == self.n - 1:
             cost += self.edge_out(t)
         if self.sync[k, t] and r.schedule == "oases":  # its replica sync steals cycles too
             cost += self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
+        if self._paired_run():  # one micro-batch unpaired, G-1 in pairs (module docstring)
+            pair = host + self.paired_cost(k, t)
+            c = self.profile.constant
+            if i == 0:  # the embedding's backward takes its turn in the pair as well
+                pair += max(c.get("embed_bwd", 0.0), self.m[k, t])
+            if i == self.n - 1:  # and the head's forward
+                pair += max(c.get("head_fwd", 0.0), self.m[k, t])
+            return cost + (r.grad_accum - 1) * pair + self.kv_sync[k, t]
         return cost * r.grad_accum + self.kv_sync[k, t]
+
+    def _paired_run(self) -> bool:
+        return self.run.overlap_fb and self.run.schedule == "oases" and self.run.grad_accum > 1
+
+    def paired_cost(self, k: str, t: int) -> float:
+        """Block kind k at degree t in one B(m)+F(m+1) pair (``overlap_fb``). The pair's
+        programs take turns on one compute stream and one link, the backward going down
+        the blocks while the forward goes up, so each block contributes n (cf + cb) of
+        compute and 2 n m of link time (n sub-batches, m one sub-batch's all-reduce)
+        and hides the smaller behind the larger:
+
+            pair_k = n * max(cf + cb, 2 m)
+
+        A per-block max (linear in the one-hot degrees, as the node costs): it assumes
+        a link-bound forward block meets a compute-bound backward block of its kind,
+        as when the layers are alike."""
+        n = self.run.sub_batches
+        return n * max(self.cf[k, t] + self.cb[k, t], 2 * self.m[k, t])
 
     def sync_exposed(self, degrees: list[int]) -> float:
         """The replica gradient syncs that outlast the backward. Backward runs blocks
@@ -368,10 +398,11 @@ class CostModel:
     def edge_cost(self, i: int, ta: int, tb: int) -> float:
         """Edge between block i-1 at degree ta and block i at degree tb."""
         k0, k1, r = self.kinds[i - 1], self.kinds[i], self.run
-        cost = self._reshard(i, ta, tb)
-        if r.schedule == "oases":
-            cost += max(self.cf[k1, tb], self.m[k0, ta]) + max(self.cb[k0, ta], self.m[k1, tb])
-        return cost * r.grad_accum
+        reshard = self._reshard(i, ta, tb) * r.grad_accum  # every micro-batch, paired or not
+        if r.schedule != "oases" or r.sub_batches == 1:
+            return reshard
+        turns = max(self.cf[k1, tb], self.m[k0, ta]) + max(self.cb[k0, ta], self.m[k1, tb])
+        return reshard + turns * (1 if self._paired_run() else r.grad_accum)
 
     def edge_in(self, t: int) -> float:
         """Embedding (degree T) -> first block."""

@@ -47,9 +47,11 @@ def hardware_key(device: torch.device) -> str:
 
 def profile_key(device: torch.device, shape: ModelShape, run: RunShape, precision: str) -> str:
     s = dataclasses.asdict(shape)
-    return json.dumps({"hw": hardware_key(device), "shape": s, "tp": run.tp,
-                       "mbs": run.micro_batch_size, "sub_batches": run.sub_batches,
-                       "precision": precision}, sort_keys=True)
+    key = {"hw": hardware_key(device), "shape": s, "tp": run.tp, "mbs": run.micro_batch_size,
+           "sub_batches": run.sub_batches, "precision": precision}
+    if run.recompute == "selective":  # attention profiled with its core recomputed
+        key["selective"] = True
+    return json.dumps(key, sort_keys=True)
 
 
 def load_db(path: Path) -> dict:
@@ -172,6 +174,8 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             continue  # this degree cannot split the sub-batch: not a candidate
         rows = int(rows)
         blk = _block(kind, m, t).to(device)
+        if kind == "attn":  # its backward then recomputes the core, and it saves less
+            blk.selective = run.recompute == "selective"
         init_parameters(blk, 0, 0, 1)
         x = torch.randn(rows, m.seq_len, m.d_model, device=device, requires_grad=True)
         g = torch.randn_like(x)

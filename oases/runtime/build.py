@@ -34,7 +34,9 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     """This rank's model: at pp = 1 all of it with ``degrees`` (None: all at tp); in a
     pipeline its stage's layers with the stage's degrees. ``seed`` None: uninitialised."""
     par = cfg.parallel
-    recompute = par.recompute if par.schedule == "megatron" else "none"
+    # the model does megatron's recompute, and selective under either engine
+    recompute = par.recompute if par.schedule == "megatron" or par.recompute == "selective" \
+        else "none"
     if ctx.layout is not None:
         st = ctx.layout.stages[ctx.stage]
         degrees = list(st.degrees) if st.degrees is not None else None
@@ -97,7 +99,8 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         from oases.runtime.pipeline import PipelineRunner
 
         pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
-                              cfg.model.seq_len, cfg.model.d_model, par.pp_transfer)
+                              cfg.model.seq_len, cfg.model.d_model, par.pp_transfer,
+                              par.overlap_fb)
     return schedule, opt, reducer, pipe
 
 

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from oases.parallel.cross_mesh import CrossMeshTransfer, Mesh
-from oases.schedule.pipeline import stage_actions
+from oases.schedule.pipeline import is_fused, stage_actions
 
 AmpFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -54,7 +54,7 @@ class PipelineRunner:
     the transfers of every boundary in the same order (they create process groups)."""
 
     def __init__(self, ctx, kind: str, microbatches: int, batch: int, seq: int, d_model: int,
-                 method: str = "broadcast") -> None:
+                 method: str = "broadcast", overlap_fb: bool = False) -> None:
         layout = ctx.layout
         self.ctx, self.kind, self.n = ctx, kind, microbatches
         self.tail = (d_model,)
@@ -73,7 +73,8 @@ class PipelineRunner:
         self.grad_scale = 1.0
         if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
-        self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches)
+        self.overlap_fb = overlap_fb
+        self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches, overlap_fb)
 
     def step(self, engine, model, batches: list, scales: list[float], amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None):
@@ -94,6 +95,24 @@ class PipelineRunner:
         losses: dict = {}
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
         busy = 0.0
+
+        def inputs_f(m):
+            x, y = batches[m]
+            if ctx.is_first_stage:
+                inp = x.to(dev)
+            else:
+                with _span(tracer, f"wait F{m}"):
+                    inp = recvs.pop(("F", m)).wait()
+            return inp, (y.to(dev) if ctx.is_last_stage else None)
+
+        def grad_b(m):
+            if ctx.is_last_stage:
+                return None
+            with _span(tracer, f"wait B{m}"):
+                g = recvs.pop(("B", m)).wait()
+            return g * self.grad_scale if self.grad_scale != 1.0 else g
+
+        fused_f = None  # the F that ran fused with the B before it
         for i, a in enumerate(self.actions):
             m = a.mb
             if a.kind == "RECV_F":
@@ -104,27 +123,33 @@ class PipelineRunner:
                 sends.append(self.send_f.send(runs[m].output.to(dtype).contiguous()))
             elif a.kind == "SEND_B":
                 sends.append(self.send_b.send(grads_in.pop(m).to(dtype).contiguous()))
+            elif a.kind == "F" and i == fused_f:
+                continue
             elif a.kind == "F":
-                x, y = batches[m]
-                if ctx.is_first_stage:
-                    inp = x.to(dev)
-                else:
-                    with _span(tracer, f"wait F{m}"):
-                        inp = recvs.pop(("F", m)).wait()
-                tgt = y.to(dev) if ctx.is_last_stage else None
+                inp, tgt = inputs_f(m)
                 t0 = time.perf_counter()
                 with _span(tracer, f"F{m}"):
                     runs[m] = engine.forward(model, inp, tgt, amp)
                 busy += time.perf_counter() - t0
                 if ctx.is_last_stage:
                     losses[m] = runs[m].loss
-            elif a.kind == "B":
-                g = None
-                if not ctx.is_last_stage:
-                    with _span(tracer, f"wait B{m}"):
-                        g = recvs.pop(("B", m)).wait()
-                    if self.grad_scale != 1.0:
-                        g = g * self.grad_scale
+            elif self.overlap_fb and is_fused(self.actions, i):
+                # B(m) and the F after it as one interleaved program (both inputs first)
+                k = self.actions[i + 1].mb
+                g = grad_b(m)
+                inp, tgt = inputs_f(k)
+                t0 = time.perf_counter()
+                with _span(tracer, f"B{m}+F{k}"):
+                    gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
+                                                           inp, tgt, amp)
+                busy += time.perf_counter() - t0
+                fused_f = i + 1
+                if ctx.is_last_stage:
+                    losses[k] = runs[k].loss
+                if not ctx.is_first_stage:
+                    grads_in[m] = gin
+            else:  # B
+                g = grad_b(m)
                 if i == last_b:
                     before_last_backward()
                 t0 = time.perf_counter()

@@ -101,11 +101,18 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
             stats.bubble = max(0.0, float(sums[1]))
     else:
         total = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(micro):
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-            if i == n - 1:
-                reducer.arm()  # DP all-reduce overlaps the last backward
-            total += shares[i] * schedule.forward_backward(model, x, y, seeds[i], amp=amp)
+        micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
+                 for x, y in micro]
+        if cfg.parallel.overlap_fb and hasattr(schedule, "backward_forward"):  # oases engine
+            losses = paired_forward_backward(schedule, model, micro, seeds, amp, reducer.arm)
+        else:
+            losses = []
+            for i, (x, y) in enumerate(micro):
+                if i == n - 1:
+                    reducer.arm()  # DP all-reduce overlaps the last backward
+                losses.append(schedule.forward_backward(model, x, y, seeds[i], amp=amp))
+        for share, mb_loss in zip(shares, losses):
+            total += share * mb_loss
         reducer.finish()
         norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
         if ctx.dp > 1:  # the replicas' shares add up to the global mean
@@ -117,6 +124,26 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     else:
         reducer.zero_grad()
     return loss, norm
+
+
+def paired_forward_backward(engine, model, micro: list, seeds: list[float], amp,
+                            before_last_backward) -> list[torch.Tensor]:
+    """``parallel.overlap_fb`` at pp=1: F0, then each backward interleaved with the next
+    micro-batch's forward (:meth:`~oases.schedule.engines.OasesSchedule.backward_forward`),
+    then the last backward alone (the DP reduction armed before it, as unpaired):
+
+        F0 | B0+F1 | B1+F2 | ... | B(n-2)+F(n-1) | B(n-1)
+
+    Returns each micro-batch's loss, as ``forward_backward`` would."""
+    (x, y), rest = micro[0], micro[1:]
+    run = engine.forward(model, x, y, amp)
+    losses = [run.loss]
+    for i, (x, y) in enumerate(rest):
+        _, run = engine.backward_forward(run, None, seeds[i], model, x, y, amp)
+        losses.append(run.loss)
+    before_last_backward()
+    engine.backward(run, None, seeds[-1], amp)
+    return losses
 
 
 @torch.no_grad()

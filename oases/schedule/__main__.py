@@ -27,16 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--f", type=float, default=1.0, help="forward time of one micro-batch")
     ap.add_argument("--b", type=float, default=2.0, help="backward time of one micro-batch")
     ap.add_argument("--comm", type=float, default=0.0, help="time of one stage-to-stage transfer")
+    ap.add_argument("--overlap-fb", action="store_true",
+                    help="fuse each B with the F after it (parallel.overlap_fb)")
     ap.add_argument("--width", type=int, default=72, help="timeline width in characters")
     args = ap.parse_args(argv)
     try:
-        actions = pipeline_actions(args.kind, args.pp, args.microbatches)
-        timeline = simulate(actions, args.f, args.b, args.comm)
+        actions = pipeline_actions(args.kind, args.pp, args.microbatches, args.overlap_fb)
+        timeline = simulate(actions, args.f, args.b, args.comm, fused=args.overlap_fb)
         chart = format_timeline(timeline, args.width)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(f"{args.kind}, pp={args.pp}, microbatches={args.microbatches}, "
+    print(f"{args.kind}{' + overlap_fb' if args.overlap_fb else ''}, pp={args.pp}, microbatches={args.microbatches}, "
           f"f={args.f:g}, b={args.b:g}, comm={args.comm:g}")
     print(format_actions(actions))
     print()

@@ -82,7 +82,7 @@ from oases.schedule.loss_weights import piece_shares
 from oases.schedule.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.schedule.memory import SavedTensorMeter
 from oases.schedule.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
-from oases.schedule.runner import Launch, OasesRun, Program, Stashed, Wait, run_programs
+from oases.schedule.runner import Launch, OasesRun, Program, Stashed, Wait, run_joint, run_programs
 
 __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
            "sub_batch_rng_streams"]
@@ -175,9 +175,39 @@ class OasesSchedule:
         :meth:`forward_backward`, and keep their state until :meth:`backward`."""
         run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
         run_programs(run, [self._forward(run, sb) for sb in run.subs])
-        if targets is not None:
+        return self._stage_run(run)
+
+    @staticmethod
+    def _stage_run(run: OasesRun) -> StageRun:
+        if run.subs[0].targets is not None:
             return StageRun(run, loss=torch.stack([sb.share * sb.loss for sb in run.subs]).sum())
         return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
+
+    def backward_forward(self, srun: StageRun, grad: Optional[torch.Tensor], scale: float,
+                         model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
+                         amp: AmpFactory = contextlib.nullcontext):
+        """:meth:`backward` of ``srun`` and :meth:`forward` of the next micro-batch as one
+        interleaved program (``parallel.overlap_fb``); returns what the two return,
+        (input gradient, StageRun). Their programs take turns at every collective, so
+        the forward's all-reduces, link-bound on a slow link, run while the backward
+        computes, and the backward's while the forward computes:
+
+            compute  | Bm:a | Bm:b | Fm+1:a | Fm+1:b | Bm:a | Bm:b | Fm+1:a | ...
+            link            | ARa  | ARb    | AR'a   | AR'b | ARa  | ...
+
+        Each run keeps its own sub-batch RNG streams and stash, so losses, gradients and
+        dropout masks are those of the backward followed by the forward."""
+        brun, srun.state = srun.state, None
+        brun.amp = amp
+        if grad is not None:
+            for sb, g in zip(brun.subs, grad.chunk(self.n)):
+                sb.grad_out = g
+        frun = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        # the backward first: its input gradient is what the previous stage waits for
+        run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
+                   (frun, [self._forward(frun, sb) for sb in frun.subs])])
+        gin = torch.cat([sb.grad_in for sb in brun.subs]) if brun.input_grad else None
+        return gin, self._stage_run(frun)
 
     def backward(self, srun: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
                  amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
@@ -424,6 +454,7 @@ def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "
     business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
     if name == "megatron":
         return MegatronSchedule(tracer)
-    if name == "oases":
-        return OasesSchedule(tp_group, sub_batches, recompute, tracker, tracer, params)
+    if name == "oases":  # selective recompute is the model's (its attention cores)
+        return OasesSchedule(tp_group, sub_batches, "none" if recompute == "selective" else
+                             recompute, tracker, tracer, params)
     raise ValueError(f"unknown schedule {name!r}")

@@ -139,29 +139,62 @@ def _compute_order(kind: str, pp: int, stage: int, m: int) -> list[Action]:
     return order
 
 
-def stage_actions(kind: str, pp: int, stage: int, microbatches: int) -> list[Action]:
+def fused_units(computes: list[Action], overlap_fb: bool) -> list[list[Action]]:
+    """The compute order cut into what runs as one: under ``overlap_fb`` each B
+    directly followed by an F (the steady state of 1F1B, every B but the last at
+    pp=1) is one unit, the two micro-batches' programs interleaved by the engine."""
+    units: list[list[Action]] = []
+    i = 0
+    while i < len(computes):
+        n = 2 if (overlap_fb and computes[i].kind == "B" and i + 1 < len(computes)
+                  and computes[i + 1].kind == "F") else 1
+        units.append(computes[i:i + n])
+        i += n
+    return units
+
+
+def stage_actions(kind: str, pp: int, stage: int, microbatches: int,
+                  overlap_fb: bool = False) -> list[Action]:
     """``stage``'s actions: its compute order with receives posted one compute early
-    and sends right after their compute (the placement rule of the module docstring)."""
-    computes = _compute_order(kind, pp, stage, microbatches)
+    and sends right after their compute (the placement rule of the module docstring).
+    Under ``overlap_fb`` a fused B, F pair (:func:`fused_units`) is one compute for that
+    rule: both receives are posted before the compute ahead of it, and both sends
+    follow the pair, B's first:
 
-    def recv(c: Action) -> list[Action]:
-        kind_ = _RECV_OF[c.kind]
-        return [Action(kind_, c.mb)] if _has_peer(kind_, pp, stage) else []
+        1f1b, pp=2, stage 0:  ... RECV_B1 RECV_F? B0 F2 SEND_F2 ...  (no SEND_B on stage 0)
+        stage 1:              ... RECV_F3 RECV_B? B1 F2 SEND_B1 ...
+    """
+    units = fused_units(_compute_order(kind, pp, stage, microbatches), overlap_fb)
 
-    actions = recv(computes[0])
-    for i, c in enumerate(computes):
-        if i + 1 < len(computes):
-            actions += recv(computes[i + 1])
-        actions.append(c)
-        if _has_peer(_SEND_OF[c.kind], pp, stage):
-            actions.append(Action(_SEND_OF[c.kind], c.mb))
+    def recv(unit: list[Action]) -> list[Action]:
+        out = []
+        for c in unit:
+            kind_ = _RECV_OF[c.kind]
+            if _has_peer(kind_, pp, stage):
+                out.append(Action(kind_, c.mb))
+        return out
+
+    actions = recv(units[0])
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            actions += recv(units[i + 1])
+        actions += unit
+        actions += [Action(_SEND_OF[c.kind], c.mb) for c in unit
+                    if _has_peer(_SEND_OF[c.kind], pp, stage)]
     return actions
 
 
-def pipeline_actions(kind: str, pp: int, microbatches: int) -> list[list[Action]]:
+def is_fused(row: list[Action], i: int) -> bool:
+    """Whether ``row[i]`` is a B that runs fused with the F right after it (the runtime
+    and the simulator fuse every such adjacent pair when ``overlap_fb`` is on)."""
+    return row[i].kind == "B" and i + 1 < len(row) and row[i + 1].kind == "F"
+
+
+def pipeline_actions(kind: str, pp: int, microbatches: int,
+                     overlap_fb: bool = False) -> list[list[Action]]:
     """One action list per stage."""
     _check_args(kind, pp, 0, microbatches)
-    return [stage_actions(kind, pp, s, microbatches) for s in range(pp)]
+    return [stage_actions(kind, pp, s, microbatches, overlap_fb) for s in range(pp)]
 
 
 def _check_stage(row: list[Action], s: int, pp: int, mbs: list[int]) -> None:
@@ -203,11 +236,12 @@ def _check_structure(actions: list[list[Action]]) -> None:
 
 
 def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
-             comm_cost: float) -> list[list[tuple[Action, float, float]]]:
+             comm_cost: float, fused: bool = False) -> list[list[tuple[Action, float, float]]]:
     """Run a well-formed schedule as an event simulation; return each stage's
     (compute, start, end). A transfer needs both ends posted (as NCCL and gloo
     point-to-point do), so its data arrives ``comm_cost`` after the later of the
-    send and the receive. Raises :class:`ScheduleError` naming each stuck stage
+    send and the receive; with ``fused``, each B directly followed by an F runs as one
+    unit that waits for both inputs first (``overlap_fb``). Raises :class:`ScheduleError` naming each stuck stage
     when no stage can take its next action (after torch.distributed.pipelining's
     ``_simulate_comms_compute``)."""
     pp = len(actions)
@@ -231,16 +265,19 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
         for s, row in enumerate(actions):
             while pos[s] < len(row):
                 a = row[pos[s]]
-                if a.kind in COMPUTE:
-                    ready = arrival(s, a)
-                    if ready is None:
+                if a.kind in COMPUTE:  # a fused B, F pair starts once both inputs are in
+                    unit = row[pos[s]:pos[s] + (2 if fused and is_fused(row, pos[s]) else 1)]
+                    ready = [arrival(s, c) for c in unit]
+                    if None in ready:
                         break
-                    start = max(clock[s], ready)
-                    clock[s] = start + (f_cost if a.kind == "F" else b_cost)
-                    spans[s].append((a, start, clock[s]))
+                    clock[s] = max(clock[s], *ready)
+                    for c in unit:
+                        start, clock[s] = clock[s], clock[s] + (f_cost if c.kind == "F" else b_cost)
+                        spans[s].append((c, start, clock[s]))
+                    pos[s] += len(unit)
                 else:
                     posted[(s, a)] = clock[s]
-                pos[s] += 1
+                    pos[s] += 1
                 progress = True
     stuck = []
     for s, row in enumerate(actions):
@@ -254,13 +291,13 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
     return spans
 
 
-def check_schedule(actions: list[list[Action]]) -> None:
+def check_schedule(actions: list[list[Action]], fused: bool = False) -> None:
     """Raise :class:`ScheduleError` (one line) unless every stage runs F(m) and
     B(m) once for every micro-batch m, F before B, every send and receive has
     its partner on the neighbour stage and sits on the right side of its
     compute, and running the lists under the blocking rules cannot deadlock."""
     _check_structure(actions)
-    _execute(actions, 1.0, 1.0, 0.0)
+    _execute(actions, 1.0, 1.0, 0.0, fused)
 
 
 @dataclass(frozen=True)
@@ -294,7 +331,7 @@ class Timeline:
 
 
 def simulate(actions: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0,
-             comm_cost: float = 0.0) -> Timeline:
+             comm_cost: float = 0.0, fused: bool = False) -> Timeline:
     """Time a schedule: F and B take ``f_cost`` and ``b_cost``, sends and receives
     no compute time, and a transfer takes ``comm_cost`` once both its send and
     its receive are posted. Raises :class:`ScheduleError` for a bad schedule."""
@@ -302,7 +339,7 @@ def simulate(actions: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2
         raise ValueError(f"costs must be f > 0, b > 0, comm >= 0; got f={f_cost}, "
                          f"b={b_cost}, comm={comm_cost}")
     _check_structure(actions)
-    return Timeline(_execute(actions, f_cost, b_cost, comm_cost))
+    return Timeline(_execute(actions, f_cost, b_cost, comm_cost, fused))
 
 
 def format_actions(actions: list[list[Action]]) -> str:

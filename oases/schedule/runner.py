@@ -166,34 +166,46 @@ def _wait(pending: list) -> list[torch.Tensor]:
 
 
 def run_programs(run: OasesRun, programs: list[Program]) -> None:
+    """Round-robin over one run's sub-batch programs (see :func:`run_joint`)."""
+    run_joint([(run, programs)])
+
+
+def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
     """Round-robin: resume each program with the results of the collectives it
-    launched before the others ran their next segment. Each program runs on its
-    sub-batch's RNG streams (``run.streams[s]``), which advance only by its draws."""
-    streams = run.streams
+    launched before the others ran their next segment. ``parts``: one or more runs,
+    each with its sub-batches' programs (two runs when a micro-batch's backward is
+    paired with the next one's forward, ``parallel.overlap_fb``); the turn order is
+    the order given, program after program. Program ``s`` of a run runs on that
+    run's sub-batch streams (``run.streams[s]``), which advance only by its draws,
+    so the interleaving never changes what a sub-batch draws."""
+    owners = [(run, s) for run, progs in parts for s in range(len(progs))]
+    programs = [p for _, progs in parts for p in progs]
     pending: list = [None] * len(programs)
     alive = [True] * len(programs)
 
-    def advance(s: int, value) -> None:
+    def advance(k: int, value) -> None:
+        run, s = owners[k]
         live = run.snap()
-        run.restore(streams[s])
+        run.restore(run.streams[s])
         try:
-            req = programs[s].send(value)
+            req = programs[k].send(value)
             while isinstance(req, Launch):  # launch, keep computing in the same program
-                req = programs[s].send(_launch(req.reqs))
+                req = programs[k].send(_launch(req.reqs))
         except StopIteration:
-            alive[s] = False
-            pending[s] = None
+            alive[k] = False
+            pending[k] = None
             return
         finally:  # sub-batch s's streams advance only by its own draws
-            streams[s] = run.snap()
+            run.streams[s] = run.snap()
             run.restore(live)
         # a Wait hands back collectives launched earlier; a list is launched now
-        pending[s] = req.launched if isinstance(req, Wait) else _launch(req)
+        pending[k] = req.launched if isinstance(req, Wait) else _launch(req)
 
-    with run.cast_cache():
-        for s in range(len(programs)):
-            advance(s, None)
+    # one autocast region around all of them: the runs share the weights' casts
+    with parts[0][0].cast_cache():
+        for k in range(len(programs)):
+            advance(k, None)
         while any(alive):
-            for s in range(len(programs)):
-                if alive[s]:
-                    advance(s, _wait(pending[s]))
+            for k in range(len(programs)):
+                if alive[k]:
+                    advance(k, _wait(pending[k]))
