@@ -240,7 +240,7 @@ class EmulatedCluster:
         self.switch_ns = f"{self.tag}-sw"
         self.node_ns = [f"{self.tag}-n{i}" for i in range(self.spec.nodes)]
         quotas = cluster_quotas(self.spec)   # None: every node at speed 1.0
-        self.cgroups = NodeCgroups(self.tag, quotas) if quotas else None
+        self.cgroups = NodeCgroups(self.tag, quotas, self.spec.devices_per_node) if quotas else None
         self._procs: list[subprocess.Popen] = []
         self._up = False
         self._torn_down = False

@@ -12,7 +12,10 @@ of the host, ``os.cpu_count() * devices_per_node / world`` cores, or
 on a loaded host: a 0.5 node gets half of what a 1.0 node gets, whatever else runs.
 
 Layout: ``/sys/fs/cgroup/cpu/<tag>/node<i>``, ``<tag>`` = the cluster's
-``oases<pid>`` (unique per launcher, like its namespaces). A node's command is
+``oases<pid>`` (unique per launcher, like its namespaces). Under contention the
+scheduler weighs a cgroup as one task (``cpu.shares`` 1024) against the host's
+other tasks, so ``<tag>`` gets 1024 per rank and each node 1024 per device: the
+cluster's processes weigh what they would outside a cgroup. A node's command is
 launched through ``sh -c 'echo $$ > .../cgroup.procs && exec "$@"'``: the shell
 enters the cgroup before it execs the real command, so nothing of the node runs
 outside it, and every child (torchrun's workers) inherits it. Removal kills what
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+TASK_SHARES = 1024    # cpu.shares of one task at nice 0
 PERIOD_US = 100_000
 MIN_QUOTA_US = 1_000  # the kernel rejects a smaller quota
 TAG_RE = re.compile(r"^oases(\d+)$")
@@ -71,12 +75,13 @@ def cgroup_problem(root: Path = CPU_ROOT) -> Optional[str]:
 class NodeCgroups:
     """The cpu cgroups of one cluster's nodes: ``create()``, ``wrap(i, cmd)``, ``remove()``."""
 
-    def __init__(self, tag: str, quotas: Sequence[int], period_us: int = PERIOD_US,
-                 root: Path = CPU_ROOT) -> None:
+    def __init__(self, tag: str, quotas: Sequence[int], devices_per_node: int = 1,
+                 period_us: int = PERIOD_US, root: Path = CPU_ROOT) -> None:
         if not TAG_RE.match(tag):
             raise CgroupError(f"cgroup tag {tag!r} must be oases<pid>")
         self.base = root / tag
         self.quotas, self.period_us = list(quotas), period_us
+        self.devices_per_node = devices_per_node
 
     def path(self, i: int) -> Path:
         return self.base / f"node{i}"
@@ -85,9 +90,12 @@ class NodeCgroups:
         """Make one cgroup per node with its quota (removing everything on failure)."""
         try:
             self.base.mkdir()
+            world = len(self.quotas) * self.devices_per_node
+            (self.base / "cpu.shares").write_text(str(TASK_SHARES * world))
             for i, q in enumerate(self.quotas):
                 d = self.path(i)
                 d.mkdir()
+                (d / "cpu.shares").write_text(str(TASK_SHARES * self.devices_per_node))
                 (d / "cpu.cfs_period_us").write_text(str(self.period_us))
                 (d / "cpu.cfs_quota_us").write_text(str(q))
         except OSError as e:

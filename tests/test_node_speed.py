@@ -196,10 +196,13 @@ def test_half_speed_quota_halves_the_compute_rate():
 def test_stale_cgroups_of_a_dead_launcher_are_removed():
     dead = subprocess.Popen(["true"])
     dead.wait()
-    cg = NodeCgroups(f"oases{dead.pid}", [50_000, 25_000])
+    cg = NodeCgroups(f"oases{dead.pid}", [50_000, 25_000], devices_per_node=2)
     try:
         cg.create()
         assert (cg.path(1) / "cpu.cfs_quota_us").read_text().strip() == "25000"
+        # under contention the cluster weighs as its 4 ranks would outside a cgroup
+        assert (cg.base / "cpu.shares").read_text().strip() == str(4 * 1024)
+        assert (cg.path(0) / "cpu.shares").read_text().strip() == str(2 * 1024)
         # only this launcher's group is judged stale: other clusters' are left alone
         removed = cleanup_stale_cgroups(lambda pid: pid == dead.pid)
         assert removed == [str(CPU_ROOT / f"oases{dead.pid}")] and not cg.base.exists()
