@@ -556,7 +556,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_prerequisites()
         if args.cleanup:
             removed = cleanup_stale()
-            print(f"removed {len(removed)} namespace(s) and cgroup(s){': ' + ' '.join(removed) if removed else ''}")
+            print(f"removed {len(removed)} namespace(s) and cgroup(s)"
+                  f"{': ' + ' '.join(removed) if removed else ''}")
             return 0
         if not args.cluster:
             p.error("--cluster is required")
