@@ -32,9 +32,8 @@ collective still takes compute cycles: the profiler measures that loss per byte
 (``cpu_per_byte``) and every overlapped collective's bytes add it;
 :func:`calibrate_host_cost` scales it to a real step.
 
-Compute times are the profiled device's; on a cluster whose nodes differ
-(``node_speed``) they are divided by the speed of the run's slowest rank
-(:func:`at_speed`): a synchronous TP/DP group waits for it at every collective.
+Compute times are the profiled device's over the speed of the run's slowest node
+(``node_speed``, :func:`at_speed`): a TP/DP group waits for it at every collective.
 
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
