@@ -33,12 +33,16 @@ Topology (nothing is created in the host's own network namespace)::
   ``netem delay`` leaf when ``latency_ms`` > 0; unclassified traffic (ARP) goes to a
   default class at the fastest rate. Switch ports are not shaped, so a node can
   receive from two peers at their two link rates at once.
+* ``node_speed`` (some node != 1.0): every node's processes run in a cgroup v1
+  cpu cgroup whose quota is its speed times its fair share of the host's cores
+  (``benchmarks/cpu_cgroup.py``); without it, no cgroup is made.
 
 Names: namespaces are ``oases<pid>-n<i>`` and ``oases<pid>-sw`` (``<pid>`` = the
 launcher's process id, so concurrent clusters never clash); at start-up the
 namespaces of launchers that no longer run are removed (their processes killed
-first). Teardown runs on ``__exit__``, on any exception, on SIGINT/SIGTERM/SIGHUP
-(handlers installed while the cluster is up) and at interpreter exit.
+first), then their cpu cgroups. Teardown runs on ``__exit__``, on any exception,
+on SIGINT/SIGTERM/SIGHUP (handlers installed while the cluster is up) and at
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases.errors import UserError  # noqa: E402
 from oases.planner.cluster import Cluster, load_cluster  # noqa: E402
+from benchmarks.cpu_cgroup import (CgroupError, NodeCgroups, cgroup_problem,  # noqa: E402
+                                   cleanup_stale_cgroups, cluster_quotas)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,17 +183,21 @@ def _delete_namespace(ns: str) -> None:
 
 
 def cleanup_stale(everything: bool = False) -> list[str]:
-    """Remove the namespaces of launchers that are no longer running (all ``oases<pid>-*``
-    namespaces with ``everything``); returns the names removed."""
+    """Remove the namespaces and cpu cgroups of launchers that are no longer running
+    (all ``oases<pid>`` ones with ``everything``); returns the names removed."""
+    def stale(owner: int) -> bool:
+        return everything or (owner != os.getpid() and not _pid_alive(owner))
+
     removed = []
     for ns in list_namespaces():
         m = NS_RE.match(ns)
-        if not m:
-            continue
-        owner = int(m.group(1))
-        if everything or (owner != os.getpid() and not _pid_alive(owner)):
+        if m and stale(int(m.group(1))):
             _delete_namespace(ns)
             removed.append(ns)
+    try:  # after the namespaces: their processes, the cgroups' members, are gone
+        removed += cleanup_stale_cgroups(stale)
+    except CgroupError as e:
+        raise ClusterError(str(e)) from None
     return removed
 
 
@@ -229,6 +239,8 @@ class EmulatedCluster:
         self.ips = [str(net.network_address + i + 1) for i in range(self.spec.nodes)]
         self.switch_ns = f"{self.tag}-sw"
         self.node_ns = [f"{self.tag}-n{i}" for i in range(self.spec.nodes)]
+        quotas = cluster_quotas(self.spec)   # None: every node at speed 1.0
+        self.cgroups = NodeCgroups(self.tag, quotas, self.spec.devices_per_node) if quotas else None
         self._procs: list[subprocess.Popen] = []
         self._up = False
         self._torn_down = False
@@ -247,6 +259,8 @@ class EmulatedCluster:
     # lifecycle -----------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
         check_prerequisites()
+        if self.cgroups and (why := cgroup_problem()):
+            raise ClusterError(f"node_speed needs per-node cpu quotas: {why}")
         cleanup_stale()
         EmulatedCluster._live.append(self)
         self._install_handlers()
@@ -278,6 +292,11 @@ class EmulatedCluster:
 
     def _setup(self) -> None:
         s = self.spec
+        if self.cgroups:
+            try:
+                self.cgroups.create()
+            except CgroupError as e:
+                raise ClusterError(str(e)) from None
         _sh("ip", "netns", "add", self.switch_ns)
         sw = ("ip", "-n", self.switch_ns)
         _sh(*sw, "link", "set", "lo", "up")
@@ -361,6 +380,11 @@ class EmulatedCluster:
             for ns in [*self.node_ns, self.switch_ns]:
                 if ns in list_namespaces():
                     _delete_namespace(ns)
+            if self.cgroups:  # empty now: their processes died with the namespaces
+                try:
+                    self.cgroups.remove()
+                except CgroupError as e:  # teardown goes on; --cleanup retries later
+                    print(f"warning: {e}", file=sys.stderr, flush=True)
         finally:
             self._up = False
             if self in EmulatedCluster._live:
@@ -372,9 +396,13 @@ class EmulatedCluster:
             self._restore_handlers()
 
     def leftovers(self) -> list[str]:
-        """Namespaces of this cluster that still exist (empty after teardown)."""
+        """Namespaces (and the cpu cgroup) of this cluster that still exist (empty after
+        teardown)."""
         ours = {*self.node_ns, self.switch_ns}
-        return [ns for ns in list_namespaces() if ns in ours]
+        left = [ns for ns in list_namespaces() if ns in ours]
+        if self.cgroups and self.cgroups.base.exists():
+            left.append(str(self.cgroups.base))
+        return left
 
     def _kill_procs(self) -> None:
         for p in self._procs:
@@ -421,7 +449,10 @@ class EmulatedCluster:
             for i, ns in enumerate(self.node_ns):
                 log = tempfile.TemporaryFile(mode="w+b")
                 logs.append(log)
-                p = subprocess.Popen(["ip", "netns", "exec", ns, *map(str, cmd_for_node(i))],
+                cmd = ["ip", "netns", "exec", ns, *map(str, cmd_for_node(i))]
+                if self.cgroups:  # joins node i's cpu cgroup before anything of it runs
+                    cmd = self.cgroups.wrap(i, cmd)
+                p = subprocess.Popen(cmd,
                                      env=self.node_env(i, env), cwd=str(cwd or REPO),
                                      stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -525,7 +556,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_prerequisites()
         if args.cleanup:
             removed = cleanup_stale()
-            print(f"removed {len(removed)} namespace(s){': ' + ' '.join(removed) if removed else ''}")
+            print(f"removed {len(removed)} namespace(s) and cgroup(s)"
+                  f"{': ' + ' '.join(removed) if removed else ''}")
             return 0
         if not args.cluster:
             p.error("--cluster is required")

@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         db = Path(args.profile) if args.profile else DEFAULT_DB
         prof = get_profile(cfg, run_shape(cfg), device, db, force=args.reprofile)
-        limit = (args.memory_gib or cluster.device_memory_gib) * 2**30
+        limit = (args.memory_gib * 2**30 if args.memory_gib else  # the run's smallest device
+                 cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)))
         plan, cm, uni = make_plan(cfg, cluster, prof, limit)
         report(plan, cm, uni)
         out.parent.mkdir(parents=True, exist_ok=True)

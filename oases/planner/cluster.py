@@ -1,7 +1,13 @@
 """Cluster files (``configs/cluster/*.yaml``) and the analytic collective model.
 
 The same file drives the emulated cluster (benchmarks/cluster.py) and the
-planner, so predicted and measured times refer to the same links. Pure Python.
+planner, so predicted and measured times refer to the same links and, where
+nodes differ (``node_speed``, ``node_memory_gib``), the same devices. Pure Python.
+
+A heterogeneous node's speed is relative to the device the planner profiled on;
+a synchronous group (TP, DP) computes at the pace of its slowest member and
+must fit in its smallest memory: :meth:`Cluster.speed_of`,
+:meth:`Cluster.memory_bytes_of`.
 
 Collective times follow the ring algorithms (alpha-beta model), over the
 slowest link of the ring:
@@ -35,8 +41,11 @@ class Cluster:
     inter_node_bandwidth_gbps: float
     latency_ms: float = 0.0
     bandwidth_matrix_gbps: Optional[list] = None
+    node_speed: Optional[list] = None       # per node, relative to the profiled device
+    node_memory_gib: Optional[list] = None  # per node; default device_memory_gib each
     subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/cluster.py)
     bridge: str = "oasesbr0"        # emulation only
+    cpu_share: Optional[float] = None  # emulation only: cores per node at speed 1.0
 
     @property
     def world(self) -> int:
@@ -58,6 +67,28 @@ class Cluster:
         if na == nb:
             return self.intra_node_bandwidth_gbps
         return min(self.node_gbps(na, nb), self.node_gbps(nb, na))
+
+    def node_of(self, rank: int) -> int:
+        """The node global rank ``rank`` lives on (ranks fill nodes in order). A rank
+        beyond the cluster means the cluster file does not describe the run."""
+        if not 0 <= rank < self.world:
+            raise UserError(f"rank {rank} is outside cluster {self.name} ({self.nodes} nodes x "
+                            f"{self.devices_per_node} devices): the cluster file does not fit "
+                            f"the run")
+        return rank // self.devices_per_node
+
+    def speed_of(self, ranks) -> float:
+        """Compute speed of a synchronous group: its slowest member's, since every
+        collective waits for it (1.0 = the profiled device)."""
+        if self.node_speed is None:
+            return 1.0
+        return min(float(self.node_speed[self.node_of(r)]) for r in ranks)
+
+    def memory_bytes_of(self, ranks) -> float:
+        """Memory a plan for these ranks may use per device: the smallest among
+        them, since every rank of a group holds the same share (bytes)."""
+        gib = self.node_memory_gib or [self.device_memory_gib] * self.nodes
+        return min(float(gib[self.node_of(r)]) for r in ranks) * 2**30
 
     def ring_gbps(self, ranks: list[int]) -> float:
         if len(ranks) < 2:
@@ -91,6 +122,10 @@ class Cluster:
                 for j, v in enumerate(row):
                     if i != j and (not isinstance(v, (int, float)) or v <= 0):
                         raise bad(f"bandwidth_matrix_gbps[{i}][{j}]={v!r} must be positive")
+        for k, top in (("node_speed", MAX_NODE_SPEED), ("node_memory_gib", None)):
+            self._validate_per_node(k, top, bad)
+        if self.cpu_share is not None and (not _is_number(self.cpu_share) or self.cpu_share <= 0):
+            raise bad(f"emulation.cpu_share={self.cpu_share!r} must be a positive number")
         try:
             net = ipaddress.ip_network(self.subnet)
         except ValueError:
@@ -102,7 +137,27 @@ class Cluster:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.bridge):
             raise bad(f"emulation.bridge={self.bridge!r} is not a valid interface name")
 
+    def _validate_per_node(self, key: str, top: Optional[float], bad) -> None:
+        """``key`` absent, or one positive number (at most ``top``) per node."""
+        v = getattr(self, key)
+        if v is None:
+            return
+        if not isinstance(v, list) or len(v) != self.nodes:
+            raise bad(f"{key} must be a list of {self.nodes} numbers (one per node), got {v!r}")
+        for i, x in enumerate(v):
+            if not _is_number(x) or x <= 0 or (top is not None and x > top):
+                limit = f" <= {top:g}" if top is not None else ""
+                raise bad(f"{key}[{i}]={x!r} must be a positive number{limit}")
 
+
+MAX_NODE_SPEED = 16.0  # a larger ratio is a typo, not a cluster
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_EMULATION_KEYS = ("subnet", "bridge", "cpu_share")  # parsed here, used only by the emulator
 _REQUIRED = ("name", "nodes", "devices_per_node", "device_memory_gib",
              "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
 
@@ -117,13 +172,14 @@ def load_cluster(path: str) -> Cluster:
         raise UserError(f"cluster file {path} is not valid YAML") from None
     if not isinstance(d, dict):
         raise UserError(f"cluster file {path} must be a mapping")
-    known = set(Cluster.__dataclass_fields__) - {"subnet", "bridge"} | {"emulation"}
+    known = set(Cluster.__dataclass_fields__) - set(_EMULATION_KEYS) | {"emulation"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise UserError(f"cluster file {path}: unknown key(s) {', '.join(unknown)}")
     emu = d.pop("emulation", None) or {}
-    if not isinstance(emu, dict) or set(emu) - {"subnet", "bridge"}:
-        raise UserError(f"cluster file {path}: emulation takes only subnet and bridge")
+    if not isinstance(emu, dict) or set(emu) - set(_EMULATION_KEYS):
+        raise UserError(f"cluster file {path}: emulation takes only "
+                        f"{', '.join(_EMULATION_KEYS[:-1])} and {_EMULATION_KEYS[-1]}")
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
         raise UserError(f"cluster file {path}: missing key(s) {', '.join(missing)}")

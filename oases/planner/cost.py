@@ -32,6 +32,9 @@ collective still takes compute cycles: the profiler measures that loss per byte
 (``cpu_per_byte``) and every overlapped collective's bytes add it;
 :func:`calibrate_host_cost` scales it to a real step.
 
+Compute times are the profiled device's over the speed of the run's slowest node
+(``node_speed``, :func:`at_speed`): a TP/DP group waits for it at every collective.
+
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
 Memory per device: parameters, gradients and Adam state (16 B/param) of each
@@ -162,10 +165,28 @@ class Profile:
     comm: dict = field(default_factory=dict)   # measured collective fits (CommModel)
 
 
+_CONSTANT_TIMES = ("fwd", "bwd", "step", "head_fwd", "embed_bwd")  # Profile.constant's seconds
+
+
+def at_speed(profile: Profile, speed: float) -> Profile:
+    """The profile as a device ``speed`` times the profiled one's would measure it:
+    compute seconds / speed; bytes and collectives (the links' business) unchanged."""
+    if speed == 1.0:
+        return profile
+    blocks = {k: {t: {**e, "fwd": e["fwd"] / speed, "bwd": e["bwd"] / speed}
+                  for t, e in per.items()} for k, per in profile.blocks.items()}
+    const = {k: v / speed if k in _CONSTANT_TIMES else v for k, v in profile.constant.items()}
+    return Profile(blocks, const, profile.comm)
+
+
 class CostModel:
     def __init__(self, shape: ModelShape, run: RunShape, cluster, profile: Profile,
-                 degrees: Optional[list[int]] = None) -> None:
-        self.shape, self.run, self.cluster, self.profile = shape, run, cluster, profile
+                 degrees: Optional[list[int]] = None, ranks: Optional[list[int]] = None) -> None:
+        """``ranks``: the run's global ranks (default the first tp x dp), whose slowest
+        node sets the compute speed (``cluster.speed_of``)."""
+        self.speed = cluster.speed_of(range(run.tp * run.dp) if ranks is None else ranks)
+        self.shape, self.run, self.cluster = shape, run, cluster
+        self.profile = at_speed(profile, self.speed)
         self.comm = CommModel(cluster, profile.comm)
         self.T = run.tp
         self.degrees = degrees or shape.valid_degrees(self.T)

@@ -162,7 +162,8 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
                                          "predicted_s": after, "steps": n_cal,
                                          "cpu_per_byte_profiled": comm.get("cpu_per_byte", {})}
             (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(record, indent=1))
-            limit_gib = cfg.parallel.memory_limit_gib or cluster.device_memory_gib
+            limit_gib = cfg.parallel.memory_limit_gib or \
+                cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # smallest device
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
             report(plan, cm, uni)
             path = Path(cfg.out_dir) / "plan.yaml"
