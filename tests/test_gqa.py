@@ -363,7 +363,8 @@ def test_planner_counts_replicated_kv_heads():
     (replicating), one that fits them neither way is not; each replica holds a whole
     kv head, and only replicated attention blocks pay the per-step replica sum."""
     from oases.planner.cluster import Cluster
-    from oases.planner.cost import CostModel, ModelShape, RunShape, analytic_profile
+    from oases.planner.cost import CostModel, ModelShape, RunShape
+    from oases.planner.fit import analytic_profile
 
     shape = ModelShape("llama", 2, 128, 4, 2, 384, 256, 32, False, False)  # llama-tiny-like
     assert shape.valid_degrees(4) == [1, 2, 4]

@@ -16,7 +16,8 @@ from benchmarks.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
                                    cleanup_stale_cgroups, cluster_quotas, cpu_quotas)
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster
-from oases.planner.cost import CostModel, ModelShape, RunShape, analytic_profile
+from oases.planner.cost import CostModel, ModelShape, RunShape
+from oases.planner.fit import analytic_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 HALF = ROOT / "configs/cluster/four-nodes-halfspeed.yaml"

@@ -198,7 +198,8 @@ def test_config_errors(overrides, message):
 
 def _paired_times(gbps: float, grad_accum: int):
     from oases.planner.cluster import Cluster
-    from oases.planner.cost import CostModel, ModelShape, RunShape, analytic_profile
+    from oases.planner.cost import CostModel, ModelShape, RunShape
+    from oases.planner.fit import analytic_profile
 
     shape = ModelShape("gpt", 2, 256, 8, 8, 2048, 512, 128)
     cluster = Cluster("c", 2, 1, 4.0, 100.0, gbps)

@@ -21,8 +21,8 @@ from oases.parallel.reshard import grad_group_of
 from oases.parallel.sharding import unshard
 from oases.planner import ilp
 from oases.planner.cluster import Cluster, load_cluster
-from oases.planner.cost import (CostModel, ModelShape, Profile, RunShape, analytic_profile,
-                               calibrate_host_cost)
+from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
+from oases.planner.fit import analytic_profile, calibrate_host_cost
 from oases.planner.plan import Plan, check_plan, load_plan
 from oases.runtime.dp import GradReducer
 from oases.schedule.engines import build_schedule

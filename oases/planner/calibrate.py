@@ -1,7 +1,7 @@
 """The calibration timer of ``parallel.plan=auto``: real training steps, timed.
 
 The cost model's host cost of communication is fitted to these steps
-(:func:`oases.planner.cost.calibrate_host_cost`). The runtime hands in the step to
+(:func:`oases.planner.fit.calibrate_host_cost`). The runtime hands in the step to
 time (:func:`oases.runtime.build.throwaway_step`: the real ``train_step`` on a
 throwaway model fed one random micro-batch), so nothing of the run itself is
 touched and the planner needs nothing from the runtime.

@@ -7,7 +7,7 @@ more processes than cores, one rank's time slices are noisy), unless rank 0's
 profile DB already holds this model and machine. Rank 0 solves the ILP and
 broadcasts the degrees. Before solving, a few real training steps with every block
 at degree tp calibrate the cost model's host cost of communication
-(``parallel.plan_calibration_steps``; :func:`oases.planner.cost.calibrate_host_cost`).
+(``parallel.plan_calibration_steps``; :func:`oases.planner.fit.calibrate_host_cost`).
 The plan goes to ``<out_dir>/plan.yaml``, the whole profile (compute, collectives,
 calibration) to ``<out_dir>/profile.json``.
 """
@@ -111,7 +111,8 @@ def resolve_plan(cfg: Config, ctx: ParallelContext,
 def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) -> list[int]:
     from oases.plan import make_plan, report, run_shape
     from oases.planner.cluster import Cluster, load_cluster
-    from oases.planner.cost import ModelShape, Profile, calibrate_host_cost
+    from oases.planner.cost import ModelShape, Profile
+    from oases.planner.fit import calibrate_host_cost
     from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_comm,
                                        profile_key, save_profile)
 
