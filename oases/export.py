@@ -30,7 +30,8 @@ def _model_config(ck: Path, meta: dict):
     """The run's ModelConfig: shape from meta.json, the other fields from config.yaml."""
     import yaml
 
-    from oases.config import ModelConfig, _build
+    from oases.config import ModelConfig
+    from oases.typed_yaml import build_dataclass
 
     run_cfg = ck.parent.parent / "config.yaml"
     if not run_cfg.is_file():
@@ -41,7 +42,7 @@ def _model_config(ck: Path, meta: dict):
     except (yaml.YAMLError, AttributeError, TypeError, ValueError):
         raise CheckpointError(f"{run_cfg} is not a valid run config") from None
     data["init_from"] = ""  # the weights come from the checkpoint, not from HF
-    mc = _build(ModelConfig, data, "model.")
+    mc = build_dataclass(ModelConfig, data, "model.")
     shape = meta.get("model_shape") or {}
     for k, v in shape.items():
         setattr(mc, k, v)
