@@ -23,6 +23,13 @@ changes across a boundary, the returning gradient is multiplied by dp_a / dp_b,
 which makes each stage's reduced gradient that of the step's mean loss over all
 counted targets.
 
+With ``parallel.overlap_fb`` each B directly followed by an F in a stage's list (the
+steady state) runs as one action, the engine interleaving the two micro-batches'
+programs (:meth:`~oases.schedule.engines.OasesSchedule.backward_forward`); both
+receives are waited first and both sends follow the pair (the lists place them so,
+:func:`~oases.schedule.pipeline.stage_actions`). Only eager-1f1b's warm-up keeps the
+pairs from waiting on each other across stages (``python -m oases.schedule --overlap-fb``).
+
 Ordering: all ranks of a stage run the same list, so their TP and DP collectives
 match; a transfer's sends and receives are matched by tag and posting order
 (``CrossMeshTransfer``), and each pending transfer is waited exactly once: a
