@@ -95,8 +95,9 @@ def test_paired_engine_matches_plain_autograd(name, grad_accum, n_sub):
     run_distributed(_engine_body, world=2, tp=2, args=(name, grad_accum, n_sub))
 
 
-def _cfg(name, fb, grad_accum, dropout, pp=1, tp=2, kind="eager-1f1b", world=4, n_sub=2):
-    return load_config(None, [
+def _cfg(name, fb, grad_accum, dropout, pp=1, tp=2, kind="eager-1f1b", world=4, n_sub=2,
+         zero=0):
+    return load_config(None, [f"parallel.zero={zero}",
         f"model.name={name}", "model.seq_len=16", f"model.dropout={dropout}", f"parallel.pp={pp}",
         f"parallel.tp={tp}", "parallel.schedule=oases", "parallel.recompute=fine",
         f"parallel.pp_schedule={kind}", f"parallel.overlap_fb={fb}", f"parallel.sub_batches={n_sub}",
@@ -105,7 +106,8 @@ def _cfg(name, fb, grad_accum, dropout, pp=1, tp=2, kind="eager-1f1b", world=4, 
 
 
 def _train(ctx, cfg, steps=2):
-    """Losses of ``steps`` train_step calls, the first step's gradients and collectives."""
+    """Losses of ``steps`` train_step calls, the first step's gradients (under ZeRO the
+    weights it produced) and collectives."""
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
@@ -131,8 +133,12 @@ def _train(ctx, cfg, steps=2):
                                     schedule, pipe)
         losses.append(loss)
         if s == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
             counts = dict(counter.counts)
+            if reducer.sharded:  # ZeRO-2/3 keep only owned gradient ranges: compare weights
+                with reducer.unsharded(opt, model):
+                    grads = {k: p.detach().clone() for k, p in model.named_parameters()}
+            else:
+                grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     if pipe is None:  # pp=1: every backward but the last of each step
         want = steps * (cfg.train.grad_accum - 1)
     else:  # this stage's steady-state pairs
@@ -148,18 +154,22 @@ def _compare(ctx, cfgs, what):
                                msg=f"{what}: losses")
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
+    if cfgs[0].parallel.zero == 3:  # parameter gathers: a pair keeps both passes' windows
+        assert c1.pop("all_gather") <= c0.pop("all_gather"), (what, c1, c0)
     assert c1 == c0, (what, c1, c0)
 
 
-def _dp_body(ctx, name, grad_accum):
-    """pp=1, dp 2 x tp 2, dropout 0.1: train_step with and without overlap_fb."""
-    _compare(ctx, [_cfg(name, fb, grad_accum, 0.1) for fb in (False, True)],
-             f"dp2xtp2 {name} ga={grad_accum}")
+def _dp_body(ctx, name, grad_accum, zero):
+    """pp=1, dp 2 x tp 2, dropout 0.1: train_step with and without overlap_fb (ZeRO-3:
+    the two passes' parameter gathers interleave too)."""
+    _compare(ctx, [_cfg(name, fb, grad_accum, 0.1, zero=zero) for fb in (False, True)],
+             f"dp2xtp2 {name} ga={grad_accum} zero={zero}")
 
 
-@pytest.mark.parametrize("name,grad_accum", [("gpt-tiny", 2), ("llama-tiny", 4)])
-def test_dp_tp_train_step_matches_unpaired(name, grad_accum):
-    run_distributed(_dp_body, world=4, tp=2, args=(name, grad_accum))
+@pytest.mark.parametrize("name,grad_accum,zero", [("gpt-tiny", 2, 0), ("llama-tiny", 4, 0),
+                                                  ("gpt-tiny", 4, 3)])
+def test_dp_tp_train_step_matches_unpaired(name, grad_accum, zero):
+    run_distributed(_dp_body, world=4, tp=2, args=(name, grad_accum, zero))
 
 
 def _pp_body(rank, name, grad_accum):

@@ -29,6 +29,7 @@ buffer is re-gathered, which :class:`ParamStore` guarantees before any use.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -319,6 +320,17 @@ class ParamStore:
                 fl.work = None
             free_(fl.flat)
         del self._gathered[u]
+
+    @contextlib.contextmanager
+    def two_passes(self):
+        """A backward and a forward interleaved (``overlap_fb``) use blocks from both ends
+        at once: keep the other pass's window (its block and the ``depth`` ahead) as well,
+        so the two do not evict each other's prefetched blocks."""
+        self.keep += 1 + self.depth
+        try:
+            yield
+        finally:
+            self.keep -= 1 + self.depth
 
     def take_wait(self) -> float:
         """Seconds spent waiting for all-gathers since the last call."""

@@ -204,8 +204,9 @@ class OasesSchedule:
                 sb.grad_out = g
         frun = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
         # the backward first: its input gradient is what the previous stage waits for
-        run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
-                   (frun, [self._forward(frun, sb) for sb in frun.subs])])
+        with (self.params.two_passes() if self.params is not None else contextlib.nullcontext()):
+            run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
+                       (frun, [self._forward(frun, sb) for sb in frun.subs])])
         gin = torch.cat([sb.grad_in for sb in brun.subs]) if brun.input_grad else None
         return gin, self._stage_run(frun)
 
