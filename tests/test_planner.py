@@ -400,7 +400,9 @@ def test_plan_auto_end_to_end(tmp_path, run_train):
     common = ["--config", "configs/gpt-tiny.yaml", "model.d_model=64", "model.n_layer=2",
               "model.n_head=4", "model.n_kv_heads=4", "model.ffn_hidden=128", "model.seq_len=32",
               "model.dropout=0.1",  # so that the random state matters
-              "parallel.tp=2", "train.micro_batch_size=4", "train.steps=2", "data.kind=synthetic",
+              "parallel.tp=2", "parallel.schedule=oases", "parallel.recompute=fine",
+              "train.micro_batch_size=4", "train.grad_accum=2", "train.steps=2",
+              "data.kind=synthetic",
               "data.val_path=", "eval.interval=0", "wandb.mode=disabled", "checkpoint.interval=0",
               "checkpoint.save_final=false"]
     proc = run_train(common + ["parallel.plan=auto", "parallel.plan_calibration_steps=1",
@@ -408,7 +410,10 @@ def test_plan_auto_end_to_end(tmp_path, run_train):
                      env={"HOME": str(tmp_path)})  # the profile DB goes to this HOME
     assert "plan=auto: wrote" in proc.stdout
     assert "plan=auto: calibration: measured" in proc.stdout
+    # two micro-batches per step: both schedules predicted, the faster one run
+    assert "plan=auto: overlap_fb " in proc.stdout
     plan = load_plan(out / "plan.yaml")
+    assert isinstance(plan.predicted["overlap_fb"], bool)
     assert len(plan.degrees) == 4 and set(plan.degrees) <= {1, 2}
     prof = yaml.safe_load((out / "profile.json").read_text())
     # measured, not defaulted: moving bytes through gloo's TCP transport costs the host
@@ -432,7 +437,7 @@ def test_plan_auto_end_to_end(tmp_path, run_train):
     recs = [yaml.safe_load(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
     assert max(r.get("step", 0) for r in recs) == 2
     # the calibration steps leave no trace in the run: the plan it chose, given as a
-    # file, trains the same losses
+    # file, trains the same losses (paired or not: overlap_fb changes no number)
     again = tmp_path / "again"
     run_train(common + [f"parallel.plan={out / 'plan.yaml'}", f"out_dir={again}"],
               env={"HOME": str(tmp_path)})

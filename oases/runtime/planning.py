@@ -9,11 +9,14 @@ broadcasts the degrees. Before solving, a few real training steps with every blo
 at degree tp calibrate the cost model's host cost of communication
 (``parallel.plan_calibration_steps``; :func:`oases.planner.fit.calibrate_host_cost`).
 The plan goes to ``<out_dir>/plan.yaml``, the whole profile (compute, collectives,
-calibration) to ``<out_dir>/profile.json``.
+calibration) to ``<out_dir>/profile.json``. Where a step pairs backwards with forwards
+(``oases``, ``grad_accum`` >= 2) the planner predicts both schedules and turns
+``parallel.overlap_fb`` on when the pairs are predicted faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -166,17 +169,36 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
             limit_gib = cfg.parallel.memory_limit_gib or \
                 cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # smallest device
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
+            fb = cfg.parallel.overlap_fb
+            if _can_pair(cfg) and not fb:  # the paired schedule, if it is predicted faster
+                alt = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                            overlap_fb=True))
+                paired = make_plan(alt, cluster, profile, limit_gib * 2**30)
+                t0, t1 = plan.predicted["step_time_s"], paired[0].predicted["step_time_s"]
+                fb = t1 < t0
+                log(f"plan=auto: overlap_fb {'on' if fb else 'off'} (predicted step "
+                    f"{1e3 * t1:.1f} ms paired, {1e3 * t0:.1f} ms unpaired)")
+                if fb:
+                    plan, cm, uni = paired
+            plan.predicted["overlap_fb"] = fb
             report(plan, cm, uni)
             path = Path(cfg.out_dir) / "plan.yaml"
             plan.save(path)
             print(f"plan=auto: wrote {path}", flush=True)
-            obj[0] = plan.degrees
+            obj[0] = (plan.degrees, fb)
         except UserError as e:
             obj[0] = e
     dist.broadcast_object_list(obj, src=0)
     if isinstance(obj[0], UserError):
         raise obj[0]
-    return obj[0]
+    degrees, cfg.parallel.overlap_fb = obj[0]  # every rank runs what rank 0 chose
+    return degrees
+
+
+def _can_pair(cfg: Config) -> bool:
+    """Whether ``parallel.overlap_fb`` could run: plan=auto then predicts both."""
+    p = cfg.parallel
+    return p.schedule == "oases" and p.pp == 1 and cfg.train.grad_accum >= 2
 
 
 def _stages(log: Callable[[str], None], n: int) -> Callable[[str], None]:
