@@ -184,3 +184,25 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
         assert got.status == "feasible (time limit)" and got.bound <= got.objective
         assert got.gap == pytest.approx((got.objective - got.bound) / got.objective)
         assert "gap" in got.summary()
+
+
+@pytest.mark.parametrize("L,P,S,seed", [(5, 3, 2, 21), (6, 2, 3, 22)])
+def test_per_stage_resharding_and_per_cut_transfers(L, P, S, seed):
+    """Resharding given per stage and transfers per cut (a heterogeneous cluster's
+    stages and links differ): the MILP and AMP's partition still equal brute force,
+    and each cut is priced by its own table."""
+    rng = random.Random(seed)
+    base = _instance(L, P, S, seed, per_stage=True, c=3, tight=0.8, xscale=3.0)
+    table = lambda k: [[[k * rng.uniform(1, 10) for _ in range(S)] for _ in range(S)]  # noqa: E731
+                       for _ in range(L)]
+    inst = uniap.Instance(base.strategies, P, 3, base.t, base.m, base.a, base.memory_limit,
+                          e=[table(0.5) for _ in range(P)], x=[table(3.0) for _ in range(P - 1)])
+    strat = [rng.randrange(S) for _ in range(L)]
+    starts = list(range(P))
+    got_t, _ = uniap.evaluate(inst, starts, strat)
+    costs = [uniap.stage_cost(inst, p, lo, hi, strat)
+             for p, (lo, hi) in enumerate(zip(starts, starts[1:] + [L]))]
+    cuts = [inst.x[p][lo][strat[lo - 1]][strat[lo]] for p, lo in enumerate(starts[1:])]
+    assert got_t == pytest.approx(uniap.pipeline_time(costs, cuts, 3))
+    assert uniap.solve(inst, gap=1e-9).time == pytest.approx(_brute(inst), rel=1e-6)
+    assert amp.partition(inst, strat).time == pytest.approx(_brute(inst, [strat]), rel=1e-9)

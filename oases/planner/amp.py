@@ -27,7 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from oases.planner.uniap import Instance, evaluate, stage_cost, stage_memory
+import numpy as np
+
+from oases.planner.uniap import Instance, evaluate
 
 
 @dataclass
@@ -38,65 +40,101 @@ class Partition:
 
 
 def _tables(inst: Instance, strat: Sequence[int]):
-    """cost[p][i][j], fits[p][i][j] for stage p holding layers i..j-1; cut[i] at layer i."""
+    """cost[p][i, j] for stage p holding layers i..j-1 (inf where it does not fit in
+    stage p's memory or j <= i) and cut[p][i], the transfer at the cut p | p + 1 when
+    layer i starts stage p + 1: numpy arrays from prefix sums, O(P L^2) without a
+    Python loop over the pairs. Memory is compared with a relative slack of 1e-12:
+    prefix differences may round a plan that fills its stage exactly one ulp over."""
     L, P = inst.L, inst.stages
-    cost = [[[0.0] * (L + 1) for _ in range(L + 1)] for _ in range(P)]
-    fits = [[[False] * (L + 1) for _ in range(L + 1)] for _ in range(P)]
+    idx = np.arange(L)
+    prev = np.array([0] + list(strat[:-1]))
+    cost, cut = [], []
+    upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), 1)  # j > i
     for p in range(P):
-        for i in range(L):
-            for j in range(i + 1, L + 1):
-                cost[p][i][j] = stage_cost(inst, p, i, j, strat)
-                fits[p][i][j] = stage_memory(inst, p, i, j, strat) <= inst.memory_limit[p]
-    cut = [0.0] + [inst.x[i][strat[i - 1]][strat[i]] for i in range(1, L)]
-    return cost, fits, cut
+        t = np.array([inst.t[p][l][strat[l]] for l in range(L)])
+        e = np.array([0.0] + [inst.e[p][l][prev[l]][strat[l]] for l in range(1, L)])
+        mem = np.array([inst.m[p][l][strat[l]] + inst.in_flight(p) * inst.a[p][l][strat[l]]
+                        for l in range(L)])
+        A, E, M = (np.concatenate([[0.0], np.cumsum(v)]) for v in (t, e, mem))
+        # stage [i, j): t of i..j-1, e of i+1..j-1 (E[i + 1] for i < L; unused at i = L)
+        E_in = np.concatenate([E[1:], [E[-1]]])
+        c = (A[None, :] - A[:, None]) + (E[None, :] - E_in[:, None])
+        used = M[None, :] - M[:, None]
+        ok = upper & (used <= inst.memory_limit[p] * (1 + 1e-12))
+        cost.append(np.where(ok, c, np.inf))
+    for p in range(P - 1):
+        x = np.zeros(L + 1)
+        x[1:L] = [inst.x[p][i][strat[i - 1]][strat[i]] for i in idx[1:]]
+        cut.append(x)
+    return cost, cut
 
 
-def _dp(inst: Instance, cost, fits, cut, bound: float):
-    """Least sum of stage and cut costs with every piece <= bound; (sum, starts) or None."""
+def _dp(inst: Instance, cost, cut, bound: float):
+    """Least sum of stage and cut costs with every piece <= bound; (sum, starts) or None.
+    One vectorised step per stage: best[j] = min_i prev[i] + cut into i + cost[i, j]."""
     L, P = inst.L, inst.stages
-    INF = math.inf
-    # best[p][j]: layers 0..j-1 on stages 0..p-1, stage p-1 ending at j
-    best = [[INF] * (L + 1) for _ in range(P + 1)]
-    arg = [[-1] * (L + 1) for _ in range(P + 1)]
-    best[0][0] = 0.0
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    args = []
     for p in range(P):
-        for j in range(p + 1, L - (P - p - 1) + 1):
-            for i in range(p, j):
-                if best[p][i] == INF or not fits[p][i][j] or cost[p][i][j] > bound:
-                    continue
-                c = cost[p][i][j] + (cut[i] if p else 0.0)
-                if p and cut[i] > bound:
-                    continue
-                if best[p][i] + c < best[p + 1][j]:
-                    best[p + 1][j], arg[p + 1][j] = best[p][i] + c, i
-    if best[P][L] == INF:
+        into = cut[p - 1] if p else np.zeros(L + 1)
+        start = np.where(into <= bound, best + into, np.inf)
+        piece = np.where(cost[p] <= bound, cost[p], np.inf)
+        total = start[:, None] + piece       # (i, j)
+        arg = np.argmin(total, axis=0)       # the first i on ties
+        best = total[arg, np.arange(L + 1)]
+        args.append(arg)
+    if not np.isfinite(best[L]):
         return None
     starts, j = [], L
-    for p in range(P, 0, -1):
-        j = arg[p][j]
+    for p in range(P - 1, -1, -1):
+        j = int(args[p][j])
         starts.append(j)
-    return best[P][L], starts[::-1]
+    return float(best[L]), starts[::-1]
 
 
 def partition(inst: Instance, strat: Sequence[int]) -> Optional[Partition]:
     """The best contiguous P-stage partition for per-layer strategy indices ``strat``
-    (None if no partition fits in memory)."""
-    cost, fits, cut = _tables(inst, strat)
+    (None if no partition fits in memory).
+
+    The bound sweep of the module docstring, without evaluating every candidate
+    bound: DP(b) only shrinks as b grows, so for candidates v_i <= b <= v_j
+    DP(b) + (c - 1) b >= DP(v_j) + (c - 1) v_i; a range where that is no better than
+    the best found is dropped whole, others are halved. The smallest feasible bound
+    is found by bisection (feasibility only grows with b)."""
+    cost, cut = _tables(inst, strat)
     c = inst.micro_batches
-    free = _dp(inst, cost, fits, cut, math.inf)
+    free = _dp(inst, cost, cut, math.inf)
     if free is None:
         return None
     if c == 1:
         return _result(inst, free[1], strat)
-    values = sorted({cost[p][i][j] for p in range(inst.stages) for i in range(inst.L)
-                     for j in range(i + 1, inst.L + 1) if fits[p][i][j]} | set(cut[1:]))
-    best_t, best_starts = math.inf, None
-    for b in values:
-        if (c - 1) * b + free[0] >= best_t:
-            break
-        got = _dp(inst, cost, fits, cut, b)
-        if got is not None and got[0] + (c - 1) * b < best_t:
-            best_t, best_starts = got[0] + (c - 1) * b, got[1]
+    finite = np.concatenate([m[np.isfinite(m)] for m in cost] + [x[1:inst.L] for x in cut])
+    values = np.unique(finite)
+    memo: dict = {}
+
+    def dp_at(k):
+        if k not in memo:
+            memo[k] = _dp(inst, cost, cut, float(values[k]))
+        return memo[k]
+
+    lo, hi = 0, len(values) - 1  # dp_at(hi) is ``free``: every piece is <= the largest value
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if dp_at(mid) is None else (lo, mid)
+    best_t, best_starts = dp_at(lo)[0] + (c - 1) * values[lo], dp_at(lo)[1]
+    todo = [(lo + 1, len(values) - 1)]
+    while todo:
+        i, j = todo.pop()
+        if i > j or (c - 1) * values[i] + free[0] >= best_t:
+            continue
+        got = dp_at(j)
+        if got[0] + (c - 1) * values[i] >= best_t:
+            continue
+        if got[0] + (c - 1) * values[j] < best_t:
+            best_t, best_starts = got[0] + (c - 1) * values[j], got[1]
+        mid = (i + j - 1) // 2
+        todo += [(mid + 1, j - 1), (i, mid)]  # the lower half first
     return _result(inst, best_starts, strat)
 
 

@@ -4,12 +4,14 @@ An :class:`Instance` is abstract: L layers in order, P stages, opaque strategy
 labels (``"tp2"``, ``"dp"``, ``"fsdp"``...) and, per layer and strategy, the
 numbers the solver trades off. Nothing here knows how a strategy runs.
 
-Data (p stage, l layer, s/r strategy; ``t``/``m``/``a`` may be given per stage):
+Data (p stage, l layer, s/r strategy; ``t``/``m``/``a``/``e`` may be given per
+stage and ``x`` per cut, or once for all):
   t[p][l][s]  forward+backward of one micro-batch on stage p's devices
   m[p][l][s]  parameter, gradient and optimizer bytes per device
   a[p][l][s]  activation bytes one micro-batch in flight keeps per device
-  e[l][r][s]  resharding when l-1 (strategy r) and l (strategy s) share a stage
-  x[l][r][s]  transfer when l-1 ends stage p (strategy r) and l starts p+1 (s)
+  e[p][l][r][s]  resharding when l-1 (strategy r) and l (strategy s) share stage p
+  x[p][l][r][s]  transfer when l-1 ends stage p (strategy r) and l starts p+1 (s)
+                 (p < P - 1: stage p's cut; a heterogeneous cluster's links differ)
   M[p], c micro-batches, k_p = in-flight micro-batches of stage p:
   1F1B min(c, P - p), eager-1F1B min(c, 2(P - p) - 1).
 
@@ -23,8 +25,8 @@ Every product q = a b of 0/1 quantities is linearised exactly:
 
 (with integral a, b the three bounds leave only q = a b). Then
 
-    T_p = sum_{l,s} t[p][l][s] w[l][p][s] + sum_{l,r,s} e[l][r][s] v[l][p][r][s]
-    O_p = sum_{l,r,s} x[l][r][s] g[l][p][r][s]                     (p < P - 1)
+    T_p = sum_{l,s} t[p][l][s] w[l][p][s] + sum_{l,r,s} e[p][l][r][s] v[l][p][r][s]
+    O_p = sum_{l,r,s} x[p][l][r][s] g[l][p][r][s]                  (p < P - 1)
     minimise   sum_p T_p + sum_p O_p + (c - 1) C                  (UniAP's TPI)
     subject to C >= T_p,  C >= O_p
                sum_p z[l][p] = 1,  sum_s y[l][s] = 1
@@ -99,8 +101,8 @@ class Instance:
     m: list
     a: list
     memory_limit: object  # one number for every stage, or one per stage
-    e: Optional[list] = None  # [l][r][s]; row 0 unused
-    x: Optional[list] = None  # [l][r][s]; row 0 unused
+    e: Optional[list] = None  # [l][r][s] or [p][l][r][s]; row l = 0 unused
+    x: Optional[list] = None  # [l][r][s] or [cut p < P - 1][l][r][s]; row l = 0 unused
     schedule: str = "1f1b"
     L: int = field(init=False)
     S: int = field(init=False)
@@ -117,11 +119,8 @@ class Instance:
         for name in ("t", "m", "a"):
             setattr(self, name, self._per_stage(name, getattr(self, name)))
         zero = [[[0.0] * S for _ in range(S)] for _ in range(L)]
-        for name in ("e", "x"):
-            val = getattr(self, name) or zero
-            if len(val) != L or any(len(r) != S or any(len(q) != S for q in r) for r in val):
-                raise ConfigError(f"{name} must be [layers={L}][{S}][{S}]")
-            setattr(self, name, [[list(map(float, r)) for r in rows] for rows in val])
+        for name, n in (("e", P), ("x", P - 1)):
+            setattr(self, name, self._pairs(name, getattr(self, name) or zero, n))
         lim = self.memory_limit
         lim = list(lim) if isinstance(lim, (list, tuple)) else [lim] * P
         if len(lim) != P:
@@ -137,6 +136,21 @@ class Instance:
                               f"[stages={P}][{L}][{S}]")
         return [[[float(v) for v in q] for q in r] for r in val]
 
+    def _pairs(self, name, val, n):
+        """``val`` as n tables [l][r][s] (one per stage or cut); one table given for all
+        is shared, not copied."""
+        L, S = self.L, self.S
+        ok = lambda tab: len(tab) == L and all(  # noqa: E731
+            len(r) == S and all(len(q) == S for q in r) for r in tab)
+        if _depth(val) == 3:
+            if not ok(val):
+                raise ConfigError(f"{name} must be [layers={L}][{S}][{S}]")
+            one = [[[float(v) for v in q] for q in r] for r in val]
+            return [one] * n
+        if len(val) != n or not all(ok(tab) for tab in val):
+            raise ConfigError(f"{name} must be [layers={L}][{S}][{S}] or [{n}][{L}][{S}][{S}]")
+        return [[[[float(v) for v in q] for q in r] for r in tab] for tab in val]
+
     def in_flight(self, p: int) -> int:
         """Micro-batches whose activations stage p holds at its peak."""
         P, c = self.stages, self.micro_batches
@@ -148,7 +162,7 @@ class Instance:
 def stage_cost(inst: Instance, p: int, lo: int, hi: int, strat: Sequence[int]) -> float:
     """Compute of layers lo..hi-1 on stage p plus their resharding."""
     return (sum(inst.t[p][l][strat[l]] for l in range(lo, hi))
-            + sum(inst.e[l][strat[l - 1]][strat[l]] for l in range(lo + 1, hi)))
+            + sum(inst.e[p][l][strat[l - 1]][strat[l]] for l in range(lo + 1, hi)))
 
 
 def stage_memory(inst: Instance, p: int, lo: int, hi: int, strat: Sequence[int]) -> float:
@@ -166,7 +180,7 @@ def evaluate(inst: Instance, starts: Sequence[int], strat: Sequence[int]):
     """(time, per-stage memory) of stages starting at ``starts`` (first is 0)."""
     ends = list(starts[1:]) + [inst.L]
     costs = [stage_cost(inst, p, lo, hi, strat) for p, (lo, hi) in enumerate(zip(starts, ends))]
-    trans = [inst.x[lo][strat[lo - 1]][strat[lo]] for lo in starts[1:]]
+    trans = [inst.x[p][lo][strat[lo - 1]][strat[lo]] for p, lo in enumerate(starts[1:])]
     mems = [stage_memory(inst, p, lo, hi, strat) for p, (lo, hi) in enumerate(zip(starts, ends))]
     return pipeline_time(costs, trans, inst.micro_batches), mems
 
@@ -204,6 +218,10 @@ class InfeasibleMemory(UserError):
         self.min_memory = min_memory
 
 
+class NoPlan(RuntimeError):
+    """The solver returned no plan: none fits, or none was found in the time limit."""
+
+
 def _solver(time_limit: float, gap: float, log_path: str, warm: bool = False):
     opts = dict(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm)
     for name in ("HiGHS", "HiGHS_CMD"):
@@ -233,7 +251,8 @@ def _warm(inst: Instance, var, C, starts, strat):
     ends = list(starts[1:]) + [inst.L]
     C.setInitialValue(max([stage_cost(inst, p, lo, hi, strat) for p, (lo, hi) in
                            enumerate(zip(starts, ends))]
-                          + [inst.x[lo][strat[lo - 1]][strat[lo]] for lo in starts[1:]]))
+                          + [inst.x[p][lo][strat[lo - 1]][strat[lo]]
+                             for p, lo in enumerate(starts[1:])]))
 
 
 def _bound(solver, prob, log_path: str):
@@ -287,8 +306,6 @@ def _lp(inst: Instance, order_preserving: bool):
         prob += pulp.lpSum(z[l]) == 1
         prob += pulp.lpSum(y[l]) == 1
         for p in range(P):
-            for s in range(S):
-                product(w[l][p][s], z[l][p], y[l][s])
             prob += pulp.lpSum(w[l][p]) == z[l][p]  # margins: valid, and they tighten the LP
         for s in range(S):
             prob += pulp.lpSum(w[l][p][s] for p in range(P)) == y[l][s]
@@ -312,12 +329,14 @@ def _lp(inst: Instance, order_preserving: bool):
             for r in range(S):
                 for s in range(S):
                     v[l][p][r][s] = pulp.LpVariable(f"v_{l}_{p}_{r}_{s}", 0, 1)
-                    product(v[l][p][r][s], w[l - 1][p][r], w[l][p][s])
-                    T[p].append(inst.e[l][r][s] * v[l][p][r][s])
+                    if not order_preserving:
+                        product(v[l][p][r][s], w[l - 1][p][r], w[l][p][s])
+                    T[p].append(inst.e[p][l][r][s] * v[l][p][r][s])
                     if p < P - 1:
                         g[l][p][r][s] = pulp.LpVariable(f"g_{l}_{p}_{r}_{s}", 0, 1)
-                        product(g[l][p][r][s], w[l - 1][p][r], w[l][p + 1][s])
-                        O[p].append(inst.x[l][r][s] * g[l][p][r][s])
+                        if not order_preserving:
+                            product(g[l][p][r][s], w[l - 1][p][r], w[l][p + 1][s])
+                        O[p].append(inst.x[p][l][r][s] * g[l][p][r][s])
         if order_preserving:  # layer l sits on l-1's stage or the next: the pairs add up
             _pair_margins(prob, w, v, g, l, P, S)
     mem = [pulp.lpSum((inst.m[p][l][s] + inst.in_flight(p) * inst.a[p][l][s]) * w[l][p][s]
@@ -333,17 +352,20 @@ def _read(inst: Instance, z, y):
 
 
 def solve(inst: Instance, time_limit: float = 10.0, gap: float = 1e-3,
-          order_preserving: bool = True, start=None) -> Result:
+          order_preserving: bool = True, start=None, explain: bool = True) -> Result:
     """The best contiguous placement and per-layer strategies; raises
     :class:`InfeasibleMemory` (with the least memory that would fit) if none fits.
 
     ``start`` = (stage starts, strategy index per layer), a plan that fits (e.g.
     AMP's best uniform one), is handed to the solver as its first incumbent: a
-    solve cut short by the time limit then returns nothing worse."""
+    solve cut short by the time limit then returns nothing worse. ``explain=False``
+    skips the second MILP that finds the least memory when nothing fits (a search
+    over many instances only needs to know that this one has no plan): the error
+    is then a :class:`NoPlan`."""
     with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x's 4.0 notices
         return _solve(inst, time_limit, gap, order_preserving, os.path.join(tmp, "cbc.log"),
-                      start)
+                      start, explain)
 
 
 def _model(inst: Instance, order_preserving: bool = True):
@@ -353,12 +375,21 @@ def _model(inst: Instance, order_preserving: bool = True):
     for q in T + O:
         prob += C >= q
     prob += pulp.lpSum(T) + pulp.lpSum(O) + (inst.micro_batches - 1) * C
+    unit = _memory_unit(inst)
     for p in range(inst.stages):
-        prob += mem[p] <= inst.memory_limit[p]
+        prob += (1 / unit) * mem[p] <= inst.memory_limit[p] / unit
     return prob, var, C, mem
 
 
-def _solve(inst, time_limit, gap, order_preserving, log_path, start) -> Result:
+def _memory_unit(inst: Instance) -> float:
+    """Memory rows are written in units of the largest limit: byte counts (1e10) next
+    to times (1e-3) leave CBC's start-up and heuristics crawling on a badly scaled
+    matrix (measured: 47 s instead of 0.2 s on a 32-layer instance)."""
+    finite = [abs(v) for v in inst.memory_limit if math.isfinite(v) and v]
+    return max(finite, default=1.0)
+
+
+def _solve(inst, time_limit, gap, order_preserving, log_path, start, explain) -> Result:
     t0 = time.perf_counter()
     P = inst.stages
     prob, var, C, mem = _model(inst, order_preserving)
@@ -371,6 +402,9 @@ def _solve(inst, time_limit, gap, order_preserving, log_path, start) -> Result:
     except pulp.PulpSolverError as err:  # CBC killed by a very short limit writes no solution
         raise RuntimeError(f"MILP solver stopped without a plan in {time_limit} s: {err}")
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if not explain:
+            raise NoPlan(f"MILP found no plan within {time_limit} s "
+                         f"(status {pulp.LpStatus[prob.status]})")
         # memory is the only row a contiguous placement can break; a solver cut
         # short may still call the model infeasible, so check that memory is why
         need = min_memory(inst, order_preserving=order_preserving)
