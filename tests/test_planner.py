@@ -362,8 +362,8 @@ def test_mixed_plan_matches_tp1(world, tp, degrees, name):
 def test_plan_cli_and_bad_plan_exit_2(tmp_path):
     out = tmp_path / "plan.yaml"
     r = subprocess.run([sys.executable, "-m", "oases.plan", "--config", "configs/gpt-tiny.yaml",
-                        "--cluster", "configs/cluster/hetero-4.yaml", "--profile",
-                        str(tmp_path / "db.json"), "--out", str(out), "parallel.tp=4",
+                        "--cluster", "configs/cluster/hetero-4.yaml", "--search", "tp-only",
+                        "--profile", str(tmp_path / "db.json"), "--out", str(out), "parallel.tp=4",
                         "parallel.schedule=oases", "parallel.recompute=fine",
                         "model.n_layer=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -374,8 +374,8 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert (tmp_path / "db.json").exists()  # the profile DB, reused next time
     r2 = subprocess.run([sys.executable, "-m", "oases.plan", "--config", "configs/gpt-tiny.yaml",
-                         "--cluster", "configs/cluster/hetero-4.yaml", "--profile",
-                         str(tmp_path / "db.json"), "--out", str(tmp_path / "p2.yaml"),
+                         "--cluster", "configs/cluster/hetero-4.yaml", "--search", "tp-only",
+                         "--profile", str(tmp_path / "db.json"), "--out", str(tmp_path / "p2.yaml"),
                          "parallel.tp=4", "parallel.schedule=oases", "parallel.recompute=fine",
                          "model.n_layer=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0 and "reusing" in r2.stdout

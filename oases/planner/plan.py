@@ -26,6 +26,13 @@ A pipelined plan gives ``stages`` instead (then
       - {layers: [0, 5], dp: 1, tp: 4}
       - {layers: [5, 8], dp: 2, tp: 2, degrees: [2, 2, 1, 1, 2, 2]}
 
+A plan the layout search made (``python -m oases.plan --search uniap|amp``) also
+records the run it was priced for: ``pp``, ``tp`` (every stage's), the replica's
+``micro_batch_size`` and ``micro_batches`` per step (``train.grad_accum``). The
+runtime then refuses a run with other values (:func:`check_run`, naming the
+overrides to pass); plans without ``micro_batches`` (hand-written, or ``tp-only``)
+are not checked.
+
 Pure Python.
 """
 
@@ -53,6 +60,8 @@ class Plan:
     recompute: str = "fine"
     micro_batch_size: int = 0
     sub_batches: int = 2
+    pp: int = 0               # 0: not recorded
+    micro_batches: int = 0    # per step (train.grad_accum); 0: not recorded
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 
@@ -83,6 +92,10 @@ def load_plan(path: str) -> Plan:
     if not isinstance(degrees, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                 for d in degrees):
         raise UserError(f"plan file {path}: degrees must be a list of integers")
+    for k in ("pp", "micro_batches", "micro_batch_size"):
+        v = data.get(k, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UserError(f"plan file {path}: {k} must be an integer >= 0, got {v!r}")
     return Plan(**{k: data[k] for k in data if k in known and k != "tp"} | {
         "degrees": degrees, "tp": int(data.get("tp", max(degrees) if degrees else 1)),
         "model": data.get("model") or {}})
@@ -94,6 +107,24 @@ def check_model(plan: Plan, model_cfg, path: str = "plan") -> None:
                 if k in plan.model and plan.model[k] != getattr(model_cfg, k)]
     if mismatch:
         raise UserError(f"{path} was made for another model ({'; '.join(mismatch)})")
+
+
+def check_run(plan: Plan, cfg, path: str = "plan") -> None:
+    """A searched plan runs only with the layout and batch it was priced for: the same
+    pp, tp, micro-batch size and count (so the same global batch). One line naming
+    the overrides that run it."""
+    if not plan.micro_batches:
+        return
+    want = {"parallel.pp": plan.pp or 1, "parallel.tp": plan.tp,
+            "train.micro_batch_size": plan.micro_batch_size,
+            "train.grad_accum": plan.micro_batches}
+    have = {"parallel.pp": cfg.parallel.pp, "parallel.tp": cfg.parallel.tp,
+            "train.micro_batch_size": cfg.train.micro_batch_size,
+            "train.grad_accum": cfg.train.grad_accum}
+    wrong = [f"{k}={have[k]}" for k in want if want[k] != have[k]]
+    if wrong:
+        raise UserError(f"{path} was made for {' '.join(f'{k}={v}' for k, v in want.items())}; "
+                        f"this run has {', '.join(wrong)}")
 
 
 def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:

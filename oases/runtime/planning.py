@@ -30,8 +30,8 @@ from oases.errors import ConfigError, UserError
 from oases.heads import heads_problem
 from oases.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.parallel.groups import ParallelContext
-from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan, check_zero,
-                                load_plan)
+from oases.planner.plan import (batch_divisor, check_degrees, check_model, check_plan, check_run,
+                                check_zero, load_plan)
 
 
 StepTimer = Callable[[Optional[list[int]], int], float]
@@ -44,6 +44,8 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
     pp=1 only and resolves its degrees later, in :func:`resolve_plan`)."""
     p = cfg.parallel
     plan = load_plan(p.plan) if p.plan and p.plan != "auto" else None
+    if plan is not None:  # a searched plan: first of all, the run it was made for
+        check_run(plan, cfg, f"plan file {p.plan}")
     if plan is None or not plan.stages:
         degrees = None
         if plan is not None and p.pp > 1:
@@ -99,7 +101,9 @@ def resolve_plan(cfg: Config, ctx: ParallelContext,
         with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
             degrees = _auto(cfg, ctx, time_steps)
     else:
-        degrees = check_plan(load_plan(p.plan), cfg.model, p.tp, f"plan file {p.plan}")
+        plan = load_plan(p.plan)
+        check_run(plan, cfg, f"plan file {p.plan}")
+        degrees = check_plan(plan, cfg.model, p.tp, f"plan file {p.plan}")
     k = batch_divisor(degrees, p.tp)
     rows = cfg.train.micro_batch_size // (p.sub_batches if p.schedule == "oases" else 1)
     if rows % k:

@@ -1,0 +1,233 @@
+"""Planner v2's outer search: every (pp, dp, tp, c), with three pickers. Pure Python.
+
+For every outer choice (:func:`oases.planner.stages.enumerate_choices`) the
+:class:`~oases.planner.stages.Problem` is built once and priced three ways:
+
+    megatron  every layer at degree tp, the runtime's even split
+    amp       AMP: the best uniform strategy with its exact partition (amp.best_uniform)
+    uniap     the MILP (uniap.solve) over placement and per-layer strategies, warm
+              started from that choice's AMP plan, so it never returns worse
+
+``amp`` keeps the fastest AMP plan. ``uniap`` adds MILPs within a total time budget:
+choices are visited fastest-AMP-first, and a choice is skipped when a lower bound
+on anything it could reach is no better than the best plan found so far:
+
+    LB = (1 + (c - 1) / P) sum_l min_{p,s} t[p][l][s]   (and max >= the heaviest layer)
+
+(UniAP's time per iteration is sum T_p + sum O_p + (c - 1) max; resharding and
+transfers are >= 0 and the max is at least the mean). A choice with one strategy
+needs no MILP: AMP's partition is exact there. Each MILP gets the budget left,
+shared among the choices left (at least ``min_limit_s``); the AMP plans stay
+candidates, so the pick is never worse than AMP's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from oases.errors import ConfigError
+from oases.planner import amp, uniap
+from oases.planner.cost import Profile, RunShape
+from oases.planner.stages import Job, Problem, build, enumerate_choices, even_starts
+
+METHODS = ("uniap", "amp")
+
+
+@dataclass
+class Candidate:
+    """One pipelined layout with its predicted time per iteration and memory per stage."""
+
+    problem: Problem = field(repr=False)
+    starts: list[int]
+    strat: list[int]               # strategy index per layer
+    time: float
+    memory: list[float]            # per stage, bytes per device
+    source: str                    # "uniap" | "amp" | "megatron"
+    gap: Optional[float] = None    # the MILP's, when it stopped before proving optimality
+    status: str = ""
+
+    @property
+    def choice(self):
+        return self.problem.choice
+
+    @property
+    def degrees(self) -> list[int]:
+        """TP degree per layer."""
+        return [self.choice.degrees[s] for s in self.strat]
+
+    def ranges(self) -> list[tuple[int, int]]:
+        ends = self.starts[1:] + [len(self.strat)]
+        return list(zip(self.starts, ends))
+
+    def stages(self) -> list[dict]:
+        """The plan file's ``stages`` (every block of a layer at the layer's degree)."""
+        ch = self.choice
+        return [{"layers": [a, b], "dp": ch.dp, "tp": ch.tp,
+                 "degrees": [d for d in self.degrees[a:b] for _ in (0, 1)]}
+                for a, b in self.ranges()]
+
+    def key(self) -> tuple:
+        return (self.choice.pp, self.choice.dp, self.choice.tp, self.choice.micro_batches,
+                tuple(self.starts), tuple(self.strat))
+
+    def describe(self) -> str:
+        ch = self.choice
+        parts = []
+        for (a, b), d in zip(self.ranges(), self.stage_degrees()):
+            parts.append(f"layers {a}-{b - 1} @ {d}")
+        return f"pp {ch.pp} x dp {ch.dp} x tp {ch.tp}, {self.batches()}: " + " | ".join(parts)
+
+    def batches(self) -> str:
+        """"8 micro-batches of 4 sequences" (the whole pipeline's micro-batch)."""
+        n, rows = self.choice.micro_batches, self.choice.rows * self.choice.dp
+        return f"{n} micro-batch{'es' if n > 1 else ''} of {rows} sequence{'s' if rows > 1 else ''}"
+
+    def stage_degrees(self) -> list[str]:
+        """Per stage, its layers' degrees, run-length coded ("tp4 x3, tp2 x1")."""
+        out = []
+        for a, b in self.ranges():
+            runs: list[list] = []
+            for d in self.degrees[a:b]:
+                if runs and runs[-1][0] == d:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([d, 1])
+            out.append(", ".join(f"tp{d} x{n}" for d, n in runs))
+        return out
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]        # distinct plans, fastest first
+    megatron: Optional[Candidate]  # best uniform Megatron-style layout
+    amp: Optional[Candidate]       # AMP's pick
+    choices: int                   # outer choices enumerated
+    milps: int = 0                 # MILPs solved
+    pruned: int = 0                # choices the lower bound skipped
+    solve_s: float = 0.0           # seconds in the MILP solver (model building included)
+    total_s: float = 0.0           # the whole search
+    method: str = "uniap"
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+
+def _candidate(prob: Problem, starts, strat, source: str, **kw) -> Candidate:
+    return Candidate(prob, list(starts), list(strat), prob.time(starts, strat),
+                     prob.memory(starts, strat), source, **kw)
+
+
+def megatron_plan(prob: Problem) -> Optional[Candidate]:
+    """Every layer at degree tp on the runtime's even split, if it fits."""
+    if prob.tp_index is None:
+        return None
+    L = prob.inst.L
+    starts, strat = even_starts(L, prob.choice.pp), [prob.tp_index] * L
+    used = uniap.evaluate(prob.inst, starts, strat)[1]
+    if any(u > lim for u, lim in zip(used, prob.inst.memory_limit)):
+        return None
+    return _candidate(prob, starts, strat, "megatron")
+
+
+def amp_plan(prob: Problem) -> Optional[Candidate]:
+    got = amp.best_uniform(prob.inst)
+    if got is None:
+        return None
+    s = prob.inst.strategies.index(got.strategy)
+    return _candidate(prob, got.partition.starts, [s] * prob.inst.L, "amp")
+
+
+def lower_bound(prob: Problem) -> float:
+    """No plan of this choice is faster (module docstring)."""
+    inst = prob.inst
+    least = [min(min(inst.t[p][l]) for p in range(inst.stages)) for l in range(inst.L)]
+    total = sum(least)
+    peak = max(total / inst.stages, max(least))
+    return total + (inst.micro_batches - 1) * peak + prob.constant
+
+
+def _milp(prob: Problem, start: Optional[Candidate], limit: float, gap: float
+          ) -> Optional[Candidate]:
+    warm = (start.starts, start.strat) if start is not None else None
+    try:
+        res = uniap.solve(prob.inst, time_limit=limit, gap=gap, start=warm, explain=False)
+    except (uniap.NoPlan, RuntimeError):
+        return None  # nothing fits, or nothing found in time: the AMP plan (if any) stays
+    strat = [prob.inst.strategies.index(s) for s in res.strategies]
+    starts = [a for a, _ in res.stages]
+    return _candidate(prob, starts, strat, "uniap",
+                      gap=None if res.status == "optimal" else res.gap, status=res.status)
+
+
+def search(job: Job, world: int, cluster, profile: Profile, base: RunShape,
+           method: str = "uniap", budget_s: float = 6.0, gap: float = 0.01,
+           min_limit_s: float = 0.5, memory_limit: Optional[float] = None,
+           log: Callable[[str], None] = print) -> SearchResult:
+    """Search every outer choice up to ``base.tp`` (the profiled degrees) on ``world``
+    ranks; raises :class:`ConfigError` when no layout fits."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown search {method!r} (one of {', '.join(METHODS)})")
+    t0 = time.perf_counter()
+    choices = enumerate_choices(job, world, max_tp=base.tp)
+    if not choices:
+        raise ConfigError(f"no (pp, dp, tp, micro-batches) layout of {world} devices runs the "
+                          f"global batch of {job.global_batch} sequences")
+    log(f"planning over {len(choices)} layouts (pp, dp x tp, micro-batches) of {world} devices")
+    problems = [build(job, ch, cluster, profile, base, memory_limit) for ch in choices]
+    megatron = [c for c in map(megatron_plan, problems) if c is not None]
+    amps = {id(p): amp_plan(p) for p in problems}
+    found = [c for c in amps.values() if c is not None]
+    res = SearchResult([], _min(megatron), _min(found), len(choices), method=method)
+    if method == "uniap":
+        found += _uniap(problems, amps, res, budget_s, gap, min_limit_s, log)
+    ranked, seen = [], set()
+    for c in sorted(found, key=lambda c: c.time):
+        if c.key() not in seen:
+            seen.add(c.key())
+            ranked.append(c)
+    if not ranked:
+        raise ConfigError(_no_fit(problems))
+    res.ranked = ranked
+    res.total_s = time.perf_counter() - t0
+    return res
+
+
+def _uniap(problems, amps, res: SearchResult, budget_s, gap, min_limit_s, log) -> list:
+    best = res.amp.time if res.amp is not None else float("inf")
+    order = sorted(problems, key=lambda p: (amps[id(p)] is None,
+                                            amps[id(p)].time if amps[id(p)] else 0.0))
+    todo = [p for p in order if p.inst.S > 1]
+    out = []
+    for k, prob in enumerate(todo):
+        if lower_bound(prob) >= best * (1 - gap):
+            res.pruned += 1
+            continue
+        if res.solve_s >= budget_s:
+            res.pruned += 1
+            continue
+        limit = max(min_limit_s, (budget_s - res.solve_s) / (len(todo) - k))
+        ch = prob.choice
+        log(f"solving {ch.label()} ({prob.inst.L} layers x {prob.inst.S} strategies, "
+            f"limit {limit:.1f} s) ...")
+        t = time.perf_counter()
+        got = _milp(prob, amps[id(prob)], limit, gap)
+        res.solve_s += time.perf_counter() - t
+        res.milps += 1
+        if got is not None:
+            out.append(got)
+            best = min(best, got.time)
+    return out
+
+
+def _min(cands: list) -> Optional[Candidate]:
+    return min(cands, key=lambda c: c.time) if cands else None
+
+
+def _no_fit(problems: list[Problem]) -> str:
+    p = problems[0]
+    lim = p.inst.memory_limit[0] + p.memory_const[0]
+    return (f"no layout found that fits in {lim / 2**30:.3f} GiB per device (every (pp, dp x "
+            f"tp, micro-batches) tried): give more memory or devices, or a smaller batch")

@@ -1,0 +1,369 @@
+"""Pipeline planning problems from a profile and a cluster file (planner v2). Pure Python.
+
+An *outer choice* fixes what AMP enumerates: ``pp`` stages of ``dp x tp`` ranks
+each (the same mesh on every stage; stage p owns ranks ``p*world/pp ..``, as in
+:mod:`oases.layout`) and ``c`` micro-batches per step. The config's global batch
+B is kept, so a replica runs ``R = B / (c dp)`` sequences per micro-batch. For one
+choice :func:`build` makes a :class:`oases.planner.uniap.Instance`:
+
+* MILP *layers* are transformer layers, not blocks: the runtime cuts stages between
+  layers (a plan's stages are layer ranges), and with one strategy per layer the
+  MILP has ``2 L P S^2`` pair variables rather than ``8 L P S^2``.
+* strategy s = a TP degree d_s dividing tp (powers of two the heads and ffn width
+  allow, and whose batch parts hold whole sequences): both blocks of the layer run
+  at d_s on tp/d_s replicas inside the TP group (a per-layer DP x TP mix, which the
+  runtime runs as the stage's per-block ``degrees``).
+
+Every number comes from the overlap-aware :class:`CostModel` of the stage, built
+for ONE micro-batch (``grad_accum=1``), on the stage's own links (:class:`StageLinks`
+renumbers its ranks) and with its compute divided by the stage's speed (the slowest
+node's, :func:`speed_of`). The cost model's step is a chain of node costs (one block
+at its degree) and edge costs (two neighbouring blocks: under ``oases`` the pairing
+of one block's compute with the other's collective, plus resharding). An edge
+between layers l-1 and l is cut in two when a stage boundary falls there:
+
+    edge(mlp_{l-1} r -> attn_l s) = cf(attn_l, s) + cb(mlp_{l-1}, r) + extra(r, s)
+
+The two computes run whether or not l-1 and l share a stage (without a partner
+they run alone), so they are charged to their own layers in ``t``; ``extra`` (what
+the pairing and the resharding add, >= 0) is ``e``. Hence, per micro-batch:
+
+    t[p][l][s] = node(attn_l, s) + edge(attn_l -> mlp_l, s, s) + node(mlp_l, s)
+                 + cf(attn_l, s) [l > 0] + cb(mlp_l, s) [l < L-1]      (oases only)
+                 + (grad sync of both blocks at s) / c
+                 + embedding/head/loss compute                       [l = L-1]
+    e[p][l][r][s] = extra(r, s)
+    x[p][l][r][s] = 2 B/c rows of activations (forward, and its gradient back) over
+                    the slowest link between stages p and p+1, + the all-gather of
+                    l-1's output from degree r to tp and of l's input from tp to s
+    m[p][l][s]   = weights, gradients and Adam state of both blocks at s
+    a[p][l][s]   = activations both blocks keep for one micro-batch in flight
+
+The embedding goes with stage 0, the head and the loss with the last stage: their
+compute is charged to layer L-1 (always on the last stage; the embedding lookup
+is negligible beside the head's matmul), their memory is taken off the stages'
+limits, with the largest graph rebuilt during backward (the transient peak).
+
+Gradient synchronisation (over dp and a block's replicas, plus replicated kv
+heads) happens once per step. It is folded into ``t`` as ``sync / c``: in UniAP's
+time per iteration (every stage once, the slowest c - 1 more times) the slowest
+stage then pays its sync exactly once and the others 1/c of theirs, which keeps
+the objective linear. The sync is charged in full: the reducer could hide part of
+it behind the last micro-batch's backward (the pp = 1 ILP of ``tp-only`` models
+that hiding; this model does not, so it is conservative by at most one
+micro-batch's backward of a block per block).
+
+The profile is measured once (:func:`profile_run`: degrees up to the largest tp
+searched, rows at which every degree holds whole sequences) and rescaled per
+choice: a block's compute and its activation bytes are linear in the rows it
+runs (seq fixed), the head's in rows x vocab / tp, the optimizer step in the
+parameters a rank holds (:func:`scale_profile`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from oases.errors import ConfigError
+from oases.layout import even_split
+from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape,
+                                Profile, RunShape)
+from oases.planner.uniap import Instance, evaluate
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the config fixes for every choice."""
+
+    shape: ModelShape
+    global_batch: int          # sequences per optimizer step
+    sub_batches: int
+    schedule: str              # "oases" | "megatron"
+    recompute: str
+    pp_schedule: str = "1f1b"  # "1f1b" | "eager-1f1b" | "gpipe"
+    pp_transfer: str = "broadcast"
+    act_bytes: int = 4
+    residual_bytes: int = 4
+
+    @property
+    def splits(self) -> int:
+        """Parts a replica's micro-batch is cut into before any degree splits it."""
+        return self.sub_batches if self.schedule == "oases" else 1
+
+    def run(self, tp: int, dp: int, rows: int) -> RunShape:
+        return RunShape(tp=tp, dp=dp, micro_batch_size=rows, grad_accum=1,
+                        sub_batches=self.sub_batches, schedule=self.schedule,
+                        recompute=self.recompute, act_bytes=self.act_bytes,
+                        residual_bytes=self.residual_bytes)
+
+
+def job_from_config(cfg) -> Job:
+    """The :class:`Job` of a validated config."""
+    p = cfg.parallel
+    return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, p.sub_batches,
+               p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
+               2 if cfg.train.precision == "bf16" else 4)
+
+
+def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:
+    """The run to profile at: degrees up to ``tp_max``, and a micro-batch (the config's,
+    rounded up) that every degree cuts into whole sequences."""
+    unit = job.sub_batches * tp_max
+    rows = unit * max(1, math.ceil(micro_batch_size / unit))
+    return job.run(tp_max, 1, rows)
+
+
+@dataclass(frozen=True)
+class Choice:
+    pp: int
+    dp: int
+    tp: int
+    micro_batches: int         # c
+    rows: int                  # sequences per replica per micro-batch: B / (c dp)
+    degrees: tuple             # the strategies: per-layer TP degrees
+
+    def label(self) -> str:
+        return f"pp={self.pp} dp={self.dp} tp={self.tp} c={self.micro_batches}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> list[Choice]:
+    """Every (pp, dp, tp, c) the runtime can run with the config's global batch: pp
+    divides the world and is at most the layer count; tp a power of two the heads and
+    ffn width allow; c divides the per-replica batch into micro-batches that split into
+    the sub-batches; 1F1B needs c >= pp. A choice's strategies are the degrees whose
+    batch parts hold whole sequences."""
+    out = []
+    for pp in _divisors(world):
+        if pp > job.shape.n_layer:
+            continue
+        per = world // pp
+        for tp in job.shape.valid_degrees(per):
+            if max_tp and tp > max_tp:
+                continue
+            dp = per // tp
+            if job.global_batch % dp:
+                continue
+            for c in _divisors(job.global_batch // dp):
+                rows = job.global_batch // (dp * c)
+                if rows % job.splits or (pp > 1 and job.pp_schedule != "gpipe" and c < pp):
+                    continue
+                degrees = tuple(t for t in job.shape.valid_degrees(tp)
+                                if (rows // job.splits) % (tp // t) == 0)
+                out.append(Choice(pp, dp, tp, c, rows, degrees))
+    return out
+
+
+# ---- the cluster as one stage sees it ----
+
+def speed_of(cluster, ranks) -> float:
+    """Compute speed of a group (its slowest node; 1.0 = the profiled device)."""
+    f = getattr(cluster, "speed_of", None)
+    return float(f(list(ranks))) if f is not None else 1.0
+
+
+def memory_of(cluster, ranks) -> float:
+    """Memory per device a group may use (its smallest node's), bytes."""
+    f = getattr(cluster, "memory_bytes_of", None)
+    return float(f(list(ranks))) if f is not None else cluster.device_memory_gib * 2**30
+
+
+class StageLinks:
+    """The cluster seen by one stage's :class:`CostModel`, which numbers the stage's
+    ranks 0.. (TP group 0..tp-1, replica d at d*tp..): rank r is global ``first + r``."""
+
+    def __init__(self, cluster, first: int) -> None:
+        self.cluster, self.first = cluster, first
+
+    def ring_gbps(self, ranks: list[int]) -> float:
+        return self.cluster.ring_gbps([self.first + r for r in ranks])
+
+    def latency_s(self, ranks: list[int]) -> float:
+        return self.cluster.latency_s([self.first + r for r in ranks])
+
+    def __getattr__(self, name):
+        return getattr(self.cluster, name)
+
+
+def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelShape,
+                  speed: float = 1.0) -> Profile:
+    """``profile`` (taken at ``base``) for ``run``'s rows per degree, on a device
+    ``speed`` times as fast. A block at degree t runs ``mbs / sub * t / tp`` rows: the
+    ratio to the base is the same at every degree. Saved bytes: the weights' part
+    (:meth:`CostModel.weight_bytes`) is fixed, the rest scales with the rows."""
+    rows = (run.micro_batch_size / run.tp) / (base.micro_batch_size / base.tp)
+    head = (run.micro_batch_size / base.micro_batch_size) * (base.tp / run.tp)
+    blocks: dict = {}
+    for kind, per_degree in profile.blocks.items():
+        blocks[kind] = {}
+        for t, e in per_degree.items():
+            w = run.act_bytes * shape.matrix_params(kind) / int(t) + \
+                PARAM_BYTES * shape.norm_params(kind)
+            blocks[kind][t] = dict(e, fwd=e["fwd"] * rows / speed, bwd=e["bwd"] * rows / speed,
+                                   saved=w + max(0.0, e["saved"] - w) * rows)
+    const = dict(profile.constant)
+    for k in ("fwd", "bwd", "head_fwd", "embed_bwd"):
+        if k in const:
+            const[k] = const[k] * head / speed
+    if "peak" in const:
+        const["peak"] = const["peak"] * head
+    const["step"] = 0.0  # per stage, see Problem.constant
+    return Profile(blocks, const, profile.comm)
+
+
+# ---- one choice -> one Instance ----
+
+@dataclass
+class Problem:
+    """One outer choice's MILP instance and what turns its answers into plans."""
+
+    choice: Choice
+    inst: Instance
+    constant: float                 # per step, outside the instance: the optimizer step
+    memory_const: list[float]       # per stage, bytes: embedding/head, transient peak
+    models: list[CostModel] = field(repr=False)
+    tp_index: Optional[int] = None  # the strategy "every layer at degree tp"
+
+    def time(self, starts, strat) -> float:
+        return evaluate(self.inst, starts, strat)[0] + self.constant
+
+    def memory(self, starts, strat) -> list[float]:
+        return [m + k for m, k in zip(evaluate(self.inst, starts, strat)[1], self.memory_const)]
+
+
+def _stage_model(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
+                 first: int) -> CostModel:
+    ranks = range(first, first + ch.dp * ch.tp)
+    run = job.run(ch.tp, ch.dp, ch.rows)
+    prof = scale_profile(profile, base, run, job.shape, speed_of(cluster, ranks))
+    return CostModel(job.shape, run, StageLinks(cluster, first), prof, list(ch.degrees))
+
+
+def _layer_row(cm: CostModel, job: Job, ch: Choice, l: int) -> list[float]:
+    """t[p][l][.] of the module docstring, for layer l (only l = 0, l = L-1 differ)."""
+    L, oases = job.shape.n_layer, job.schedule == "oases"
+    row = []
+    for d in ch.degrees:
+        cost = 0.0
+        for i, k in ((2 * l, "attn"), (2 * l + 1, "mlp")):
+            cost += cm.node_cost(i, d) - cm.kv_sync[k, d]  # the kv sum is per step: below
+            cost += (cm.sync[k, d] + cm.kv_sync[k, d]) / ch.micro_batches
+        cost += cm.edge_cost(2 * l + 1, d, d)
+        if oases and l > 0:
+            cost += cm.cf["attn", d]
+        if oases and l < L - 1:
+            cost += cm.cb["mlp", d]
+        if l == L - 1:
+            cost += cm.constant_time()  # embedding/head/loss per micro-batch (step is 0)
+        row.append(cost)
+    return row
+
+
+def _extra(cm: CostModel, job: Job, ch: Choice, l: int) -> list[list[float]]:
+    """e[p][l][r][s]: the edge between layer l-1 (degree r) and l (s) beyond its two
+    computes (which t charges)."""
+    out = []
+    for r in ch.degrees:
+        row = []
+        for s in ch.degrees:
+            e = cm.edge_cost(2 * l, r, s)
+            if job.schedule == "oases":
+                e -= cm.cf["attn", s] + cm.cb["mlp", r]
+            row.append(max(0.0, e))
+        out.append(row)
+    return out
+
+
+def _link(cluster, a: range, b: range) -> tuple[float, float]:
+    """(Gbit/s of the slowest link between two rank sets, latency in s)."""
+    gbps = min(cluster.link_gbps(i, j) for i in a for j in b)
+    return gbps, cluster.latency_s(list(a) + list(b))
+
+
+def _transfer(job: Job, ch: Choice, cluster, src: range, dst: range) -> float:
+    """One micro-batch's activation to the next stage and its gradient back: every
+    byte of the pipeline micro-batch crosses once (``pp_transfer=send``: once per
+    receiving TP rank), over the slowest link between the stages."""
+    gbps, lat = _link(cluster, src, dst)
+    nbytes = ch.rows * ch.dp * job.shape.seq_len * job.shape.d_model * job.residual_bytes
+    if job.pp_transfer == "send":
+        nbytes *= ch.tp
+    return 2 * (lat + nbytes / (gbps * 1e9 / 8))
+
+
+def _memory_const(job: Job, ch: Choice, cms: list[CostModel]) -> list[float]:
+    """Per stage: the embedding (stage 0), final norm, head (a tied head keeps its own
+    copy of the table on the last stage of a pipeline), the head's bf16 copy and
+    the logits' peak (last stage), and the largest graph rebuilt in backward."""
+    s, P, T = job.shape, ch.pp, ch.tp
+    d = s.d_model
+    embed = s.vocab_size * d + (s.seq_len * d if s.arch == "gpt" else 0)
+    head = d * (2 if s.arch == "gpt" else 1)
+    if not s.tie_embeddings or P > 1:
+        head += s.vocab_size * d
+    out = []
+    for p, cm in enumerate(cms):
+        mem = max(cm.trans[k, t] for k in ("attn", "mlp") for t in ch.degrees)
+        if p == 0:
+            mem += ADAM_BYTES_PER_PARAM * embed / T
+        if p == P - 1:
+            mem += ADAM_BYTES_PER_PARAM * head / T + cm.profile.constant.get("peak", 0.0)
+            if job.act_bytes < PARAM_BYTES:
+                mem += job.act_bytes * s.vocab_size * d / T
+        out.append(mem)
+    return out
+
+
+def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
+          memory_limit: Optional[float] = None) -> Problem:
+    """The :class:`Problem` of one choice on ``cluster`` (world = pp x dp x tp ranks).
+    ``memory_limit`` (bytes per device) overrides the cluster's."""
+    L, P = job.shape.n_layer, ch.pp
+    missing = [f"{k} at degree {t}" for k in ("attn", "mlp") for t in ch.degrees
+               if str(t) not in profile.blocks.get(k, {})]
+    if missing:
+        raise ConfigError(f"the profile has no figures for {', '.join(missing)}")
+    size = ch.dp * ch.tp
+    ranks = [range(p * size, (p + 1) * size) for p in range(P)]
+    cms = [_stage_model(job, ch, cluster, profile, base, r.start) for r in ranks]
+    t, e, m, a = [], [], [], []
+    for cm in cms:
+        rows = {l: _layer_row(cm, job, ch, l) for l in {0, min(1, L - 1), L - 1}}
+        t.append([rows[l if l in rows else 1] for l in range(L)])
+        mid = _extra(cm, job, ch, 1) if L > 1 else None
+        e.append([mid] * L if mid else [[[0.0] * len(ch.degrees)] * len(ch.degrees)])
+        stat = [sum(cm.mem[k, d] - cm.run.sub_batches * cm.saved_bytes(k, d)
+                    for k in ("attn", "mlp")) for d in ch.degrees]
+        act = [sum(cm.run.sub_batches * cm.saved_bytes(k, d) for k in ("attn", "mlp"))
+               for d in ch.degrees]
+        m.append([stat] * L)
+        a.append([act] * L)
+    if job.pp_schedule == "gpipe":  # every micro-batch in flight: the MILP's 1F1B k_p -> c
+        c = ch.micro_batches
+        a = [[[v * c / min(c, P - p) for v in row] for row in a[p]] for p in range(P)]
+    x = []
+    for p in range(P - 1):
+        move = _transfer(job, ch, cluster, ranks[p], ranks[p + 1])
+        T = ch.tp
+        x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
+                    for s in ch.degrees] for r in ch.degrees]] * L)
+    const = _memory_const(job, ch, cms)
+    limits = [(memory_limit if memory_limit is not None else memory_of(cluster, r)) - k
+              for r, k in zip(ranks, const)]
+    inst = Instance([f"tp{d}" for d in ch.degrees], P, ch.micro_batches, t, m, a, limits,
+                    e=e, x=x or None,
+                    schedule="eager-1f1b" if job.pp_schedule == "eager-1f1b" else "1f1b")
+    step = profile.constant.get("step", 0.0) * base.tp / (ch.tp * P) / \
+        min(speed_of(cluster, r) for r in ranks)
+    tp_index = ch.degrees.index(ch.tp) if ch.tp in ch.degrees else None
+    return Problem(ch, inst, step, const, cms, tp_index)
+
+
+def even_starts(n_layer: int, pp: int) -> list[int]:
+    """First layer of each stage in the runtime's default split."""
+    return [a for a, _ in even_split(n_layer, pp)]
