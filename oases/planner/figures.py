@@ -45,6 +45,7 @@ def plot_stages(stages: list[dict], path: Path, title: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
+    from matplotlib import patheffects
     from matplotlib.patches import Patch
 
     per_stage = [st.get("degrees") or [st["tp"]] * 2 * (st["layers"][1] - st["layers"][0])
@@ -60,7 +61,8 @@ def plot_stages(stages: list[dict], path: Path, title: str) -> bool:
         ax.bar([first + j + 0.5 for j in range(len(degs))], [0.8] * len(degs), width=1.0,
                bottom=row + 0.1, color=[color[d] for d in degs], edgecolor="white", linewidth=0.3)
         ax.text(first, row + 0.5, f" stage {p}: dp {st['dp']} x tp {st['tp']}", va="center",
-                fontsize=8, color="white" if len(degs) > 12 else "black")
+                fontsize=8, color="white",
+                path_effects=[patheffects.withStroke(linewidth=2, foreground="black")])
         if p:
             ax.axvline(first, color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, n_blocks)

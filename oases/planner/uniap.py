@@ -19,11 +19,15 @@ Variables: z[l][p] (layer l on stage p), y[l][s] (layer l takes s), binary;
 w[l][p][s] = z[l][p] y[l][s]; for l >= 1, v[l][p][r][s] = w[l-1][p][r] w[l][p][s]
 (same stage p and the pair r -> s) and g[l][p][r][s] = w[l-1][p][r] w[l][p+1][s]
 (boundary p | p+1 and the pair r -> s); C >= every stage and transfer cost.
-Every product q = a b of 0/1 quantities is linearised exactly:
+Every product q = a b of 0/1 quantities is linear in the model through margins
+(below): w's rows sum to z and y, the pairs' rows to w, and with integral z, y those
+transport rows leave each product only its value a b (a one-hot row and a one-hot
+column meet in one cell). The McCormick rows
 
     q <= a,   q <= b,   q >= a + b - 1,   q >= 0
 
-(with integral a, b the three bounds leave only q = a b). Then
+are then implied, and are written only for the ablation without the pair margins
+(they tripled the rows and slowed CBC's root LP). Then
 
     T_p = sum_{l,s} t[p][l][s] w[l][p][s] + sum_{l,r,s} e[p][l][r][s] v[l][p][r][s]
     O_p = sum_{l,r,s} x[p][l][r][s] g[l][p][r][s]                  (p < P - 1)
@@ -49,20 +53,20 @@ stages are non-empty, contiguous and in pipeline order. Conversely every such
 placement satisfies the three. For the LP bound we add valid equalities (they
 hold for every such placement, and on their own they too force the step rule):
 w[l][p][s] = sum_r (v[l][p][r][s] + g[l][p-1][r][s]), and likewise for l-1
-(with them the product rows above are implied, too); sum_s w[l][p][s] = z[l][p]
-and sum_p w[l][p][s] = y[l][s] hold for any placement and stay always.
-``order_preserving=False`` drops the order rows and the pair equalities
-(keeping "every stage non-empty"), an ablation for tests only: a layer then may
-return to an earlier stage, the step back costs nothing, and the objective can
-only drop.
+(they make v and g the products); sum_s w[l][p][s] = z[l][p] and
+sum_p w[l][p][s] = y[l][s] hold for any placement and stay always (they make w
+the product). ``order_preserving=False`` drops the order rows and the pair
+equalities (keeping "every stage non-empty"; v and g then get McCormick rows), an
+ablation for tests only: a layer then may return to an earlier stage, the step
+back costs nothing, and the objective can only drop. Memory rows are written in
+units of the largest limit (:func:`_memory_unit`).
 
-Scale (CBC, 2 shared cores, random costs): 6 layers x 2 stages x 3 strategies
-solve to optimality in about 0.4 s, 12 x 3 x 3 in about 7 s; 24 x 4 x 3 stops at
-the 10 s limit 15% from its bound, and 40 x 6 x 4 finds no plan at all in 5 s
-unless ``solve`` is given a start (AMP's best uniform plan: it then returns that
-plan, 31% from the bound, after 14 s of model building and solving). About
-2 L P S^2 pair variables: real models need HiGHS, longer limits or coarser
-layers (several blocks to one layer).
+Scale (CBC, 2 shared cores, random costs, memory limit 1.1x the leanest uniform
+plan's peak, gap 1e-3): 6 layers x 2 stages x 3 strategies solve to optimality in
+0.07 s, 12 x 3 x 3 in 0.9 s (0.5 s from AMP's best uniform plan as ``start``),
+24 x 4 x 3 in 4.4 s (3.0 s); 40 x 6 x 4 stops at the 10 s limit 7% from its bound.
+About 2 L P S^2 pair variables: the layout search (:mod:`oases.planner.search`)
+runs one MILP per layout within a shared budget, each started from AMP's plan.
 """
 
 from __future__ import annotations
