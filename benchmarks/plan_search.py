@@ -73,7 +73,7 @@ def main() -> None:
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "command": "python benchmarks/plan_search.py " + " ".join(sys.argv[1:]),
+            "command": " ".join(["python benchmarks/plan_search.py", *sys.argv[1:]]),
             "repeats": args.repeats, "budget_s": args.budget}
     (out / "plan_search.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# Layout search time (cost model only)", "",

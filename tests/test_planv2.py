@@ -136,23 +136,31 @@ def test_search_equals_brute_force_and_beats_amp():
 
 
 def test_milp_never_worse_than_amp_per_layout():
-    """On every layout the MILP solves, its plan is no slower than AMP's for that layout
-    (it starts from it), across schedules and memory limits."""
+    """On every layout with a choice of degrees, the MILP (started from AMP's plan for
+    that layout) is no slower than AMP's plan on the cost model, across schedules and
+    memory limits; and the search's pick is no slower than AMP's pick."""
+    from oases.planner.search import _milp, amp_plan
+
     cluster = Cluster("c", 2, 2, 4, 10.0, 0.5)
-    for sched, rc, frac in [("oases", "fine", 0.5), ("megatron", "none", 0.4)]:
+    solved = 0
+    for sched, rc, frac in [("oases", "fine", None), ("oases", "fine", 0.7),
+                            ("megatron", "none", 0.7), ("megatron", "none", 0.5)]:
         job = st.Job(SHAPE, 16, 2, sched, rc)
         base = st.profile_run(job, 4, 8)
         prof = analytic_profile(SHAPE, base, [1, 2, 4], 5e9)
         free = search(job, 4, cluster, prof, base, log=lambda s: None)
-        res = search(job, 4, cluster, prof, base, memory_limit=frac * max(free.best.memory),
-                     log=lambda s: None)
-        by_layout = {}
-        for c in res.ranked:
-            by_layout.setdefault(c.key()[:4], {}).setdefault(c.source, c.time)
-        for got in by_layout.values():
-            if "uniap" in got and "amp" in got:
-                assert got["uniap"] <= got["amp"] * (1 + 1e-9)
+        limit = frac and frac * max(free.best.memory)
+        for ch in st.enumerate_choices(job, 4, 4):
+            prob = st.build(job, ch, cluster, prof, base, limit)
+            start = amp_plan(prob)
+            if prob.inst.S < 2 or start is None:
+                continue
+            got = _milp(prob, start, 2.0, 1e-9)
+            assert got is not None and got.time <= start.time * (1 + 1e-9), ch
+            solved += 1
+        res = search(job, 4, cluster, prof, base, memory_limit=limit, log=lambda s: None)
         assert res.best.time <= res.amp.time
+    assert solved == 20  # layouts with a degree to choose and an AMP plan
 
 
 def test_milp_keeps_its_time_limit_on_32_layers():

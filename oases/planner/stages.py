@@ -8,7 +8,8 @@ choice :func:`build` makes a :class:`oases.planner.uniap.Instance`:
 
 * MILP *layers* are transformer layers, not blocks: the runtime cuts stages between
   layers (a plan's stages are layer ranges), and with one strategy per layer the
-  MILP has ``2 L P S^2`` pair variables rather than ``8 L P S^2``.
+  MILP has ``2 L P S^2`` pair variables (per block: twice as many, and cuts inside
+  a layer that no runtime stage can express).
 * strategy s = a TP degree d_s dividing tp (powers of two the heads and ffn width
   allow, and whose batch parts hold whole sequences): both blocks of the layer run
   at d_s on tp/d_s replicas inside the TP group (a per-layer DP x TP mix, which the
@@ -48,10 +49,9 @@ Gradient synchronisation (over dp and a block's replicas, plus replicated kv
 heads) happens once per step. It is folded into ``t`` as ``sync / c``: in UniAP's
 time per iteration (every stage once, the slowest c - 1 more times) the slowest
 stage then pays its sync exactly once and the others 1/c of theirs, which keeps
-the objective linear. The sync is charged in full: the reducer could hide part of
-it behind the last micro-batch's backward (the pp = 1 ILP of ``tp-only`` models
-that hiding; this model does not, so it is conservative by at most one
-micro-batch's backward of a block per block).
+the objective linear. The sync is charged in full: the reducer hides part of it
+behind the last micro-batch's backward (the pp = 1 ILP of ``tp-only`` models that
+hiding), so this model overestimates a stage by at most that backward.
 
 The profile is measured once (:func:`profile_run`: degrees up to the largest tp
 searched, rows at which every degree holds whole sequences) and rescaled per
