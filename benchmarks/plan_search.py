@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from oases.planner.cluster import Cluster  # noqa: E402
-from oases.planner.cost import ModelShape, analytic_profile  # noqa: E402
+from oases.planner.cost import ModelShape  # noqa: E402
+from oases.planner.fit import analytic_profile  # noqa: E402
 from oases.planner.search import search  # noqa: E402
 from oases.planner.stages import Job, profile_run  # noqa: E402
 

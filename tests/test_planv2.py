@@ -14,7 +14,8 @@ from oases.config import load_config
 from oases.errors import ConfigError, UserError
 from oases.planner import stages as st
 from oases.planner.cluster import Cluster, load_cluster
-from oases.planner.cost import CostModel, ModelShape, analytic_profile
+from oases.planner.cost import CostModel, ModelShape
+from oases.planner.fit import analytic_profile
 from oases.planner.plan import check_plan, check_run, load_plan
 from oases.planner.profile import profile_key, save_db
 from oases.planner.search import search
@@ -32,11 +33,12 @@ def _problem(job, cluster, world, key, base_tp=4, flops=5e9, **kw):
     return st.build(job, ch, cluster, prof, base, **kw), prof, base
 
 
-def _stage_model(job, ch, cluster, prof, base, first=0, speed=1.0):
+def _stage_model(job, ch, cluster, prof, base, first=0):
     """The CostModel the builder should use for a stage: one micro-batch of ch.rows."""
     run = job.run(ch.tp, ch.dp, ch.rows)
     return CostModel(job.shape, run, st.StageLinks(cluster, first),
-                     st.scale_profile(prof, base, run, job.shape, speed), list(ch.degrees))
+                     st.scale_profile(prof, base, run, job.shape), list(ch.degrees),
+                     ranks=list(range(first, first + ch.dp * ch.tp)))
 
 
 @pytest.mark.parametrize("schedule,recompute", [("oases", "fine"), ("megatron", "none")])
@@ -85,11 +87,8 @@ def test_instance_stage_costs_transfers_speed_and_memory():
     assert prob.memory_const[3] == pytest.approx(head)
     assert prob.memory_const[1] == prob.memory_const[2] == 0.0
 
-    class Slow(Cluster):  # node 2 computes at half speed (what Cluster.speed_of will say)
-        def speed_of(self, ranks):
-            return 0.5 if 2 in ranks else 1.0
-
-    slow = Slow(**{k: getattr(cluster, k) for k in Cluster.__dataclass_fields__})
+    slow = load_cluster("configs/cluster/hetero-4.yaml")
+    slow.node_speed = [1.0, 1.0, 0.5, 1.0]  # node 2 computes at half speed
     sp, _, _ = _problem(job, slow, 4, (4, 1, 1, 8))
     assert sp.inst.t[2][2][0] == pytest.approx(2 * inst.t[2][2][0])  # tp 1: compute only
     assert sp.inst.t[1][1][0] == pytest.approx(inst.t[1][1][0])

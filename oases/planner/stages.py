@@ -17,10 +17,12 @@ choice :func:`build` makes a :class:`oases.planner.uniap.Instance`:
 
 Every number comes from the overlap-aware :class:`CostModel` of the stage, built
 for ONE micro-batch (``grad_accum=1``), on the stage's own links (:class:`StageLinks`
-renumbers its ranks) and with its compute divided by the stage's speed (the slowest
-node's, :func:`speed_of`). The cost model's step is a chain of node costs (one block
-at its degree) and edge costs (two neighbouring blocks: under ``oases`` the pairing
-of one block's compute with the other's collective, plus resharding). An edge
+renumbers its ranks) and at the speed of its slowest node (the cost model asks
+``cluster.speed_of`` for the stage's global ranks); its memory limit is its
+smallest node's (``cluster.memory_bytes_of``). The cost model's step is a chain of
+node costs (one block at its degree) and edge costs (two neighbouring blocks: under
+``oases`` the pairing of one block's compute with the other's collective, plus
+resharding). An edge
 between layers l-1 and l is cut in two when a stage boundary falls there:
 
     edge(mlp_{l-1} r -> attn_l s) = cf(attn_l, s) + cb(mlp_{l-1}, r) + extra(r, s)
@@ -57,7 +59,9 @@ The profile is measured once (:func:`profile_run`: degrees up to the largest tp
 searched, rows at which every degree holds whole sequences) and rescaled per
 choice: a block's compute and its activation bytes are linear in the rows it
 runs (seq fixed), the head's in rows x vocab / tp, the optimizer step in the
-parameters a rank holds (:func:`scale_profile`).
+parameters a rank holds (:func:`scale_profile`). ``parallel.overlap_fb`` (a
+backward paired with the next forward) is not modelled here: every micro-batch is
+priced on its own.
 """
 
 from __future__ import annotations
@@ -161,21 +165,11 @@ def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> lis
 
 # ---- the cluster as one stage sees it ----
 
-def speed_of(cluster, ranks) -> float:
-    """Compute speed of a group (its slowest node; 1.0 = the profiled device)."""
-    f = getattr(cluster, "speed_of", None)
-    return float(f(list(ranks))) if f is not None else 1.0
-
-
-def memory_of(cluster, ranks) -> float:
-    """Memory per device a group may use (its smallest node's), bytes."""
-    f = getattr(cluster, "memory_bytes_of", None)
-    return float(f(list(ranks))) if f is not None else cluster.device_memory_gib * 2**30
-
-
 class StageLinks:
     """The cluster seen by one stage's :class:`CostModel`, which numbers the stage's
-    ranks 0.. (TP group 0..tp-1, replica d at d*tp..): rank r is global ``first + r``."""
+    ranks 0.. in its groups (TP group 0..tp-1, replica d at d*tp..): rank r is global
+    ``first + r``. Anything else (``speed_of``, which the cost model asks with global
+    ranks) is the cluster's."""
 
     def __init__(self, cluster, first: int) -> None:
         self.cluster, self.first = cluster, first
@@ -190,12 +184,12 @@ class StageLinks:
         return getattr(self.cluster, name)
 
 
-def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelShape,
-                  speed: float = 1.0) -> Profile:
-    """``profile`` (taken at ``base``) for ``run``'s rows per degree, on a device
-    ``speed`` times as fast. A block at degree t runs ``mbs / sub * t / tp`` rows: the
-    ratio to the base is the same at every degree. Saved bytes: the weights' part
-    (:meth:`CostModel.weight_bytes`) is fixed, the rest scales with the rows."""
+def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelShape
+                  ) -> Profile:
+    """``profile`` (taken at ``base``) for ``run``'s rows per degree. A block at degree
+    t runs ``mbs / sub * t / tp`` rows: the ratio to the base is the same at every
+    degree. Saved bytes: the weights' part (:meth:`CostModel.weight_bytes`) is fixed,
+    the rest scales with the rows."""
     rows = (run.micro_batch_size / run.tp) / (base.micro_batch_size / base.tp)
     head = (run.micro_batch_size / base.micro_batch_size) * (base.tp / run.tp)
     blocks: dict = {}
@@ -204,12 +198,12 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
         for t, e in per_degree.items():
             w = run.act_bytes * shape.matrix_params(kind) / int(t) + \
                 PARAM_BYTES * shape.norm_params(kind)
-            blocks[kind][t] = dict(e, fwd=e["fwd"] * rows / speed, bwd=e["bwd"] * rows / speed,
+            blocks[kind][t] = dict(e, fwd=e["fwd"] * rows, bwd=e["bwd"] * rows,
                                    saved=w + max(0.0, e["saved"] - w) * rows)
     const = dict(profile.constant)
     for k in ("fwd", "bwd", "head_fwd", "embed_bwd"):
         if k in const:
-            const[k] = const[k] * head / speed
+            const[k] = const[k] * head
     if "peak" in const:
         const["peak"] = const["peak"] * head
     const["step"] = 0.0  # per stage, see Problem.constant
@@ -238,10 +232,10 @@ class Problem:
 
 def _stage_model(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
                  first: int) -> CostModel:
-    ranks = range(first, first + ch.dp * ch.tp)
     run = job.run(ch.tp, ch.dp, ch.rows)
-    prof = scale_profile(profile, base, run, job.shape, speed_of(cluster, ranks))
-    return CostModel(job.shape, run, StageLinks(cluster, first), prof, list(ch.degrees))
+    return CostModel(job.shape, run, StageLinks(cluster, first),
+                     scale_profile(profile, base, run, job.shape), list(ch.degrees),
+                     ranks=list(range(first, first + ch.dp * ch.tp)))
 
 
 def _layer_row(cm: CostModel, job: Job, ch: Choice, l: int) -> list[float]:
@@ -353,13 +347,14 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
         x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
                     for s in ch.degrees] for r in ch.degrees]] * L)
     const = _memory_const(job, ch, cms)
-    limits = [(memory_limit if memory_limit is not None else memory_of(cluster, r)) - k
+    limits = [(memory_limit if memory_limit is not None else cluster.memory_bytes_of(r)) - k
               for r, k in zip(ranks, const)]
     inst = Instance([f"tp{d}" for d in ch.degrees], P, ch.micro_batches, t, m, a, limits,
                     e=e, x=x or None,
                     schedule="eager-1f1b" if job.pp_schedule == "eager-1f1b" else "1f1b")
+    # the optimizer steps of the stages run side by side: the slowest node's sets it
     step = profile.constant.get("step", 0.0) * base.tp / (ch.tp * P) / \
-        min(speed_of(cluster, r) for r in ranks)
+        cluster.speed_of(range(P * size))
     tp_index = ch.degrees.index(ch.tp) if ch.tp in ch.degrees else None
     return Problem(ch, inst, step, const, cms, tp_index)
 
