@@ -343,7 +343,7 @@ def _host_cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20,
     k = max(4, min(64, int(window_s / per_ar) + 1))
     bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
     cores = os.cpu_count() or 1
-    costs = []
+    busy = idle = 0.0  # summed over the repeats: one noisy window does not zero the figure
     for _ in range(reps):
         dist.barrier()
         b0, t0 = _host_busy_s(), time.perf_counter()
@@ -354,8 +354,9 @@ def _host_cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20,
         time.sleep(dt)  # the same window with nothing running: the machine's own load
         dist.barrier()
         b2 = _host_busy_s()
-        costs.append(max(0.0, (b1 - b0) - (b2 - b1)) / cores / (k * nbytes))
-    res = torch.tensor([statistics.median(costs)], dtype=torch.float64, device=dev)
+        busy, idle = busy + (b1 - b0), idle + (b2 - b1)
+    cost = max(0.0, busy - idle) / cores / (reps * k * nbytes)
+    res = torch.tensor([cost], dtype=torch.float64, device=dev)
     dist.all_reduce(res, op=dist.ReduceOp.MAX)  # the busiest host sets the pace
     return float(res)
 
