@@ -81,6 +81,7 @@ TRAIN_MODES = {
 }
 PEER_MODES = {"dtensor": "dtensor_gpt.py", "megatron-core": "megatron_core_gpt.py"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]
+PAIRED_MODES = {"oases+fine+fb", "oases+fine+fb1"}  # need grad_accum >= 2
 BASELINE = "megatron+full"
 
 # (description, numerator mode, denominator mode, minimum ratio)
@@ -402,8 +403,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clusters", nargs="+", default=DEFAULT_CLUSTERS, help="cluster files")
-    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES, metavar="MODE",
-                   help=f"subset of: {' '.join(ALL_MODES)}")
+    p.add_argument("--modes", nargs="+", default=None, choices=ALL_MODES, metavar="MODE",
+                   help=f"subset of: {' '.join(ALL_MODES)} (default: every mode that runs at "
+                        f"the shape's grad_accum: the peers at 1, the paired modes at >= 2)")
     p.add_argument("--repeats", type=int, default=3, help="rounds (fresh processes each run)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=3, help="steps dropped before the median")
@@ -439,6 +441,9 @@ def parse_args(argv=None):
         p.error(f"--model: n_head {model['n_head']} must divide d_model {model['d_model']} "
                 f"and be divisible by tp {args.tp}")
     args.model_shape = model
+    if args.modes is None:
+        skip = PAIRED_MODES if model["grad_accum"] < 2 else set(PEER_MODES)
+        args.modes = [m for m in ALL_MODES if m not in skip]
     args.modes = list(dict.fromkeys(args.modes))
     return args
 

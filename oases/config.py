@@ -165,6 +165,11 @@ class ParallelConfig:
     # on a throwaway model) and fit the cost model's host cost of communication to them
     # before solving. 0: solve on the profile alone.
     plan_calibration_steps: int = 5
+    # plan=auto: "tp-only" (per-block degrees for the config's pp=1 x tp), or "uniap" / "amp":
+    # the whole layout (pp, stages, dp x tp, degrees, micro-batches) searched on the
+    # parallel.cluster file before the run's groups exist (oases.runtime.auto_layout)
+    plan_search: str = "tp-only"
+    plan_trials: int = 1            # uniap/amp: time the k best plans live, run the fastest
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
@@ -187,6 +192,11 @@ class ParallelConfig:
         _positive("parallel.timeout_s", self.timeout_s)
         _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
         _positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
+        _choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
+        _positive("parallel.plan_trials", self.plan_trials)
+        if self.plan_trials > 1 and (self.plan != "auto" or self.plan_search == "tp-only"):
+            raise ConfigError("parallel.plan_trials times searched layouts: it needs "
+                              "parallel.plan=auto and parallel.plan_search=uniap or amp")
 
 
 @dataclass
@@ -350,9 +360,10 @@ class Config:
                               f"at least pp micro-batches per step")
         if self.parallel.overlap_fb:
             _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
-        if pp > 1 and self.parallel.plan == "auto":
-            raise ConfigError("parallel.plan=auto chooses per-block TP degrees for pp=1 only; "
-                              "with parallel.pp > 1 give a plan file or no plan")
+        if pp > 1 and self.parallel.plan == "auto" and self.parallel.plan_search == "tp-only":
+            raise ConfigError("parallel.plan=auto with plan_search=tp-only chooses per-block TP "
+                              "degrees for pp=1 only; with parallel.pp > 1 search the layout "
+                              "(plan_search=uniap) or give a plan file")
         heads = heads_problem(m.n_head, m.n_kv_heads, tp)  # kv heads: split or replicated
         if heads:
             raise ConfigError(f"parallel.tp={tp} {heads}")

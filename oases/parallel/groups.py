@@ -100,14 +100,10 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
-                     timeout_s: float = 600.0, layout=None,
-                     tie_embeddings: bool = False,
-                     kv_heads: Optional[int] = None) -> ParallelContext:
-    """Join (or create, for a plain ``python train.py``) the default process group
-    and build the dp x tp groups, or a pipelined ``layout``'s groups
-    (:func:`build_pipeline_context`); with ``kv_heads`` (the model's), the kv replica
-    groups too. Works with torchrun's environment variables."""
+def join_world(device: str = "auto", backend: str = "auto",
+               timeout_s: float = 600.0) -> torch.device:
+    """Join (or create, for a plain ``python train.py``) the default process group, if
+    not joined yet; returns the device. No other group is made."""
     dev = pick_device(device)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -119,6 +115,18 @@ def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dev
+
+
+def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
+                     timeout_s: float = 600.0, layout=None,
+                     tie_embeddings: bool = False,
+                     kv_heads: Optional[int] = None) -> ParallelContext:
+    """Join (or create, for a plain ``python train.py``) the default process group
+    and build the dp x tp groups, or a pipelined ``layout``'s groups
+    (:func:`build_pipeline_context`); with ``kv_heads`` (the model's), the kv replica
+    groups too. Works with torchrun's environment variables."""
+    dev = join_world(device, backend, timeout_s)
     if layout is not None and layout.pp > 1:
         return build_pipeline_context(layout, dev, tie_embeddings, kv_heads)
     return build_context(tp, dev, kv_heads)

@@ -22,8 +22,9 @@ from models import model_stats
 from oases.config import Config, save_config
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.parallel.comm import NoopCollectives
-from oases.parallel.groups import ParallelContext, init_distributed
+from oases.parallel.groups import ParallelContext, init_distributed, join_world
 from oases.planner.calibrate import time_steps
+from oases.runtime import auto_layout
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
@@ -91,6 +92,12 @@ def _init_torchelastic_attempt(cfg: Config) -> None:
 def run(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)  # before any process group: bad config fails fast on every rank
+    if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
+        if int(os.environ.get("RANK", "0")) == 0:
+            check_out_dir(cfg)
+        par = cfg.parallel
+        auto_layout.choose_layout(cfg, world, lambda: (
+            _init_torchelastic_attempt(cfg), join_world(par.device, par.backend, par.timeout_s)))
     layout = resolve_layout(cfg, world) if cfg.parallel.pp > 1 else None
     if int(os.environ.get("RANK", "0")) == 0:
         check_out_dir(cfg)

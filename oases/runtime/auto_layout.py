@@ -1,0 +1,164 @@
+"""``parallel.plan=auto`` with ``parallel.plan_search=uniap|amp``: the whole layout
+(pipeline stages and their layer ranges, each stage's dp x tp, per-block degrees, the
+micro-batch size and count) chosen at start-up, before any group of the run exists.
+
+    every rank         rank 0                                   every rank
+    join the world  -> profile the blocks here (or the DB),  -> the k best plans
+                       search the cluster file's layouts        (broadcast as YAML)
+                       (oases.planner.search)
+                    -> plan_trials > 1: build each plan's groups and model, time a few
+                       real steps of it (the slowest rank's median), keep the fastest
+                    -> write it to <out_dir>/plan.yaml and run it: parallel.pp/tp,
+                       train.micro_batch_size/grad_accum and parallel.plan are set from it
+
+The search prices layouts with the cluster file's links, node speeds and memories
+(``parallel.cluster`` is required) and a profile of this machine's device; the
+trials measure the live cluster, which is what AMP does with its top-k (its budget).
+The global batch of the config is kept. Rank 0 searches alone while the others wait
+in the broadcast: the search takes seconds (``benchmarks/results/plan_search.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from oases.config import Config
+from oases.errors import ConfigError, UserError
+
+TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
+
+
+def wanted(cfg: Config) -> bool:
+    return cfg.parallel.plan == "auto" and cfg.parallel.plan_search != "tp-only"
+
+
+def choose_layout(cfg: Config, world: int, join) -> None:
+    """Search (rank 0), try the best ``parallel.plan_trials`` plans, and point ``cfg`` at
+    the chosen one. ``join()`` joins the default process group. Collective."""
+    p = cfg.parallel
+    join()
+    rank = dist.get_rank()
+    log = print if rank == 0 else (lambda *_: None)
+    from oases.parallel.groups import pick_device
+
+    device = pick_device(p.device)
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = _search(cfg, world, device, log)
+        except UserError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    texts = box[0]
+    best = 0
+    if len(texts) > 1:
+        # trials draw random numbers (throwaway models): the run must not depend on them
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            times = [_trial(cfg, world, t, k, len(texts), log) for k, t in enumerate(texts)]
+        best = min(range(len(times)), key=times.__getitem__)
+        log(f"plan=auto: trial {best + 1} is the fastest ({1e3 * times[best]:.1f} ms per step)")
+    path = Path(cfg.out_dir) / "plan.yaml"
+    _write(path, texts[best])
+    _point_at(cfg, path, world)
+    log(f"plan=auto: wrote {path}; running it: " + " ".join(_overrides(cfg)))
+
+
+def _search(cfg: Config, world: int, device, log) -> list[str]:
+    """The k best plans of the layout search, as Plan YAML texts (rank 0)."""
+    from oases.planner import report as rep
+    from oases.planner.cluster import load_cluster
+    from oases.planner.profile import DEFAULT_DB, get_profile
+    from oases.planner.search import search
+    from oases.planner.stages import enumerate_choices, job_from_config, profile_run
+
+    p = cfg.parallel
+    if not p.cluster:
+        raise ConfigError(f"parallel.plan_search={p.plan_search} prices layouts on the "
+                          f"cluster's links and devices: set parallel.cluster to its file")
+    cluster = load_cluster(p.cluster)
+    if cluster.world != world:
+        raise ConfigError(f"cluster file {p.cluster} has {cluster.world} devices but this "
+                          f"run has {world} processes")
+    job = job_from_config(cfg)
+    choices = enumerate_choices(job, world)
+    if not choices:
+        raise ConfigError(f"no (pp, dp x tp, micro-batches) layout of {world} devices runs "
+                          f"the global batch of {job.global_batch} sequences")
+    base = profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
+    log(f"plan=auto: profiling the blocks at degrees up to {base.tp} on rank 0")
+    prof = get_profile(cfg, base, device, DEFAULT_DB, log=log)
+    limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
+    res = search(job, world, cluster, prof, base, p.plan_search, memory_limit=limit, log=log)
+    for line in rep.summary(res, res.best):
+        log(line)
+    ranked = res.ranked[:p.plan_trials]
+    return [yaml.safe_dump(_plan_dict(rep.to_plan(c, res, cfg, cluster.name)), sort_keys=False)
+            for c in ranked]
+
+
+def _plan_dict(plan) -> dict:
+    from dataclasses import asdict
+
+    return asdict(plan)
+
+
+def _write(path: Path, text: str) -> None:
+    """Every rank writes the same text (nodes need not share a disk): atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _point_at(cfg: Config, path: Path, world: int) -> None:
+    """Run the plan at ``path``: the layout and batch it was priced for."""
+    d = yaml.safe_load(path.read_text())
+    cfg.parallel.plan = str(path)
+    cfg.parallel.pp = int(d.get("pp") or 1)
+    cfg.parallel.tp = int(d["tp"])
+    cfg.train.micro_batch_size = int(d["micro_batch_size"])
+    cfg.train.grad_accum = int(d["micro_batches"])
+    cfg.validate(world)
+
+
+def _overrides(cfg: Config) -> list[str]:
+    return [f"parallel.pp={cfg.parallel.pp}", f"parallel.tp={cfg.parallel.tp}",
+            f"train.micro_batch_size={cfg.train.micro_batch_size}",
+            f"train.grad_accum={cfg.train.grad_accum}"]
+
+
+def _trial(cfg: Config, world: int, text: str, k: int, n: int, log) -> float:
+    """The median step time of plan ``text`` on the live cluster (collective: every rank
+    builds the plan's groups and a throwaway model, and times the same steps)."""
+    from oases.parallel.groups import build_context, build_pipeline_context, pick_device
+    from oases.planner.calibrate import time_steps
+    from oases.runtime.build import throwaway_step
+    from oases.runtime.planning import resolve_layout, resolve_plan
+
+    trial = copy.deepcopy(cfg)
+    path = Path(cfg.out_dir) / f"plan-trial-{k + 1}.yaml"
+    _write(path, text)
+    _point_at(trial, path, world)
+    trial.parallel.plan_calibration_steps = 0
+    device = pick_device(cfg.parallel.device)
+    if trial.parallel.pp > 1:
+        ctx = build_pipeline_context(resolve_layout(trial, world), device,
+                                     bool(trial.model.tie_embeddings), trial.model.n_kv_heads)
+        degrees = None
+    else:
+        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads)
+        degrees = resolve_plan(trial, ctx)
+    t = time_steps(throwaway_step(trial, ctx, degrees), device, TRIAL_STEPS)
+    log(f"plan=auto: trial {k + 1}/{n}: {' '.join(_overrides(trial))}: "
+        f"{1e3 * t:.1f} ms per step ({path})")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return t
