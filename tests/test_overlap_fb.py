@@ -233,3 +233,16 @@ def test_cost_model_pairs_only_what_hides():
     assert slow_fb < 0.97 * slow, (slow, slow_fb)
     one, one_fb = _paired_times(0.5, 1)
     assert one_fb == one
+
+
+def test_plan_auto_prices_the_paired_run_at_the_run_s_dp():
+    """plan=auto prices the paired schedule on a copy of the validated config: the copy
+    keeps dp (a dataclasses.replace copy had dp 0, which dropped the replicas' gradient
+    syncs from the prediction and made degree-1 blocks look free)."""
+    from oases.runtime.planning import paired_config
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "parallel.tp=2", "parallel.schedule=oases",
+                             "train.grad_accum=2"]).validate(4)
+    alt = paired_config(cfg)
+    assert alt.parallel.overlap_fb and not cfg.parallel.overlap_fb
+    assert alt.dp == cfg.dp == 2

@@ -126,6 +126,7 @@ def _point_at(cfg: Config, path: Path, world: int) -> None:
     cfg.parallel.tp = int(d["tp"])
     cfg.train.micro_batch_size = int(d["micro_batch_size"])
     cfg.train.grad_accum = int(d["micro_batches"])
+    cfg.parallel.plan_trials = 1  # chosen: the run is the plan file's
     cfg.validate(world)
 
 

@@ -16,7 +16,7 @@ calibration) to ``<out_dir>/profile.json``. Where a step pairs backwards with fo
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import time
 from pathlib import Path
@@ -175,9 +175,7 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
             fb = cfg.parallel.overlap_fb
             if _can_pair(cfg) and not fb:  # the paired schedule, if it is predicted faster
-                alt = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
-                                                                            overlap_fb=True))
-                paired = make_plan(alt, cluster, profile, limit_gib * 2**30)
+                paired = make_plan(paired_config(cfg), cluster, profile, limit_gib * 2**30)
                 t0, t1 = plan.predicted["step_time_s"], paired[0].predicted["step_time_s"]
                 fb = t1 < t0
                 log(f"plan=auto: overlap_fb {'on' if fb else 'off'} (predicted step "
@@ -197,6 +195,14 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
         raise obj[0]
     degrees, cfg.parallel.overlap_fb = obj[0]  # every rank runs what rank 0 chose
     return degrees
+
+
+def paired_config(cfg: Config) -> Config:
+    """``cfg`` with ``parallel.overlap_fb`` on, validated as ``cfg`` (a copy: it keeps the
+    world size that ``cfg.dp`` derives from, which ``dataclasses.replace`` would drop)."""
+    alt = copy.deepcopy(cfg)
+    alt.parallel.overlap_fb = True
+    return alt
 
 
 def _can_pair(cfg: Config) -> bool:
