@@ -40,11 +40,9 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +50,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import fmt_mbit, machine_info  # noqa: E402,F401  (pipeline.py, reshard.py too)
 from cluster import (ClusterError, ClusterSpec, EmulatedCluster,  # noqa: E402
                      check_prerequisites, free_port)
 
@@ -268,40 +267,6 @@ def summarize(runs: list[dict], clusters: list[ClusterSpec], modes: list[str]) -
                           "exposed_reference": ref, "megatron_full_comm_share": comm_share,
                           "targets": targets}
     return out
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or "cpu"
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = None
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = round(kb / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import torch
-        tv = torch.__version__
-    except ImportError:  # pragma: no cover
-        tv = "?"
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem, "kernel": platform.release(),
-            "python": platform.python_version(), "torch": tv,
-            "git": git + ("+dirty" if dirty else ""),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-def fmt_mbit(gbps: float) -> str:
-    return f"{gbps:g} Gbit/s" if gbps >= 1 else f"{gbps * 1000:g} Mbit/s"
 
 
 def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> None:

@@ -84,7 +84,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import (ClusterError, ClusterSpec, EmulatedCluster,  # noqa: E402
                      check_prerequisites, free_port)
-from overlap import error_summary, fmt_mbit, machine_info  # noqa: E402
+from machine import fmt_mbit, machine_info  # noqa: E402
+from overlap import error_summary  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(REPO / "benchmarks"))
     from cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites, free_port
-    from overlap import machine_info
+    from machine import machine_info
 
     try:
         check_prerequisites()
