@@ -197,31 +197,33 @@ class OasesSchedule:
 
         Each run keeps its own sub-batch RNG streams and stash, so losses, gradients and
         dropout masks are those of the backward followed by the forward."""
-        brun, srun.state = srun.state, None
-        brun.amp = amp
-        if grad is not None:
-            for sb, g in zip(brun.subs, grad.chunk(self.n)):
-                sb.grad_out = g
+        brun = self._resume(srun, grad, amp)
         frun = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
         # the backward first: its input gradient is what the previous stage waits for
         with (self.params.two_passes() if self.params is not None else contextlib.nullcontext()):
             run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
                        (frun, [self._forward(frun, sb) for sb in frun.subs])])
-        gin = torch.cat([sb.grad_in for sb in brun.subs]) if brun.input_grad else None
-        return gin, self._stage_run(frun)
+        return self._grad_in(brun), self._stage_run(frun)
 
     def backward(self, srun: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
                  amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
         """Backward of a :meth:`forward` run (see :meth:`MegatronSchedule.backward`)."""
+        run = self._resume(srun, grad, amp)
+        run_programs(run, [self._backward(run, sb, scale * sb.share) for sb in run.subs])
+        return self._grad_in(run)
+
+    def _resume(self, srun: StageRun, grad: Optional[torch.Tensor], amp: AmpFactory) -> OasesRun:
+        """A forward's run, taken from its StageRun, with the output's gradient per sub-batch."""
         run, srun.state = srun.state, None
         run.amp = amp  # recompute runs under it
         if grad is not None:
             for sb, g in zip(run.subs, grad.chunk(self.n)):
                 sb.grad_out = g
-        run_programs(run, [self._backward(run, sb, scale * sb.share) for sb in run.subs])
-        if not run.input_grad:
-            return None
-        return torch.cat([sb.grad_in for sb in run.subs])
+        return run
+
+    @staticmethod
+    def _grad_in(run: OasesRun) -> Optional[torch.Tensor]:
+        return torch.cat([sb.grad_in for sb in run.subs]) if run.input_grad else None
 
     def _start(self, model, ids, targets, amp, input_grad: bool = False) -> OasesRun:
         if ids.shape[0] % self.n:
