@@ -17,7 +17,8 @@ from oases.planner import report as rep  # noqa: E402
 from oases.planner.cluster import load_cluster  # noqa: E402
 from oases.planner.fit import analytic_profile  # noqa: E402
 from oases.planner.search import search  # noqa: E402
-from oases.planner.stages import build, enumerate_choices, job_from_config, profile_run  # noqa: E402
+from oases.planner.stages import (build, enumerate_choices, job_from_config,  # noqa: E402
+                                  profile_run)
 from oases.runtime.planning import resolve_layout  # noqa: E402
 
 
