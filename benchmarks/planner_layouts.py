@@ -1,0 +1,459 @@
+"""Planner v2 validation on the emulated cluster: every kind of layout, predicted vs measured.
+
+    sudo .venv/bin/python benchmarks/planner_layouts.py            # 3 clusters, 3 repeats
+    sudo .venv/bin/python benchmarks/planner_layouts.py --quick    # one cluster, 1 repeat
+
+Per cluster (4 nodes x 1 device; GPT d_model 256, 8 layers, 4 heads, seq 64, global
+batch 16, oases + fine):
+
+1. profile: one ``train.py parallel.plan=auto`` step (tp-only, pp 1, tp 4) on the
+   cluster measures block compute on every rank at once (the contention of a real
+   run), the collectives and the host cost of communication (calibrated by real
+   steps); where nodes run at other speeds the ranks' mean is taken back to speed 1.0;
+2. candidates: the MILP's plan (``search(.., "uniap")``), AMP's pick, every uniform
+   Megatron-style (pp, dp, tp) layout (even layer split, every layer at tp) with the
+   micro-batch count the cost model prices best for it, and ``--random`` random valid
+   plans (a random layout, a random contiguous partition, a random degree per layer),
+   deduplicated; each is priced on its choice's instance (the pricing the search uses);
+3. each is written as a plan file and trained ``--steps`` steps with its run overrides
+   (``oases.planner.report.run_overrides``), ``--repeats`` rounds round-robin; the
+   measured step time is the median over repeats of the median after ``--warmup`` steps;
+4. reports Spearman (with the repeat-to-repeat Spearman as the noise ceiling), mean
+   relative error, the MILP plan against the best measured candidate and, where it
+   differs, against the best uniform layout, to
+   ``benchmarks/results/planner-layouts.{md,json,png}``.
+
+Needs root and iproute2, like benchmarks/cluster.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from planner import accuracy, repeat_consistency  # noqa: E402
+
+from oases.config import load_config  # noqa: E402
+from oases.planner import report as rep  # noqa: E402
+from oases.planner.search import _candidate, megatron_plan, search  # noqa: E402
+from oases.planner.stages import (build, enumerate_choices, job_from_config,  # noqa: E402
+                                  profile_run)
+
+DEFAULT_CLUSTERS = ["configs/cluster/four-nodes-1g.yaml", "configs/cluster/hetero-4.yaml",
+                    "configs/cluster/four-nodes-halfspeed.yaml"]
+WORLD = 4
+PROFILE_MBS = 8   # the profile's rows: profile_run(job, 4, 8) is the tp-4 run plan=auto profiles
+
+
+def model_overrides(args) -> list[str]:
+    """The job every candidate runs (its layout comes from the plan and run overrides)."""
+    return ["model.name=gpt-tiny", f"model.d_model={args.d_model}",
+            f"model.n_layer={args.n_layer}", f"model.n_head={args.n_head}",
+            f"model.n_kv_heads={args.n_head}", f"model.ffn_hidden={4 * args.d_model}",
+            f"model.seq_len={args.seq_len}", "parallel.schedule=oases",
+            "parallel.recompute=fine", "parallel.device=cpu", "train.log_interval=1",
+            "wandb.mode=disabled", "data.kind=synthetic", "data.val_path=", "eval.interval=0",
+            "checkpoint.save_final=false", "checkpoint.interval=0", "resume=none"]
+
+
+def job_config(args):
+    """The validated config the search plans for: global batch ``--batch`` at pp 1,
+    tp = world (its micro-batch only sets the profile's rows)."""
+    ov = model_overrides(args) + [f"parallel.tp={WORLD}", "parallel.pp=1",
+                                  f"train.micro_batch_size={PROFILE_MBS}",
+                                  f"train.grad_accum={args.batch // PROFILE_MBS}"]
+    return load_config(str(REPO / "configs/gpt-tiny.yaml"), ov).validate(WORLD)
+
+
+def live_profile(c, args, cluster, path: str, work: Path):
+    """The profile ``parallel.plan=auto`` (tp-only, pp 1, tp 4) measures on the live
+    cluster: block compute on every rank at once (averaged over the ranks), the
+    collectives of its groups and the host cost of communication calibrated by real
+    steps. A fresh HOME keeps any profile DB of this machine out of it. The ranks'
+    mean is taken back to a speed-1.0 node where nodes run at other speeds."""
+    extra = ["parallel.plan=auto", "parallel.plan_search=tp-only", f"parallel.cluster={path}",
+             f"parallel.tp={WORLD}", "parallel.pp=1", f"train.micro_batch_size={PROFILE_MBS}",
+             f"train.grad_accum={args.batch // PROFILE_MBS}", "train.steps=1"]
+    home = work / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    run_train(c, args, "auto", work, extra, env={"HOME": str(home)})
+    return read_profile(work, cluster)
+
+
+def read_profile(work: Path, cluster):
+    """(Profile, calibration, speed correction) from ``<work>/auto/profile.json``."""
+    from oases.planner.cost import Profile
+
+    rec = json.loads((work / "auto" / "profile.json").read_text())
+    scale = statistics.mean(1 / cluster.speed_of([r]) for r in range(WORLD))
+    blocks = {k: {t: dict(e, fwd=e["fwd"] / scale, bwd=e["bwd"] / scale) for t, e in d.items()}
+              for k, d in rec["blocks"].items()}
+    const = {k: (v / scale if k in ("fwd", "bwd", "step", "head_fwd") else v)
+             for k, v in rec["constant"].items()}
+    return Profile(blocks, const, rec["comm"]), rec.get("calibration"), scale
+
+
+FITTED = ("all_reduce", "all_gather", "grad_all_reduce")  # measured per degree at pp 1, tp 4
+
+
+def links_only(prof):
+    """The profile without the collectives fitted on the pp-1 run's groups: the cost
+    model then prices each stage's groups on their own links (host cost kept)."""
+    from oases.planner.cost import Profile
+
+    return Profile(prof.blocks, prof.constant,
+                   {k: v for k, v in prof.comm.items() if k not in FITTED})
+
+
+def reprice(plans: list[dict], job, cluster, prof, base) -> list[float]:
+    """Each recorded plan's predicted time under ``prof``."""
+    choices = {(ch.pp, ch.dp, ch.tp, ch.micro_batches): ch
+               for ch in enumerate_choices(job, WORLD)}
+    built: dict = {}
+    out = []
+    for p in plans:
+        k = (p["pp"], p["dp"], p["tp"], p["micro_batches"])
+        if k not in built:
+            built[k] = build(job, choices[k], cluster, prof, base)
+        prob = built[k]
+        strat = [prob.choice.degrees.index(d) for d in p["degrees"]]
+        out.append(prob.time([a for a, _ in p["stages"]], strat))
+    return out
+
+
+def run_train(c, args, name: str, work: Path, extra: list[str], env=None) -> list[float]:
+    from cluster import free_port
+
+    out = work / name
+    ov = ["--config", "configs/gpt-tiny.yaml", *model_overrides(args), f"out_dir={out}",
+          f"train.steps={args.steps}", *extra]
+    port = free_port()
+    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=args.run_timeout,
+                env=env)
+    (work / f"{name}.log").write_text(res[0].output)
+    if not all(r.ok for r in res):
+        tail = "\n".join(res[0].output.strip().splitlines()[-5:])
+        raise RuntimeError(f"run {name} failed:\n{tail}")
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
+    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
+
+
+def random_partition(rng: random.Random, L: int, pp: int) -> list[int]:
+    """First layer of each of ``pp`` non-empty contiguous stages."""
+    return [0] + sorted(rng.sample(range(1, L), pp - 1))
+
+
+def candidates(problems, res_u, res_a, n_random: int, seed: int) -> tuple[dict, dict]:
+    """(name -> Candidate, name -> other names of the same plan): the MILP's plan, AMP's
+    pick, every uniform (pp, dp, tp) layout at its best micro-batch count, and
+    ``n_random`` distinct random plans that fit; no plan twice (a random draw that
+    repeats a plan is recorded as that plan's alias "random draw")."""
+    out: dict = {}
+    seen: set = set()
+    aliases: dict = {}
+
+    def add(name, cand):
+        if cand is None:
+            return
+        if cand.key() in seen:  # the same plan under another name: say so
+            first = next(n for n, c in out.items() if c.key() == cand.key())
+            aliases.setdefault(first, []).append(name)
+            return
+        seen.add(cand.key())
+        out[name] = cand
+
+    add("milp", res_u.best)
+    add("amp", res_a.amp)
+    uniform: dict = {}
+    for prob in problems:
+        m = megatron_plan(prob)
+        ch = prob.choice
+        k = (ch.pp, ch.dp, ch.tp)
+        if m is not None and (k not in uniform or m.time < uniform[k].time):
+            uniform[k] = m
+    for (pp, dp, tp), m in sorted(uniform.items()):
+        add(f"uniform-pp{pp}-dp{dp}-tp{tp}", m)
+    rng = random.Random(seed)
+    for _ in range(1000):
+        if sum(n.startswith("random") for n in out) >= n_random:
+            break
+        prob = rng.choice(problems)
+        L = prob.inst.L
+        starts = random_partition(rng, L, prob.choice.pp)
+        strat = [rng.randrange(len(prob.choice.degrees)) for _ in range(L)]
+        used = prob.memory(starts, strat)
+        limits = [lim + k for lim, k in zip(prob.inst.memory_limit, prob.memory_const)]
+        if any(u > lim for u, lim in zip(used, limits)):
+            continue
+        cand = _candidate(prob, starts, strat, "random")
+        add(f"random-{sum(n.startswith('random') for n in out) + 1}"
+            if cand.key() not in seen else "random draw", cand)
+    return out, aliases
+
+
+def brief(c) -> dict:
+    ch = c.choice
+    return {"pp": ch.pp, "dp": ch.dp, "tp": ch.tp, "micro_batches": ch.micro_batches,
+            "rows": ch.rows, "stages": [[a, b] for a, b in c.ranges()], "degrees": c.degrees,
+            "describe": c.describe(), "source": c.source}
+
+
+def topology(path: str, args, work: Path) -> dict:
+    from cluster import EmulatedCluster
+
+    from oases.planner.cluster import load_cluster
+
+    cluster = load_cluster(path)
+    work = work / cluster.name
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = job_config(args)
+    job = job_from_config(cfg)
+    choices = enumerate_choices(job, WORLD)
+    base = profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
+    res: dict = {"cluster": cluster.name, "file": path, "plans": []}
+    with EmulatedCluster(path) as c:
+        t0 = time.monotonic()
+        print(f"[{cluster.name}] profiling (parallel.plan=auto, tp-only, 1 step)", flush=True)
+        prof, res["calibration"], res["speed_scale"] = live_profile(c, args, cluster, path, work)
+        res["profile_s"] = time.monotonic() - t0
+        problems = [build(job, ch, cluster, prof, base) for ch in choices]
+        res_u = search(job, WORLD, cluster, prof, base, "uniap", log=lambda s: None)
+        res_a = search(job, WORLD, cluster, prof, base, "amp", log=lambda s: None)
+        cands, aliases = candidates(problems, res_u, res_a, args.random, args.seed)
+        print(f"[{cluster.name}] {len(choices)} layouts, {len(cands)} candidates "
+              f"(profile {res['profile_s']:.0f} s)", flush=True)
+        plans = {}
+        for name, cand in cands.items():
+            pf = work / f"{name}.yaml"
+            rep.to_plan(cand, res_u, cfg, cluster.name).save(pf)
+            plans[name] = [f"parallel.plan={pf}", *rep.run_overrides(cand)]
+        measured: dict[str, list[float]] = {k: [] for k in cands}
+        for r in range(args.repeats):
+            for name, cand in cands.items():
+                t1 = time.monotonic()
+                times = run_train(c, args, f"{name}-r{r}", work, plans[name])
+                measured[name].append(statistics.median(times))
+                print(f"[{cluster.name}] rep {r + 1}/{args.repeats} {name} "
+                      f"({cand.describe()}): {1e3 * measured[name][-1]:.1f} ms/step "
+                      f"(predicted {1e3 * cand.time:.1f}) [{time.monotonic() - t1:.0f}s]",
+                      flush=True)
+    for name, cand in cands.items():
+        res["plans"].append({"name": name, "also": aliases.get(name, []), **brief(cand),
+                             "predicted_s": cand.time,
+                             "overrides": plans[name][1:],
+                             "measured_s": statistics.median(measured[name]),
+                             "measured_repeats_s": measured[name]})
+    for p, v in zip(res["plans"], reprice(res["plans"], job, cluster, links_only(prof), base)):
+        p["predicted_links_s"] = v
+    summarise(res)
+    return res
+
+
+def names(p: dict) -> list[str]:
+    """A candidate's name and the names of the same plan found another way."""
+    return [p["name"], *p.get("also", [])]
+
+
+def summarise(res: dict) -> None:
+    """Accuracy, noise ceiling and the MILP plan against the best measured and uniform
+    candidates (a uniform layout the search picked itself counts as uniform)."""
+    plans = res["plans"]
+    res.update(accuracy(plans, "predicted_s"))
+    res["repeat_spearman"] = (repeat_consistency(plans)
+                              if len(plans[0]["measured_repeats_s"]) > 1 else [])
+    by = {p["name"]: p for p in plans}
+    best = min(plans, key=lambda p: p["measured_s"])
+    uni = [p for p in plans if any(n.startswith("uniform") for n in names(p))]
+    best_uni = min(uni, key=lambda p: p["measured_s"]) if uni else None
+    milp = by.get("milp")
+    res["best_measured"] = " = ".join(names(best))
+    res["milp_vs_best_measured"] = milp["measured_s"] / best["measured_s"] if milp else None
+    res["best_uniform"] = " = ".join(names(best_uni)) if best_uni else None
+    res["uniform_vs_milp"] = (best_uni["measured_s"] / milp["measured_s"]
+                              if milp and best_uni else None)
+    res["predicted_uniform_vs_milp"] = (min(p["predicted_s"] for p in uni) / milp["predicted_s"]
+                                        if milp and uni else None)
+    res["milp_source"] = milp["source"] if milp else None
+    if all("predicted_links_s" in p for p in plans):
+        res["links_only"] = accuracy(plans, "predicted_links_s")
+
+
+def meta_of(args) -> dict:
+    return {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
+            "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len",
+                                                    "batch")},
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+            "random": args.random}
+
+
+def write(results: list[dict], meta: dict, out: Path) -> None:
+    m = meta["model"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "clusters": results}, indent=1))
+    lines = ["# Planner v2 (layout search) on the emulated cluster", "",
+             f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}).",
+             f"GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, seq "
+             f"{m['seq_len']}, global batch {m['batch']}, oases + fine, 4 nodes x 1 process. "
+             f"Measured: median over {meta['repeats']} round-robin repeat(s) of the median step "
+             f"time after {meta['warmup']} warm-up steps ({meta['steps']} steps per run). "
+             f"Predicted: the layout's instance priced as the search prices it, on the profile "
+             f"one `parallel.plan=auto` step (tp-only, tp 4) measured on the same cluster. "
+             f"`milp` is the uniap search's pick, `amp` AMP's; `a = b` is one plan that two "
+             f"generators produced.", ""]
+    for r in results:
+        lines += [f"## {r['cluster']}", "",
+                  "| candidate | layout | predicted (ms) | measured (ms) | rel. error "
+                  "| links only (ms) |", "|---|---|---|---|---|---|"]
+        for p in sorted(r["plans"], key=lambda p: p["measured_s"]):
+            err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
+            lines.append(f"| {' = '.join(names(p))} | {p['describe'].replace('|', ';')} | "
+                         f"{1e3 * p['predicted_s']:.1f} | {1e3 * p['measured_s']:.1f} | "
+                         f"{100 * err:+.1f}% | "
+                         + (f"{1e3 * p['predicted_links_s']:.1f} |" if "predicted_links_s" in p
+                            else "|"))
+        reps = r.get("repeat_spearman") or []
+        lines += ["", f"- Spearman predicted vs measured: **{r['spearman']:.3f}** over "
+                  f"{r['n_plans']} candidates (target >= 0.9)"
+                  + (f"; between two repeats of the measurement: {min(reps):.2f}-{max(reps):.2f}"
+                     if reps else "; one repeat: no noise ceiling"),
+                  f"- Mean relative error: **{100 * r['mean_rel_error']:.1f}%** (target <= 5%)"]
+        if "links_only" in r:
+            lo = r["links_only"]
+            lines.append(f"- Links only (collectives priced on each stage's own links, not "
+                         f"the fits measured on the pp-1 groups): Spearman {lo['spearman']:.3f}, "
+                         f"mean error {100 * lo['mean_rel_error']:.1f}%")
+        if r["milp_vs_best_measured"] is not None:
+            lines.append(f"- MILP plan (source: {r.get('milp_source')}) vs best measured "
+                         f"({r['best_measured']}): {r['milp_vs_best_measured']:.3f}x its time "
+                         f"(target <= 1.03)")
+        if r["uniform_vs_milp"] is not None:
+            lines.append(f"- Best uniform ({r['best_uniform']}) / MILP plan, measured: "
+                         f"{r['uniform_vs_milp']:.3f}x; predicted: "
+                         f"{r['predicted_uniform_vs_milp']:.3f}x"
+                         + (" (target >= 1.3 on the half-speed cluster)"
+                            if "halfspeed" in r["cluster"] else ""))
+        lines.append("")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(results, out.with_suffix(".png"))
+
+
+def rewrite(path: Path, work=None) -> None:
+    """The report again from a results JSON (summaries recomputed), e.g. after a change
+    to how they are summarised; with the run's ``work`` directory the links-only
+    prediction is recomputed from its profiles."""
+    from oases.planner.cluster import load_cluster
+
+    data = json.loads(path.read_text())
+    for r in data["clusters"]:
+        for p in r["plans"]:  # a repeated random draw is "random draw" (as candidates names it)
+            p["also"] = ["random draw" if a.startswith("random") else a for a in p.get("also", [])]
+        if work is not None:
+            cluster = load_cluster(REPO / r["file"])
+            prof = read_profile(Path(work) / cluster.name, cluster)[0]
+            m = data["meta"]["model"]
+            args = argparse.Namespace(**m)
+            cfg = job_config(args)
+            job = job_from_config(cfg)
+            base = profile_run(job, WORLD, cfg.train.micro_batch_size)
+            for p, v in zip(r["plans"], reprice(r["plans"], job, cluster, links_only(prof),
+                                                base)):
+                p["predicted_links_s"] = v
+        summarise(r)
+    write(data["clusters"], data["meta"], path.with_suffix(""))
+
+
+def plot(results: list[dict], png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for p in r["plans"]:
+            col = ("tab:red" if p["name"] in ("milp", "amp") else
+                   "tab:blue" if p["name"].startswith("uniform") else "tab:gray")
+            x, y = 1e3 * p["predicted_s"], 1e3 * p["measured_s"]
+            ax.scatter(x, y, color=col)
+            ax.annotate(p["name"].replace("uniform-", "u-"), (x, y), fontsize=6)
+        vals = [v for p in r["plans"] for v in (p["predicted_s"], p["measured_s"])]
+        lo, hi = 1e3 * min(vals) * 0.9, 1e3 * max(vals) * 1.1
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
+        ax.set_xlabel("predicted step (ms)")
+        ax.set_ylabel("measured step (ms)")
+        ax.set_title(f"{r['cluster']}: rho {r['spearman']:.2f}, err "
+                     f"{100 * r['mean_rel_error']:.0f}%", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clusters", nargs="+", default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--random", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="1 repeat, 4 steps, 3 random plans, the first cluster only")
+    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
+    ap.add_argument("--n-layer", dest="n_layer", type=int, default=8)
+    ap.add_argument("--n-head", dest="n_head", type=int, default=4)
+    ap.add_argument("--seq-len", dest="seq_len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--work", default=None,
+                    help="run directories (default /tmp/oases-planner-layouts/<time>)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--from-json", dest="from_json", default=None,
+                    help="only rewrite the report (md, png) from this results JSON")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        rewrite(Path(args.from_json), args.work)
+        return 0
+    if args.quick:
+        args.repeats, args.steps, args.warmup, args.random = 1, 4, 1, 3
+        args.clusters = (args.clusters or DEFAULT_CLUSTERS)[:1]
+    args.clusters = args.clusters or DEFAULT_CLUSTERS
+    name = "planner-layouts-quick" if args.quick else "planner-layouts"
+    args.out = Path(args.out or REPO / "benchmarks" / "results" / name)
+    if args.work is None:
+        args.work = f"/tmp/oases-planner-layouts/{time.strftime('%Y%m%d-%H%M%S')}"
+    from cluster import ClusterError, check_prerequisites
+
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for path in args.clusters:
+        results.append(topology(path, args, Path(args.work)))
+        write(results, meta_of(args), args.out)  # partial results survive a later failure
+    for r in results:
+        print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
+              f"{100 * r['mean_rel_error']:.1f}%, milp / best measured "
+              f"{r['milp_vs_best_measured']}, best uniform / milp {r['uniform_vs_milp']}")
+    print(f"wrote {args.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/planner_layouts.py's candidates: every uniform and random layout it would
+measure is a plan the runtime accepts with its run overrides (no cluster, no torch run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import planner_layouts as pl  # noqa: E402
+
+from oases.config import load_config  # noqa: E402
+from oases.planner import report as rep  # noqa: E402
+from oases.planner.cluster import load_cluster  # noqa: E402
+from oases.planner.fit import analytic_profile  # noqa: E402
+from oases.planner.search import search  # noqa: E402
+from oases.planner.stages import (build, enumerate_choices, job_from_config,  # noqa: E402
+                                  profile_run)
+from oases.runtime.planning import resolve_layout  # noqa: E402
+
+
+def test_candidates_are_valid_plans(tmp_path):
+    args = argparse.Namespace(d_model=256, n_layer=8, n_head=4, seq_len=64, batch=16)
+    cfg = pl.job_config(args)
+    job = job_from_config(cfg)
+    choices = enumerate_choices(job, pl.WORLD)
+    base = profile_run(job, max(c.tp for c in choices), cfg.train.micro_batch_size)
+    prof = analytic_profile(job.shape, base, job.shape.valid_degrees(base.tp), flops_per_s=5e10)
+    cluster = load_cluster(REPO / "configs/cluster/four-nodes-halfspeed.yaml")
+    problems = [build(job, ch, cluster, prof, base) for ch in choices]
+    quiet = lambda s: None  # noqa: E731
+    res_u = search(job, pl.WORLD, cluster, prof, base, "uniap", budget_s=0.5, log=quiet)
+    res_a = search(job, pl.WORLD, cluster, prof, base, "amp", log=quiet)
+    cands, aliases = pl.candidates(problems, res_u, res_a, 5, seed=0)
+    uniform = {(c.choice.pp, c.choice.dp, c.choice.tp) for n, c in cands.items()
+               if n.startswith("uniform")}
+    uniform |= {(c.choice.pp, c.choice.dp, c.choice.tp) for n, c in cands.items()
+                if any(a.startswith("uniform") for a in aliases.get(n, []))}
+    assert uniform == {(ch.pp, ch.dp, ch.tp) for ch in choices}  # every (pp, dp, tp) once
+    assert sum(n.startswith("random") for n in cands) == 5
+    assert len({c.key() for c in cands.values()}) == len(cands)
+    for name, c in cands.items():
+        path = tmp_path / f"{name}.yaml"
+        rep.to_plan(c, res_u, cfg, cluster.name).save(path)
+        run = load_config(str(REPO / "configs/gpt-tiny.yaml"),
+                          pl.model_overrides(args) + [f"parallel.plan={path}",
+                                                      *rep.run_overrides(c)]).validate(pl.WORLD)
+        layout = resolve_layout(run, pl.WORLD)
+        assert [list(s.layers) for s in layout.stages] == [list(r) for r in c.ranges()], name
+        assert run.global_batch_size == args.batch
