@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from cluster import ClusterError, EmulatedCluster, check_prerequisites, free_port  # noqa: E402
 
 from oases.config import load_config  # noqa: E402
-from oases.plan import make_plan, run_shape  # noqa: E402
+from oases.plan import run_shape  # noqa: E402
 from oases.planner import ilp  # noqa: E402
 from oases.planner.cluster import load_cluster  # noqa: E402
 from oases.planner.cost import CostModel, ModelShape, Profile  # noqa: E402
@@ -60,15 +60,23 @@ def overrides(args, tp: int, out_dir: Path, extra: list[str]) -> list[str]:
 
 
 def run_train(c: EmulatedCluster, args, tp: int, out_dir: Path, extra: list[str]) -> list[float]:
-    ov = overrides(args, tp, out_dir, extra)
+    return train_steps(c, overrides(args, tp, out_dir, extra), out_dir, args.run_timeout,
+                       args.warmup)
+
+
+def train_steps(c: EmulatedCluster, ov: list[str], out_dir: Path, timeout: float, warmup: int,
+                env: dict | None = None) -> list[float]:
+    """``train.py ov`` on every node of ``c`` (its ``out_dir=`` is ``out_dir``): node 0's
+    output goes to ``<out_dir>.log``; returns the step times after ``warmup`` steps, or
+    raises with the output's last lines when a node failed."""
     port = free_port()
-    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=args.run_timeout)
+    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=timeout, env=env)
     (out_dir.parent / f"{out_dir.name}.log").write_text(res[0].output)
     if not all(r.ok for r in res):
         tail = "\n".join(res[0].output.strip().splitlines()[-5:])
         raise RuntimeError(f"run {out_dir.name} failed:\n{tail}")
     recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln]
-    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
+    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > warmup]
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from planner import accuracy, repeat_consistency  # noqa: E402
+from planner import accuracy, repeat_consistency, train_steps  # noqa: E402
 
 from oases.config import load_config  # noqa: E402
 from oases.planner import report as rep  # noqa: E402
@@ -92,15 +92,13 @@ def live_profile(c, args, cluster, path: str, work: Path):
 
 def read_profile(work: Path, cluster):
     """(Profile, calibration, speed correction) from ``<work>/auto/profile.json``."""
-    from oases.planner.cost import Profile
+    from oases.planner.cost import Profile, at_speed
 
     rec = json.loads((work / "auto" / "profile.json").read_text())
     scale = statistics.mean(1 / cluster.speed_of([r]) for r in range(WORLD))
-    blocks = {k: {t: dict(e, fwd=e["fwd"] / scale, bwd=e["bwd"] / scale) for t, e in d.items()}
-              for k, d in rec["blocks"].items()}
-    const = {k: (v / scale if k in ("fwd", "bwd", "step", "head_fwd") else v)
-             for k, v in rec["constant"].items()}
-    return Profile(blocks, const, rec["comm"]), rec.get("calibration"), scale
+    # every compute time / scale: the profile as a speed-1.0 node measures it
+    prof = at_speed(Profile(rec["blocks"], rec["constant"], rec["comm"]), scale)
+    return prof, rec.get("calibration"), scale
 
 
 FITTED = ("all_reduce", "all_gather", "grad_all_reduce")  # measured per degree at pp 1, tp 4
@@ -132,20 +130,10 @@ def reprice(plans: list[dict], job, cluster, prof, base) -> list[float]:
 
 
 def run_train(c, args, name: str, work: Path, extra: list[str], env=None) -> list[float]:
-    from cluster import free_port
-
     out = work / name
     ov = ["--config", "configs/gpt-tiny.yaml", *model_overrides(args), f"out_dir={out}",
           f"train.steps={args.steps}", *extra]
-    port = free_port()
-    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=args.run_timeout,
-                env=env)
-    (work / f"{name}.log").write_text(res[0].output)
-    if not all(r.ok for r in res):
-        tail = "\n".join(res[0].output.strip().splitlines()[-5:])
-        raise RuntimeError(f"run {name} failed:\n{tail}")
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
-    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
+    return train_steps(c, ov, out, args.run_timeout, args.warmup, env)
 
 
 def random_partition(rng: random.Random, L: int, pp: int) -> list[int]:

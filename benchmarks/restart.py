@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import socket
@@ -267,17 +266,10 @@ def check(ref: dict, run: dict, a: argparse.Namespace, work: Path) -> tuple[list
 
 
 def machine() -> str:
-    import torch
+    from machine import machine_info
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    m = machine_info()
+    return f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}"
 
 
 def write_report(checks, detail, a, cmd: str) -> None:
