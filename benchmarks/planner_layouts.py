@@ -80,41 +80,27 @@ def live_profile(c, args, cluster, path: str, work: Path):
     cluster: block compute on every rank at once (averaged over the ranks), the
     collectives of its groups and the host cost of communication calibrated by real
     steps. A fresh HOME keeps any profile DB of this machine out of it. The ranks'
-    mean is taken back to a speed-1.0 node where nodes run at other speeds."""
+    mean is of speed-1.0 figures where nodes run at other speeds."""
     extra = ["parallel.plan=auto", "parallel.plan_search=tp-only", f"parallel.cluster={path}",
              f"parallel.tp={WORLD}", "parallel.pp=1", f"train.micro_batch_size={PROFILE_MBS}",
              f"train.grad_accum={args.batch // PROFILE_MBS}", "train.steps=1"]
     home = work / "home"
     home.mkdir(parents=True, exist_ok=True)
     run_train(c, args, "auto", work, extra, env={"HOME": str(home)})
-    return read_profile(work, cluster)
+    return read_profile(work)
 
 
-def read_profile(work: Path, cluster):
-    """(Profile, calibration, speed correction) from ``<work>/auto/profile.json``."""
-    from oases.planner.cost import Profile, at_speed
-
-    rec = json.loads((work / "auto" / "profile.json").read_text())
-    scale = statistics.mean(1 / cluster.speed_of([r]) for r in range(WORLD))
-    # every compute time / scale: the profile as a speed-1.0 node measures it
-    prof = at_speed(Profile(rec["blocks"], rec["constant"], rec["comm"]), scale)
-    return prof, rec.get("calibration"), scale
-
-
-FITTED = ("all_reduce", "all_gather", "grad_all_reduce")  # measured per degree at pp 1, tp 4
-
-
-def links_only(prof):
-    """The profile without the collectives fitted on the pp-1 run's groups: the cost
-    model then prices each stage's groups on their own links (host cost kept)."""
+def read_profile(work: Path):
+    """(Profile, calibration) from ``<work>/auto/profile.json``: compute times of a
+    speed-1.0 device (plan=auto takes each rank's to its node's speed before averaging)."""
     from oases.planner.cost import Profile
 
-    return Profile(prof.blocks, prof.constant,
-                   {k: v for k, v in prof.comm.items() if k not in FITTED})
+    rec = json.loads((work / "auto" / "profile.json").read_text())
+    return Profile(rec["blocks"], rec["constant"], rec["comm"]), rec.get("calibration")
 
 
 def reprice(plans: list[dict], job, cluster, prof, base) -> list[float]:
-    """Each recorded plan's predicted time under ``prof``."""
+    """Each recorded plan's predicted time under ``prof`` (the search's pricing)."""
     choices = {(ch.pp, ch.dp, ch.tp, ch.micro_batches): ch
                for ch in enumerate_choices(job, WORLD)}
     built: dict = {}
@@ -212,7 +198,7 @@ def topology(path: str, args, work: Path) -> dict:
     with EmulatedCluster(path) as c:
         t0 = time.monotonic()
         print(f"[{cluster.name}] profiling (parallel.plan=auto, tp-only, 1 step)", flush=True)
-        prof, res["calibration"], res["speed_scale"] = live_profile(c, args, cluster, path, work)
+        prof, res["calibration"] = live_profile(c, args, cluster, path, work)
         res["profile_s"] = time.monotonic() - t0
         problems = [build(job, ch, cluster, prof, base) for ch in choices]
         res_u = search(job, WORLD, cluster, prof, base, "uniap", log=lambda s: None)
@@ -241,8 +227,6 @@ def topology(path: str, args, work: Path) -> dict:
                              "overrides": plans[name][1:],
                              "measured_s": statistics.median(measured[name]),
                              "measured_repeats_s": measured[name]})
-    for p, v in zip(res["plans"], reprice(res["plans"], job, cluster, links_only(prof), base)):
-        p["predicted_links_s"] = v
     summarise(res)
     return res
 
@@ -272,8 +256,6 @@ def summarise(res: dict) -> None:
     res["predicted_uniform_vs_milp"] = (min(p["predicted_s"] for p in uni) / milp["predicted_s"]
                                         if milp and uni else None)
     res["milp_source"] = milp["source"] if milp else None
-    if all("predicted_links_s" in p for p in plans):
-        res["links_only"] = accuracy(plans, "predicted_links_s")
 
 
 def meta_of(args) -> dict:
@@ -298,29 +280,24 @@ def write(results: list[dict], meta: dict, out: Path) -> None:
              f"Predicted: the layout's instance priced as the search prices it, on the profile "
              f"one `parallel.plan=auto` step (tp-only, tp 4) measured on the same cluster. "
              f"`milp` is the uniap search's pick, `amp` AMP's; `a = b` is one plan that two "
-             f"generators produced.", ""]
+             f"generators produced."
+             + (f" **{meta['repriced']}** (the measurements are the run's)."
+                if meta.get("repriced") else ""), ""]
     for r in results:
         lines += [f"## {r['cluster']}", "",
-                  "| candidate | layout | predicted (ms) | measured (ms) | rel. error "
-                  "| links only (ms) |", "|---|---|---|---|---|---|"]
+                  "| candidate | layout | predicted (ms) | measured (ms) | rel. error |",
+                  "|---|---|---|---|---|"]
         for p in sorted(r["plans"], key=lambda p: p["measured_s"]):
             err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
             lines.append(f"| {' = '.join(names(p))} | {p['describe'].replace('|', ';')} | "
                          f"{1e3 * p['predicted_s']:.1f} | {1e3 * p['measured_s']:.1f} | "
-                         f"{100 * err:+.1f}% | "
-                         + (f"{1e3 * p['predicted_links_s']:.1f} |" if "predicted_links_s" in p
-                            else "|"))
+                         f"{100 * err:+.1f}% |")
         reps = r.get("repeat_spearman") or []
         lines += ["", f"- Spearman predicted vs measured: **{r['spearman']:.3f}** over "
                   f"{r['n_plans']} candidates (target >= 0.9)"
                   + (f"; between two repeats of the measurement: {min(reps):.2f}-{max(reps):.2f}"
                      if reps else "; one repeat: no noise ceiling"),
                   f"- Mean relative error: **{100 * r['mean_rel_error']:.1f}%** (target <= 5%)"]
-        if "links_only" in r:
-            lo = r["links_only"]
-            lines.append(f"- Links only (collectives priced on each stage's own links, not "
-                         f"the fits measured on the pp-1 groups): Spearman {lo['spearman']:.3f}, "
-                         f"mean error {100 * lo['mean_rel_error']:.1f}%")
         if r["milp_vs_best_measured"] is not None:
             lines.append(f"- MILP plan (source: {r.get('milp_source')}) vs best measured "
                          f"({r['best_measured']}): {r['milp_vs_best_measured']:.3f}x its time "
@@ -338,8 +315,8 @@ def write(results: list[dict], meta: dict, out: Path) -> None:
 
 def rewrite(path: Path, work=None) -> None:
     """The report again from a results JSON (summaries recomputed), e.g. after a change
-    to how they are summarised; with the run's ``work`` directory the links-only
-    prediction is recomputed from its profiles."""
+    to how they are summarised; with the run's ``work`` directory every candidate is
+    priced again from the profiles it measured (the report says so)."""
     from oases.planner.cluster import load_cluster
 
     data = json.loads(path.read_text())
@@ -348,15 +325,13 @@ def rewrite(path: Path, work=None) -> None:
             p["also"] = ["random draw" if a.startswith("random") else a for a in p.get("also", [])]
         if work is not None:
             cluster = load_cluster(REPO / r["file"])
-            prof = read_profile(Path(work) / cluster.name, cluster)[0]
-            m = data["meta"]["model"]
-            args = argparse.Namespace(**m)
-            cfg = job_config(args)
+            prof = read_profile(Path(work) / cluster.name)[0]
+            cfg = job_config(argparse.Namespace(**data["meta"]["model"]))
             job = job_from_config(cfg)
             base = profile_run(job, WORLD, cfg.train.micro_batch_size)
-            for p, v in zip(r["plans"], reprice(r["plans"], job, cluster, links_only(prof),
-                                                base)):
-                p["predicted_links_s"] = v
+            for p, v in zip(r["plans"], reprice(r["plans"], job, cluster, prof, base)):
+                p["predicted_s"] = v
+            data["meta"]["repriced"] = f"predictions re-priced from the profiles in {work}"
         summarise(r)
     write(data["clusters"], data["meta"], path.with_suffix(""))
 

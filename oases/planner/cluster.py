@@ -188,13 +188,68 @@ def load_cluster(path: str) -> Cluster:
     return c
 
 
+def tp_groups(t: int, T: int, dp: int) -> list[list[int]]:
+    """The degree-t subgroups of a run of dp TP groups of T ranks (ranks d*T + ..)."""
+    return [[d * T + g * t + j for j in range(t)] for d in range(dp) for g in range(T // t)]
+
+
+def reshard_groups(a: int, b: int, T: int, dp: int) -> list[list[int]]:
+    """The all-gather groups between degrees a < b (oases.parallel.reshard)."""
+    return [[d * T + g * b + m * a + j for m in range(b // a)]
+            for d in range(dp) for g in range(T // b) for j in range(a)]
+
+
+def grad_groups(t: int, T: int, dp: int) -> list[list[int]]:
+    """The replicas whose gradients a degree-t block sums: its T/t copies x dp."""
+    return [[d * T + g * t + j for d in range(dp) for g in range(T // t)] for j in range(t)]
+
+
+_GROUPS = {"all_reduce": lambda k, T, dp: tp_groups(int(k), T, dp),
+           "grad_all_reduce": lambda k, T, dp: grad_groups(int(k), T, dp),
+           "all_gather": lambda k, T, dp: reshard_groups(*map(int, k.split("-")), T, dp)}
+
+
 class CommModel:
     """Collective time for the ranks of a group; ``alpha``/``beta`` per group size can be
-    replaced by measured fits (profile DB: ``{"all_reduce": {"2": [alpha, beta]}}``)."""
+    replaced by measured fits (profile DB: ``{"all_reduce": {"2": [alpha, beta]}}``).
+
+    A fit measured on some groups prices other groups of the same kind through
+    :meth:`fitted`: its alpha (latency and software, which the links do not change) as
+    measured, its per-byte term scaled by how much longer the ring algorithm keeps
+    the bytes on the slowest link of the groups priced than on those measured
+    (``measured["on"]``: the run's tp x dp, global ranks from 0)."""
 
     def __init__(self, cluster: Cluster, measured: Optional[dict] = None) -> None:
         self.cluster = cluster
         self.measured = measured or {}
+        # the cluster's own numbering (a stage's view renumbers its ranks from 0)
+        self.root = getattr(cluster, "cluster", cluster)
+
+    @staticmethod
+    def _wire(kind: str, ranks: list[int], cluster) -> float:
+        """Seconds per byte the ring keeps on the slowest link of ``ranks``."""
+        n = len(ranks)
+        if n < 2:
+            return 0.0
+        share = (n - 1) / n * (1 if kind == "all_gather" else 2)
+        return share / (cluster.ring_gbps(ranks) * 1e9 / 8)
+
+    def fitted(self, kind: str, key: str, nbytes: float, groups: list[list[int]]
+               ) -> Optional[float]:
+        """The measured fit ``kind``/``key`` for ``groups`` (all running at once; the
+        slowest sets the pace), or None without a fit."""
+        fit = self.measured.get(kind, {}).get(key)
+        if not fit:
+            return None
+        beta = fit[1]
+        on = self.measured.get("on")
+        if on and on["tp"] * on["dp"] <= self.root.world:
+            ref = _GROUPS[kind](key, on["tp"], on["dp"])
+            here = max(self._wire(kind, g, self.cluster) for g in groups)
+            there = max(self._wire(kind, g, self.root) for g in ref)
+            if here > 0 and there > 0:
+                beta *= here / there
+        return fit[0] + beta * nbytes
 
     def _fit(self, kind: str, n: int):
         f = self.measured.get(kind, {}).get(str(n))

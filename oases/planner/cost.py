@@ -40,6 +40,11 @@ micro-batch at the cost above and G-1 pairs, in which a block's forward and back
 share the link and the cores (:meth:`CostModel.paired_cost`). ``selective``: the
 profile measures attention with its core recomputed (saved bytes and backward time).
 
+Beyond its bytes, every collective call costs a step ``call_s`` (measured as a step
+meets it, :mod:`oases.planner.comm_profile`): a step of many small micro-batches
+pays it many times. Measured collective fits price a group on its own links
+(:meth:`oases.planner.cluster.CommModel.fitted`).
+
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
 Memory per device: parameters, gradients and Adam state (16 B/param) of each
@@ -63,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from oases.heads import heads_problem
-from oases.planner.cluster import CommModel
+from oases.planner.cluster import CommModel, grad_groups, reshard_groups, tp_groups
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
 PARAM_BYTES = 4            # parameters are fp32 (bf16 runs keep fp32 master weights)
@@ -193,6 +198,7 @@ class CostModel:
         self.shape, self.run, self.cluster = shape, run, cluster
         self.profile = at_speed(profile, self.speed)
         self.comm = CommModel(cluster, profile.comm)
+        self.call_s = profile.comm.get("call_s", 0.0)  # a step's cost per collective call
         self.T = run.tp
         self.degrees = degrees or shape.valid_degrees(self.T)
         self.kinds = shape.kinds()
@@ -241,38 +247,30 @@ class CostModel:
             return self._stream_bytes(t) + self._act_bytes(t)
         return self._stream_bytes(t) if kind == "attn" else 0.0
 
-    def _subgroups(self, t: int) -> list[list[int]]:
-        return [list(range(g * t, g * t + t)) for g in range(self.T // t)]
-
     def ar_time(self, t: int, nbytes: float) -> float:
         """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
         if t == 1:
             return 0.0
-        fit = self.profile.comm.get("all_reduce", {}).get(str(t))
-        if fit:
-            return fit[0] + fit[1] * nbytes
-        return max(self.comm.all_reduce(nbytes, g) for g in self._subgroups(t))
+        groups = tp_groups(t, self.T, self.run.dp)
+        fit = self.comm.fitted("all_reduce", str(t), nbytes, groups)
+        return fit if fit is not None else max(self.comm.all_reduce(nbytes, g) for g in groups)
 
     def ag_time(self, a: int, b: int, nbytes_total: float) -> float:
         """All-gather of the reshard groups between degrees a < b."""
-        fit = self.profile.comm.get("all_gather", {}).get(f"{a}-{b}")
-        if fit:
-            return fit[0] + fit[1] * nbytes_total
-        groups = [[g * b + m * a + j for m in range(b // a)]
-                  for g in range(self.T // b) for j in range(a)]
-        return max(self.comm.all_gather(nbytes_total, grp) for grp in groups)
+        groups = reshard_groups(a, b, self.T, self.run.dp)
+        fit = self.comm.fitted("all_gather", f"{a}-{b}", nbytes_total, groups)
+        return fit if fit is not None else \
+            max(self.comm.all_gather(nbytes_total, g) for g in groups)
 
     def _grad_sync(self, kind: str, t: int) -> float:
-        """Summing a degree-t block's gradients over its T/t replicas x dp."""
-        n = self.run.dp * self.T // t
-        if n < 2:
+        """Summing a degree-t block's gradients over its T/t replicas x dp (one call)."""
+        if self.run.dp * self.T // t < 2:
             return 0.0
         nbytes = self.shape.rank_params(kind, t) * 4
-        ranks = [d * self.T + g * t for d in range(self.run.dp) for g in range(self.T // t)]
-        fit = self.profile.comm.get("grad_all_reduce", {}).get(str(t))
-        if fit:
-            return fit[0] + fit[1] * nbytes
-        return self.comm.all_reduce(nbytes, ranks)
+        groups = grad_groups(t, self.T, self.run.dp)
+        fit = self.comm.fitted("grad_all_reduce", str(t), nbytes, groups)
+        wire = fit if fit is not None else max(self.comm.all_reduce(nbytes, g) for g in groups)
+        return wire + self.call_s
 
     def _kv_sync(self, kind: str, t: int) -> float:
         """Summing the kv gradients of an attention block whose kv heads are replicated
@@ -347,7 +345,7 @@ class CostModel:
             bwd = n * self.profile.blocks[k][str(t)]["bwd"] + max(0.0, m_full - 0.5 * n * cb)
             if r.recompute == "full":
                 bwd += n * self.profile.blocks[k][str(t)]["fwd"] + m_full
-            cost = fwd + bwd
+            cost = fwd + bwd + (3 if r.recompute == "full" else 2) * self.calls(t)
         else:
             # one sub-batch alone waits for each of its collectives
             cost = cf + cb + 2 * m if r.sub_batches == 1 else max(cf, m) + max(cb, m)
@@ -356,7 +354,8 @@ class CostModel:
                 cost += max(self.profile.blocks[k][str(t)]["fwd"], m)  # re-issued all-reduce
                 n_ar = 3
             # the host cycles the overlapped all-reduces take from compute
-            host = n_ar * r.sub_batches * self._act_bytes(t) * self.cpu_per_byte(t)
+            host = n_ar * r.sub_batches * (self._act_bytes(t) * self.cpu_per_byte(t) +
+                                           self.calls(t))
             cost += host
         if i == 0:
             cost += self.edge_in(t)
@@ -373,6 +372,10 @@ class CostModel:
                 pair += max(c.get("head_fwd", 0.0), self.m[k, t])
             return cost + (r.grad_accum - 1) * pair + self.kv_sync[k, t]
         return cost * r.grad_accum + self.kv_sync[k, t]
+
+    def calls(self, t: int) -> float:
+        """The per-call cost of one activation collective at degree t (none at 1)."""
+        return self.call_s if t > 1 else 0.0
 
     def _paired_run(self) -> bool:
         return self.run.overlap_fb and self.run.schedule == "oases" and self.run.grad_accum > 1
@@ -419,7 +422,7 @@ class CostModel:
         n = self.run.sub_batches if self.run.schedule == "oases" else 1
         size = nbytes * (1 if self.run.schedule == "oases" else self.run.sub_batches)
         cpu = n * size * self.cpu_per_byte(big) if self.run.schedule == "oases" else 0.0
-        return n * self.ag_time(small, big, size) + cpu
+        return n * (self.ag_time(small, big, size) + self.call_s) + cpu
 
     def edge_cost(self, i: int, ta: int, tb: int) -> float:
         """Edge between block i-1 at degree ta and block i at degree tb."""
@@ -451,8 +454,10 @@ class CostModel:
     def constant_time(self) -> float:
         c = self.profile.constant
         per_mb = c.get("fwd", 0.0) + c.get("bwd", 0.0)
-        if self.run.schedule == "oases":  # embedding's and head's all-reduces, overlapped
-            per_mb += 2 * self.run.sub_batches * self._act_bytes(self.T) * self.cpu_per_byte(self.T)
+        n = self.run.sub_batches if self.run.schedule == "oases" else 1
+        per_mb += 2 * n * self.calls(self.T)  # the embedding's and the head's all-reduces
+        if self.run.schedule == "oases":  # overlapped: their bytes take host cycles
+            per_mb += 2 * n * self._act_bytes(self.T) * self.cpu_per_byte(self.T)
         return per_mb * self.run.grad_accum + c.get("step", 0.0)
 
     def plan_time(self, degrees: list[int]) -> float:

@@ -4,11 +4,12 @@ Compute is measured in one process on the device it runs on: a block at degree
 t is a block with 1/t of the heads and of the MLP width, fed the rows a rank
 processes at that degree (``micro_batch / sub_batches * t / T``). Forward and
 backward are timed (median of a few repeats after warm-up); the saved-tensor
-bytes of its forward come from :class:`SavedTensorMeter`. Collectives are
-measured only inside a distributed run (``parallel.plan=auto``): all-reduce
-over each degree's subgroups, all-gather over each resharding group and the
-gradient all-reduce over each degree's replicas, at a few message sizes, the
-slowest rank's time, fitted to alpha + beta * bytes.
+bytes of its forward come from :class:`SavedTensorMeter`. A block's compute is
+measured at two row counts (the run's and twice as many): on a small model a
+fixed part (kernel launches, Python) does not shrink with the rows, and a
+pipeline's micro-batches are smaller than the profiled one
+(:func:`oases.planner.stages.scale_profile` fits ``a + b * rows``). Collectives
+are measured by :mod:`oases.planner.comm_profile`.
 
 Results go to a profile DB (JSON), keyed by hardware and model/run shape, and
 are reused when present.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import time
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from oases.config import Config, ModelConfig
 from oases.heads import local_kv_heads
@@ -150,6 +149,19 @@ def _block(kind: str, cfg: ModelConfig, t: int):
     return proto.make_mlp(lm, sc, proto.make_norm(lm, cfg), None)
 
 
+def _time_block(blk, x: torch.Tensor, amp, device: torch.device, reps: int, warmup: int,
+                barrier: Optional[Callable[[], None]]) -> list[float]:
+    """(forward, backward) seconds of ``blk`` on input ``x``."""
+    g = torch.randn_like(x)
+
+    def fwd_then_bwd():
+        with amp:
+            out = blk(x)
+        return (lambda: out.backward(g),)
+
+    return _time_phases(fwd_then_bwd, device, reps, warmup, barrier=barrier)
+
+
 def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int = 5,
                     warmup: int = 2, log: Callable[[str], None] = print,
                     barrier: Optional[Callable[[], None]] = None) -> Profile:
@@ -178,26 +190,21 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             blk.selective = run.recompute == "selective"
         init_parameters(blk, 0, 0, 1)
         x = torch.randn(rows, m.seq_len, m.d_model, device=device, requires_grad=True)
-        g = torch.randn_like(x)
-
-        def fwd():
-            with amp:
-                return blk(x)
-
-        def fwd_then_bwd():
-            out = fwd()
-            return (lambda: out.backward(g),)
-
-        t_f, t_b = _time_phases(fwd_then_bwd, device, reps, warmup, barrier=barrier)
+        t_f, t_b = _time_block(blk, x, amp, device, reps, warmup, barrier)
         with SavedTensorMeter() as meter:
-            out = fwd()
+            with amp:
+                out = blk(x)
             SavedTensorMeter.end_of_forward()
         del out
+        # a second row count: the fixed part of the block's time (module docstring)
+        x2 = torch.randn(2 * rows, m.seq_len, m.d_model, device=device, requires_grad=True)
+        t_f2, t_b2 = _time_block(blk, x2, amp, device, reps, warmup, barrier)
         blocks[kind][str(t)] = {"fwd": t_f, "bwd": t_b, "saved": meter.forward_bytes,
-                                "rows": rows}
+                                "rows": rows, "fwd2": t_f2, "bwd2": t_b2, "rows2": 2 * rows}
         log(f"profile [{n_done}/{len(todo)}] {kind:<4} degree {t}: rows {rows}, "
-            f"fwd {1e3 * t_f:.2f} ms, bwd {1e3 * t_b:.2f} ms, "
-            f"saved {meter.forward_bytes / 2**20:.1f} MiB ({time.perf_counter() - t_start:.0f}s)")
+            f"fwd {1e3 * t_f:.2f} ms, bwd {1e3 * t_b:.2f} ms (rows {2 * rows}: "
+            f"{1e3 * t_f2:.2f}, {1e3 * t_b2:.2f} ms), saved {meter.forward_bytes / 2**20:.1f} "
+            f"MiB ({time.perf_counter() - t_start:.0f}s)")
     # Constant parts at degree T: embedding + final norm + head + loss, one micro-batch.
     consts = progress(total=2, desc="profile constants", unit="part", lines=False)
     head_cfg = dataclasses.replace(m, n_layer=1)
@@ -229,186 +236,6 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     const = {"fwd": c_f, "bwd": c_b, "step": c_step, "peak": peak,
              "head_fwd": c_f / run.sub_batches, "embed_bwd": 0.0}
     return Profile(blocks, const)
-
-
-def _fit(points: list[tuple[float, float]]) -> list[float]:
-    """Least-squares alpha + beta * bytes (alpha, beta >= 0)."""
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    var = sum((p[0] - mx) ** 2 for p in points)
-    beta = max(sum((p[0] - mx) * (p[1] - my) for p in points) / var, 0.0) if var else 0.0
-    return [max(my - beta * mx, 0.0), beta]
-
-
-def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
-                 log: Callable[[str], None] = print) -> dict:
-    """Collective fits on the live cluster; every rank must call it (collective)."""
-    dg = ctx.degree_groups()
-    T = ctx.tp
-    out: dict = {"all_reduce": {}, "all_gather": {}, "grad_all_reduce": {}}
-
-    def measure(kind: str, key: str, group, make) -> None:
-        pts = []
-        for nbytes in sizes:
-            t = 0.0
-            if group is not None and dist.get_world_size(group) > 1:
-                buf = make(nbytes)
-                op = (lambda: dist.all_reduce(buf, group=group)) if kind != "all_gather" else \
-                    (lambda: dist.all_gather_into_tensor(
-                        torch.empty(buf.numel() * dist.get_world_size(group), device=ctx.device),
-                        buf, group=group))
-                op()  # warm-up
-                ts = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    op()
-                    if ctx.device.type == "cuda":
-                        torch.cuda.synchronize(ctx.device)
-                    ts.append(time.perf_counter() - t0)
-                t = statistics.median(ts)
-            slow = torch.tensor([t], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(slow, op=dist.ReduceOp.MAX)  # the slowest group sets the pace
-            total = nbytes if kind != "all_gather" else nbytes * (
-                dist.get_world_size(group) if group is not None else 1)
-            pts.append((float(total), float(slow)))
-        out[kind][key] = _fit(pts)
-        if ctx.is_main:
-            a, b = out[kind][key]
-            log(f"profile {kind} {key}: alpha {1e3 * a:.3f} ms, {b and 1 / b / 1e6:.1f} MB/s")
-
-    def f32(nbytes):
-        return torch.ones(max(nbytes // 4, 1), device=ctx.device)
-
-    for t in dg.degrees:
-        if t > 1:
-            measure("all_reduce", str(t), dg.sub[t], f32)
-    for a in dg.degrees:
-        for b in dg.degrees:
-            if a < b:
-                measure("all_gather", f"{a}-{b}", dg.reshard_group(a, b),
-                        lambda nbytes, k=b // a: f32(nbytes // k))
-    for t in dg.degrees:
-        if t < T or ctx.dp > 1:
-            measure("grad_all_reduce", str(t), dg.grad[t], f32)
-    out["cpu_per_byte"] = {}
-    for t in dg.degrees:
-        if t > 1:
-            out["cpu_per_byte"][str(t)] = _cpu_per_byte(ctx, dg.sub[t], out["all_reduce"][str(t)])
-            if ctx.is_main:
-                log(f"profile compute slowdown under degree-{t} all-reduces: "
-                    f"{1e3 * 2**20 * out['cpu_per_byte'][str(t)]:.2f} ms per MiB all-reduced")
-    return out
-
-
-def _cpu_per_byte(ctx, group, fit: list[float]) -> float:
-    """Compute time lost per byte all-reduced over ``group`` while compute runs: from the
-    host's CPU accounting on CPU ranks (Linux), else from a compute loop's slowdown."""
-    if ctx.device.type == "cpu" and _host_busy_s() is not None:
-        return _host_cpu_per_byte(ctx, group, fit)
-    return _slowdown_per_byte(ctx, group, fit)
-
-
-def _host_busy_s() -> Optional[float]:
-    """CPU-seconds this host's cores have spent working since boot (user, nice, system,
-    irq, softirq: not idle, iowait or time a hypervisor stole), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        v = [int(x) for x in fields[1:8]]
-    except (OSError, ValueError):
-        return None
-    if len(v) < 7:
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def _host_cpu_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20,
-                       window_s: float = 0.4, reps: int = 3) -> float:
-    """Host CPU time the collectives take, as compute time lost per byte all-reduced.
-
-    On CPU ranks the communication runs on the cores that compute: gloo's threads and
-    the kernel's network stack (on the emulated cluster also the veth, bridge and tc
-    work of every link). All ranks all-reduce back to back over ``group`` for about
-    ``window_s`` with nothing else to do, and the host's busy CPU-seconds in that
-    window (less those of an idle window as long: other load on the machine) are the
-    collectives' cost. In a step the host's cores are busy computing, so that cost
-    comes out of compute, spread over the cores: every rank on the host loses
-    busy / cores seconds, per byte it all-reduced. (Every rank on a host reads the same
-    counters, the emulated cluster's namespaces included: nothing is summed over ranks.)
-    A direct measurement: timing a compute loop with and without collectives is lost
-    in scheduler noise as soon as a host runs more ranks than it has cores."""
-    dev = ctx.device
-    per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
-    k = max(4, min(64, int(window_s / per_ar) + 1))
-    bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
-    cores = os.cpu_count() or 1
-    busy = idle = 0.0  # summed over the repeats: one noisy window does not zero the figure
-    for _ in range(reps):
-        dist.barrier()
-        b0, t0 = _host_busy_s(), time.perf_counter()
-        for w in [dist.all_reduce(x, group=group, async_op=True) for x in bufs]:
-            w.wait()
-        dist.barrier()
-        b1, dt = _host_busy_s(), time.perf_counter() - t0
-        time.sleep(dt)  # the same window with nothing running: the machine's own load
-        dist.barrier()
-        b2 = _host_busy_s()
-        busy, idle = busy + (b1 - b0), idle + (b2 - b1)
-    cost = max(0.0, busy - idle) / cores / (reps * k * nbytes)
-    res = torch.tensor([cost], dtype=torch.float64, device=dev)
-    dist.all_reduce(res, op=dist.ReduceOp.MAX)  # the busiest host sets the pace
-    return float(res)
-
-
-def _slowdown_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: int = 3) -> float:
-    """Compute time lost per byte all-reduced over ``group`` while compute runs.
-
-    On a host whose cores also drive the network (CPU ranks: gloo threads, the
-    kernel's TCP stack) communication is not free even when overlapped: it takes
-    cycles from the compute it hides behind. This times a fixed matmul loop alone
-    and while back-to-back all-reduces run (all ranks at once, as in a step), and
-    divides the extra time by the bytes all-reduced meanwhile. ~0 where a NIC or a
-    GPU's copy engines move the data."""
-    dev = ctx.device
-    a = torch.randn(256, 512, device=dev)
-    b = torch.randn(512, 512, device=dev)
-
-    def work(n: int) -> float:
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            a @ b
-        _sync(dev)
-        return time.perf_counter() - t0
-
-    work(3)
-    one = max(work(10) / 10, 1e-7)
-    per_ar = max(fit[0] + fit[1] * nbytes, 1e-4)
-    # long enough to all-reduce >= 4 MiB meanwhile (slow links), within 0.15..1 s
-    n = max(1, int(min(1.0, max(0.15, 4 * per_ar)) / one))
-    lost, moved = [], []
-    for _ in range(reps):
-        dist.barrier()
-        own = work(n)
-        alone = torch.tensor([own], dtype=torch.float64, device=dev)
-        dist.all_reduce(alone, op=dist.ReduceOp.MAX)  # same count of collectives on every rank
-        k = min(64, int(1.5 * float(alone) / per_ar) + 2)  # enough to outlast the loop
-        bufs = [torch.ones(nbytes // 4, device=dev) for _ in range(k)]
-        dist.barrier()
-        t0 = time.perf_counter()
-        works = [dist.all_reduce(x, group=group, async_op=True) for x in bufs]
-        loaded = work(n)
-        for w in works:
-            w.wait()
-        _sync(dev)
-        comm = time.perf_counter() - t0
-        lost.append(max(loaded - own, 0.0))
-        moved.append(k * nbytes * min(1.0, loaded / max(comm, 1e-9)))  # bytes during the loop
-    res = torch.tensor([statistics.median(lost) / max(statistics.median(moved), 1.0)],
-                       dtype=torch.float64, device=dev)
-    dist.all_reduce(res, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    return float(res)
 
 
 def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optional[Path],

@@ -58,8 +58,11 @@ hiding), so this model overestimates a stage by at most that backward.
 The profile is measured once (:func:`profile_run`: degrees up to the largest tp
 searched, rows at which every degree holds whole sequences) and rescaled per
 choice: a block's compute and its activation bytes are linear in the rows it
-runs (seq fixed), the head's in rows x vocab / tp, the optimizer step in the
-parameters a rank holds (:func:`scale_profile`). ``parallel.overlap_fb`` (a
+runs (seq fixed), affine where the profiler measured two row counts (a small
+model's kernels have a fixed cost), the head's in rows x vocab / tp, the
+optimizer step in the parameters a rank holds (:func:`scale_profile`). Every
+collective call (TP and resharding collectives, pipeline transfers, gradient
+syncs) adds the profile's measured per-call cost. ``parallel.overlap_fb`` (a
 backward paired with the next forward) is not modelled here: every micro-batch is
 priced on its own.
 """
@@ -198,7 +201,7 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
         for t, e in per_degree.items():
             w = run.act_bytes * shape.matrix_params(kind) / int(t) + \
                 PARAM_BYTES * shape.norm_params(kind)
-            blocks[kind][t] = dict(e, fwd=e["fwd"] * rows, bwd=e["bwd"] * rows,
+            blocks[kind][t] = dict(e, fwd=_at_rows(e, "fwd", rows), bwd=_at_rows(e, "bwd", rows),
                                    saved=w + max(0.0, e["saved"] - w) * rows)
     const = dict(profile.constant)
     for k in ("fwd", "bwd", "head_fwd", "embed_bwd"):
@@ -208,6 +211,18 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
         const["peak"] = const["peak"] * head
     const["step"] = 0.0  # per stage, see Problem.constant
     return Profile(blocks, const, profile.comm)
+
+
+def _at_rows(e: dict, phase: str, ratio: float) -> float:
+    """A block's ``phase`` time at ``ratio`` x its profiled rows: ``a + b * rows``
+    through the profile's two measurements (``rows``, and ``rows2`` where the profiler
+    took it), else proportional. Both coefficients are kept >= 0."""
+    if "rows2" not in e or e["rows2"] == e.get("rows"):
+        return e[phase] * ratio
+    r1, r2, y1, y2 = e["rows"], e["rows2"], e[phase], e[phase + "2"]
+    b = max(0.0, (y2 - y1) / (r2 - r1))
+    a = max(0.0, y1 - b * r1)
+    return a + b * r1 * ratio
 
 
 # ---- one choice -> one Instance ----
@@ -342,7 +357,8 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
         a = [[[v * c / min(c, P - p) for v in row] for row in a[p]] for p in range(P)]
     x = []
     for p in range(P - 1):
-        move = _transfer(job, ch, cluster, ranks[p], ranks[p + 1])
+        # the activation and its gradient: two calls of the step's per-call cost
+        move = _transfer(job, ch, cluster, ranks[p], ranks[p + 1]) + 2 * cms[p].call_s
         T = ch.tp
         x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
                     for s in ch.degrees] for r in ch.degrees]] * L)

@@ -2,17 +2,19 @@
 (pipeline stages and their layer ranges, each stage's dp x tp, per-block degrees, the
 micro-batch size and count) chosen at start-up, before any group of the run exists.
 
-    every rank         rank 0                                   every rank
-    join the world  -> profile the blocks here (or the DB),  -> the k best plans
-                       search the cluster file's layouts        (broadcast as YAML)
-                       (oases.planner.search)
+    every rank                           rank 0                  every rank
+    join the world  -> profile as plan=auto  -> search the cluster  -> the k best plans
+                       does, at pp 1 and the    file's layouts         (broadcast as YAML)
+                       largest tp searched      (oases.planner.search)
                     -> plan_trials > 1: build each plan's groups and model, time a few
                        real steps of it (the slowest rank's median), keep the fastest
                     -> write it to <out_dir>/plan.yaml and run it: parallel.pp/tp,
                        train.micro_batch_size/grad_accum and parallel.plan are set from it
 
 The search prices layouts with the cluster file's links, node speeds and memories
-(``parallel.cluster`` is required) and a profile of this machine's device; the
+(``parallel.cluster`` is required) and the profile measured on the live cluster
+(collectives, block compute on every rank, the host cost of communication calibrated
+by real steps: :func:`oases.runtime.planning.measure_profile`); the
 trials measure the live cluster, which is what AMP does with its top-k (its budget).
 The global batch of the config is kept. Rank 0 searches alone while the others wait
 in the broadcast: the search takes seconds (``benchmarks/results/plan_search.md``).
@@ -21,6 +23,7 @@ in the broadcast: the search takes seconds (``benchmarks/results/plan_search.md`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -48,10 +51,12 @@ def choose_layout(cfg: Config, world: int, join) -> None:
     from oases.parallel.groups import pick_device
 
     device = pick_device(p.device)
+    job, base = _job(cfg, world)
+    profile = _profile(cfg, world, job, base, device, log)  # collective
     box: list = [None]
     if rank == 0:
         try:
-            box[0] = _search(cfg, world, device, log)
+            box[0] = _search(cfg, world, job, base, profile, log)
         except UserError as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
@@ -71,32 +76,62 @@ def choose_layout(cfg: Config, world: int, join) -> None:
     log(f"plan=auto: wrote {path}; running it: " + " ".join(_overrides(cfg)))
 
 
-def _search(cfg: Config, world: int, device, log) -> list[str]:
-    """The k best plans of the layout search, as Plan YAML texts (rank 0)."""
-    from oases.planner import report as rep
-    from oases.planner.cluster import load_cluster
-    from oases.planner.profile import DEFAULT_DB, get_profile
-    from oases.planner.search import search
+def _job(cfg: Config, world: int):
+    """(Job, the run to profile at) of the search; the same on every rank."""
     from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
     p = cfg.parallel
     if not p.cluster:
         raise ConfigError(f"parallel.plan_search={p.plan_search} prices layouts on the "
                           f"cluster's links and devices: set parallel.cluster to its file")
-    cluster = load_cluster(p.cluster)
-    if cluster.world != world:
-        raise ConfigError(f"cluster file {p.cluster} has {cluster.world} devices but this "
-                          f"run has {world} processes")
     job = job_from_config(cfg)
     choices = enumerate_choices(job, world)
     if not choices:
         raise ConfigError(f"no (pp, dp x tp, micro-batches) layout of {world} devices runs "
                           f"the global batch of {job.global_batch} sequences")
-    base = profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
-    log(f"plan=auto: profiling the blocks at degrees up to {base.tp} on rank 0")
-    prof = get_profile(cfg, base, device, DEFAULT_DB, log=log)
+    return job, profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
+
+
+def _profile(cfg: Config, world: int, job, base, device, log):
+    """The profile the search prices with, measured as ``parallel.plan=auto`` measures
+    it (:func:`oases.runtime.planning.measure_profile`) in a pp-1 run at the largest tp
+    searched, dp x that tp = the world: its collectives, block compute on every rank,
+    and the host cost of communication calibrated by real steps of that run (rank 0;
+    None elsewhere). Collective."""
+    from oases.parallel.groups import build_context
+    from oases.planner.calibrate import time_steps
+    from oases.planner.cluster import load_cluster
+    from oases.runtime.build import throwaway_step
+    from oases.runtime.planning import measure_profile, stage_logger
+
+    cluster = load_cluster(cfg.parallel.cluster)
+    if cluster.world != world:
+        raise ConfigError(f"cluster file {cfg.parallel.cluster} has {cluster.world} devices "
+                          f"but this run has {world} processes")
+    ctx = build_context(base.tp, device, cfg.model.n_kv_heads)
+    run = dataclasses.replace(base, dp=ctx.dp)
+    cal = copy.deepcopy(cfg)  # the calibration's run: every block at degree base.tp
+    cal.parallel.pp, cal.parallel.tp, cal.parallel.plan = 1, base.tp, None
+    cal.train.micro_batch_size, cal.train.grad_accum = base.micro_batch_size, 1
+    cal.validate(world)
+    log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
+        f"{base.micro_batch_size}")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return measure_profile(cal, ctx, run, cluster,
+                               lambda n: time_steps(throwaway_step(cal, ctx, None), device, n),
+                               stage_logger(log, 3))
+
+
+def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
+    """The k best plans of the layout search, as Plan YAML texts (rank 0)."""
+    from oases.planner import report as rep
+    from oases.planner.cluster import load_cluster
+    from oases.planner.search import search
+
+    p = cfg.parallel
+    cluster = load_cluster(p.cluster)
     limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
-    res = search(job, world, cluster, prof, base, p.plan_search, memory_limit=limit, log=log)
+    res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log)
     for line in rep.summary(res, res.best):
         log(line)
     ranked = res.ranked[:p.plan_trials]

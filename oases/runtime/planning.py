@@ -115,19 +115,24 @@ def resolve_plan(cfg: Config, ctx: ParallelContext,
     return degrees
 
 
-def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) -> list[int]:
-    from oases.plan import make_plan, report, run_shape
-    from oases.planner.cluster import Cluster, load_cluster
+def measure_profile(cfg: Config, ctx: ParallelContext, run, cluster,
+                    time_steps: Optional[Callable[[int], float]],
+                    stage: Callable[[str], None]):
+    """The profile ``plan=auto`` plans with, measured on the live cluster (collective):
+    the collectives of ``ctx``'s groups on every rank, block compute on every rank at
+    once (averaged, each rank's at speed 1.0) unless rank 0's DB holds this model and
+    machine, and, with ``time_steps``, the host cost of communication calibrated by
+    ``parallel.plan_calibration_steps`` real steps with every block at degree ``ctx.tp``
+    (``time_steps(n)``: their median; ``run`` is their shape). Rank 0 gets the Profile and writes it, with the
+    calibration, to ``<out_dir>/profile.json``; the other ranks get None."""
+    from oases.planner.comm_profile import profile_comm
     from oases.planner.cost import ModelShape, Profile
     from oases.planner.fit import calibrate_host_cost
-    from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_comm,
-                                       profile_key, save_profile)
+    from oases.planner.profile import DEFAULT_DB, get_profile, load_db, profile_key, save_profile
 
     log = print if ctx.is_main else (lambda *_: None)
-    stage = _stages(log, 4)
     stage("measuring collectives")
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
-    run = run_shape(cfg)
     key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
     cached = [ctx.is_main and key in load_db(DEFAULT_DB)]
     dist.broadcast_object_list(cached, src=0)
@@ -136,7 +141,7 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
     else:  # every rank measures at once; the figures are averaged over the ranks
         prof = get_profile(cfg, run, ctx.device, None, log=log, force=True, barrier=dist.barrier)
-        prof = _rank_mean(prof, ctx)
+        prof = _rank_mean(prof, ctx, _own_speed(cfg, ctx.rank))
         if ctx.is_main:
             save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
     n_cal = cfg.parallel.plan_calibration_steps if time_steps is not None else 0
@@ -144,32 +149,52 @@ def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) ->
     stage(f"calibrating: {n_cal} training steps (after 2 warm-up steps) with every block at "
           f"degree {ctx.tp}" if n_cal else "calibration: off")
     if n_cal:
-        measured = time_steps(None, n_cal)
+        measured = time_steps(n_cal)
+    if not ctx.is_main:
+        return None
+    profile = Profile(prof.blocks, prof.constant, comm)
+    record = {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}
+    if measured is not None:
+        ref = [ctx.tp] * 2 * cfg.model.n_layer
+        profile, scale, before, after = calibrate_host_cost(
+            ModelShape.from_config(cfg.model), run, cluster, profile, ref, measured)
+        log(f"plan=auto: calibration: measured {1e3 * measured:.1f} ms/step at degree "
+            f"{ctx.tp}, predicted {1e3 * before:.1f} ms; host cost of communication "
+            f"x{scale:.2f} -> predicted {1e3 * after:.1f} ms")
+        record["comm"] = profile.comm
+        record["calibration"] = {"degrees": ref, "measured_s": measured,
+                                 "predicted_before_s": before, "host_cost_scale": scale,
+                                 "predicted_s": after, "steps": n_cal,
+                                 "cpu_per_byte_profiled": comm.get("cpu_per_byte", {})}
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(record, indent=1))
+    return profile
+
+
+def this_cluster(cfg: Config, ctx: ParallelContext):
+    """``parallel.cluster``'s file, or a uniform cluster of this run's devices (links
+    then come from the measured collectives; only the memory matters)."""
+    from oases.planner.cluster import Cluster, load_cluster
+
+    if cfg.parallel.cluster:
+        return load_cluster(cfg.parallel.cluster)
+    mem = (torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+           if ctx.device.type == "cuda" else 1e6)
+    return Cluster("this-cluster", ctx.world_size, 1, mem, 1.0, 1.0)
+
+
+def _auto(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer]) -> list[int]:
+    from oases.plan import make_plan, report, run_shape
+
+    log = print if ctx.is_main else (lambda *_: None)
+    stage = stage_logger(log, 4)
+    cluster = this_cluster(cfg, ctx)
+    profile = measure_profile(cfg, ctx, run_shape(cfg), cluster,
+                              (lambda n: time_steps(None, n)) if time_steps else None, stage)
     obj: list = [None]
     stage("solving")
     if ctx.is_main:
         try:
-            profile = Profile(prof.blocks, prof.constant, comm)
-            if cfg.parallel.cluster:
-                cluster = load_cluster(cfg.parallel.cluster)
-            else:  # links come from the measured collectives; only the memory matters
-                mem = (torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
-                       if ctx.device.type == "cuda" else 1e6)
-                cluster = Cluster("this-cluster", ctx.world_size, 1, mem, 1.0, 1.0)
-            record = {"blocks": profile.blocks, "constant": profile.constant, "comm": comm}
-            if measured is not None:
-                ref = [ctx.tp] * 2 * cfg.model.n_layer
-                profile, scale, before, after = calibrate_host_cost(
-                    ModelShape.from_config(cfg.model), run, cluster, profile, ref, measured)
-                log(f"plan=auto: calibration: measured {1e3 * measured:.1f} ms/step at degree "
-                    f"{ctx.tp}, predicted {1e3 * before:.1f} ms; host cost of communication "
-                    f"x{scale:.2f} -> predicted {1e3 * after:.1f} ms")
-                record["comm"] = profile.comm
-                record["calibration"] = {"degrees": ref, "measured_s": measured,
-                                         "predicted_before_s": before, "host_cost_scale": scale,
-                                         "predicted_s": after, "steps": n_cal,
-                                         "cpu_per_byte_profiled": comm.get("cpu_per_byte", {})}
-            (Path(cfg.out_dir) / "profile.json").write_text(json.dumps(record, indent=1))
             limit_gib = cfg.parallel.memory_limit_gib or \
                 cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # smallest device
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
@@ -211,7 +236,7 @@ def _can_pair(cfg: Config) -> bool:
     return p.schedule == "oases" and p.pp == 1 and cfg.train.grad_accum >= 2
 
 
-def _stages(log: Callable[[str], None], n: int) -> Callable[[str], None]:
+def stage_logger(log: Callable[[str], None], n: int) -> Callable[[str], None]:
     """``stage(what)`` logs ``plan=auto [i/n] what (Ts)``: plan=auto runs under torchrun,
     where progress is told in lines (:mod:`oases.progress`), and its stages can take
     minutes on a large model."""
@@ -224,15 +249,29 @@ def _stages(log: Callable[[str], None], n: int) -> Callable[[str], None]:
     return stage
 
 
-def _rank_mean(prof, ctx: ParallelContext):
-    """The profile with every timing averaged over all ranks (same keys everywhere)."""
+def _own_speed(cfg: Config, rank: int) -> float:
+    """This rank's node speed in ``parallel.cluster`` (1.0 without a cluster file)."""
+    from oases.planner.cluster import load_cluster
+
+    if not cfg.parallel.cluster:
+        return 1.0
+    cluster = load_cluster(cfg.parallel.cluster)
+    return cluster.speed_of([rank]) if rank < cluster.world else 1.0
+
+
+def _rank_mean(prof, ctx: ParallelContext, speed: float = 1.0):
+    """The profile with every timing averaged over all ranks (same keys everywhere),
+    each rank's first taken to a speed-1.0 device (times ``speed``, its node's): the
+    cost model divides by the speed of the nodes a plan runs on, so a profile that
+    kept a slow node's times would count its slowness twice."""
     from oases.planner.cost import Profile
 
     keys = [(kind, t, ph) for kind in sorted(prof.blocks) for t in sorted(prof.blocks[kind])
-            for ph in ("fwd", "bwd")]
+            for ph in ("fwd", "bwd", "fwd2", "bwd2") if ph in prof.blocks[kind][t]]
     ckeys = [k for k in ("fwd", "bwd", "step", "head_fwd") if k in prof.constant]
     vals = torch.tensor([prof.blocks[k][t][ph] for k, t, ph in keys] +
                         [prof.constant[k] for k in ckeys], dtype=torch.float64, device=ctx.device)
+    vals *= speed
     dist.all_reduce(vals)
     vals = (vals / ctx.world_size).tolist()
     blocks = {k: {t: dict(v) for t, v in d.items()} for k, d in prof.blocks.items()}
