@@ -416,11 +416,16 @@ def test_plan_auto_end_to_end(tmp_path, run_train):
     assert isinstance(plan.predicted["overlap_fb"], bool)
     assert len(plan.degrees) == 4 and set(plan.degrees) <= {1, 2}
     prof = yaml.safe_load((out / "profile.json").read_text())
-    # measured, not defaulted: moving bytes through gloo's TCP transport costs the host
-    # CPU time (the figure is clamped at 0, so ">= 0" would hold for a broken measurement)
-    assert set(prof["comm"]["cpu_per_byte"]) == {"2"} and prof["comm"]["cpu_per_byte"]["2"] > 0
-    assert set(prof["blocks"]["attn"]) == {"1", "2"}
     cal = prof["calibration"]
+    # measured, not defaulted: moving bytes through gloo's TCP transport costs the host
+    # CPU time (the figure is clamped at 0, so ">= 0" would hold for a broken measurement);
+    # the calibration may scale it (to 0 where the per-call cost explains the step)
+    assert set(cal["cpu_per_byte_profiled"]) == {"2"} and cal["cpu_per_byte_profiled"]["2"] > 0
+    assert set(prof["comm"]["cpu_per_byte"]) == {"2"}
+    assert prof["comm"]["on"] == {"tp": 2, "dp": 1} and prof["comm"]["call_s"] >= 0
+    assert set(prof["blocks"]["attn"]) == {"1", "2"}
+    e = prof["blocks"]["attn"]["1"]  # two row counts: the affine fit's points
+    assert e["rows2"] == 2 * e["rows"] and e["fwd2"] > 0 and e["bwd2"] > 0
     assert cal["degrees"] == [2, 2, 2, 2] and cal["measured_s"] > 0 and cal["steps"] == 1
     # the fit: inside its clamp range [0, 50] the calibrated model predicts the measured
     # step; at a bound it is the closest it can get, on the side the clamp leaves

@@ -112,6 +112,7 @@ def _profile(cfg: Config, world: int, job, base, device, log):
     run = dataclasses.replace(base, dp=ctx.dp)
     cal = copy.deepcopy(cfg)  # the calibration's run: every block at degree base.tp
     cal.parallel.pp, cal.parallel.tp, cal.parallel.plan = 1, base.tp, None
+    cal.parallel.plan_trials = 1
     cal.train.micro_batch_size, cal.train.grad_accum = base.micro_batch_size, 1
     cal.validate(world)
     log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
