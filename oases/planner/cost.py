@@ -361,8 +361,7 @@ class CostModel:
             cost += self.edge_in(t)
         if i == self.n - 1:
             cost += self.edge_out(t)
-        if self.sync[k, t] and r.schedule == "oases":  # its replica sync steals cycles too
-            cost += self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
+        once = self.kv_sync[k, t] + self.sync_host(k, t)  # per step, not per micro-batch
         if self._paired_run():  # one micro-batch unpaired, G-1 in pairs (module docstring)
             pair = host + self.paired_cost(k, t)
             c = self.profile.constant
@@ -370,8 +369,15 @@ class CostModel:
                 pair += max(c.get("embed_bwd", 0.0), self.m[k, t])
             if i == self.n - 1:  # and the head's forward
                 pair += max(c.get("head_fwd", 0.0), self.m[k, t])
-            return cost + (r.grad_accum - 1) * pair + self.kv_sync[k, t]
-        return cost * r.grad_accum + self.kv_sync[k, t]
+            return cost + (r.grad_accum - 1) * pair + once
+        return cost * r.grad_accum + once
+
+    def sync_host(self, k: str, t: int) -> float:
+        """The cycles a block's replica gradient sync (once per step) steals from
+        compute under oases, where it overlaps the backward."""
+        if not self.sync[k, t] or self.run.schedule != "oases":
+            return 0.0
+        return self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
 
     def calls(self, t: int) -> float:
         """The per-call cost of one activation collective at degree t (none at 1)."""

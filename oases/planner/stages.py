@@ -51,9 +51,12 @@ Gradient synchronisation (over dp and a block's replicas, plus replicated kv
 heads) happens once per step. It is folded into ``t`` as ``sync / c``: in UniAP's
 time per iteration (every stage once, the slowest c - 1 more times) the slowest
 stage then pays its sync exactly once and the others 1/c of theirs, which keeps
-the objective linear. The sync is charged in full: the reducer hides part of it
-behind the last micro-batch's backward (the pp = 1 ILP of ``tp-only`` models that
-hiding), so this model overestimates a stage by at most that backward.
+the objective linear. The reducer launches a block's sync as soon as the last
+micro-batch's backward has made its gradients, so it hides behind the backward
+still to run; per layer, ``sync`` is what outlasts that layer's own backward of
+one micro-batch, ``max(0, sync_l - bwd_l)`` (the pp = 1 ILP of ``tp-only`` models
+the queue exactly, a max of sums; per layer it stays linear). A stage after the
+first also has the earlier stages' cool-down to hide behind, which this ignores.
 
 The profile is measured once (:func:`profile_run`: degrees up to the largest tp
 searched, rows at which every degree holds whole sequences) and rescaled per
@@ -216,13 +219,15 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
 def _at_rows(e: dict, phase: str, ratio: float) -> float:
     """A block's ``phase`` time at ``ratio`` x its profiled rows: ``a + b * rows``
     through the profile's two measurements (``rows``, and ``rows2`` where the profiler
-    took it), else proportional. Both coefficients are kept >= 0."""
+    took it), else proportional. Both coefficients are kept >= 0 (noise can put the
+    second point below the first, or beyond proportional)."""
     if "rows2" not in e or e["rows2"] == e.get("rows"):
         return e[phase] * ratio
     r1, r2, y1, y2 = e["rows"], e["rows2"], e[phase], e[phase + "2"]
     b = max(0.0, (y2 - y1) / (r2 - r1))
-    a = max(0.0, y1 - b * r1)
-    return a + b * r1 * ratio
+    if y1 - b * r1 < 0:  # growing faster than the rows: proportional, as one point says
+        return y1 * ratio
+    return y1 - b * r1 + b * r1 * ratio
 
 
 # ---- one choice -> one Instance ----
@@ -259,9 +264,11 @@ def _layer_row(cm: CostModel, job: Job, ch: Choice, l: int) -> list[float]:
     row = []
     for d in ch.degrees:
         cost = 0.0
+        sync = max(0.0, sum(cm.sync[k, d] - cm.free[k, d] for k in ("attn", "mlp")))
         for i, k in ((2 * l, "attn"), (2 * l + 1, "mlp")):
-            cost += cm.node_cost(i, d) - cm.kv_sync[k, d]  # the kv sum is per step: below
-            cost += (cm.sync[k, d] + cm.kv_sync[k, d]) / ch.micro_batches
+            once = cm.kv_sync[k, d] + cm.sync_host(k, d)  # per step: below
+            cost += cm.node_cost(i, d) - once + once / ch.micro_batches
+        cost += sync / ch.micro_batches
         cost += cm.edge_cost(2 * l + 1, d, d)
         if oases and l > 0:
             cost += cm.cf["attn", d]
