@@ -122,9 +122,10 @@ def measure_profile(cfg: Config, ctx: ParallelContext, run, cluster,
     the collectives of ``ctx``'s groups on every rank, block compute on every rank at
     once (averaged, each rank's at speed 1.0) unless rank 0's DB holds this model and
     machine, and, with ``time_steps``, the host cost of communication calibrated by
-    ``parallel.plan_calibration_steps`` real steps with every block at degree ``ctx.tp``
-    (``time_steps(n)``: their median; ``run`` is their shape). Rank 0 gets the Profile and writes it, with the
-    calibration, to ``<out_dir>/profile.json``; the other ranks get None."""
+    ``parallel.plan_calibration_steps`` real steps with every block at degree
+    ``ctx.tp`` (``time_steps(n)``: their median; ``run`` is their shape). Rank 0 gets
+    the Profile and writes it, with the calibration, to ``<out_dir>/profile.json``;
+    the other ranks get None."""
     from oases.planner.comm_profile import profile_comm
     from oases.planner.cost import ModelShape, Profile
     from oases.planner.fit import calibrate_host_cost
