@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -288,6 +289,22 @@ def write(results: list[dict], args, out: Path) -> None:
         print("matplotlib missing: no PNG", file=sys.stderr)
 
 
+def measure_clusters(clusters: list[str], measure, write) -> Optional[list[dict]]:
+    """``measure(path)`` for each cluster file in turn, ``write(results so far)`` after
+    each (partial results survive a later failure); None, with the reason printed, when
+    this host cannot run the emulated cluster."""
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    results: list[dict] = []
+    for path in clusters:
+        results.append(measure(path))
+        write(results)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,15 +326,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.work is None:
         args.work = f"/tmp/oases-planner-bench/{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        check_prerequisites()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    results = measure_clusters(args.clusters, lambda path: topology(path, args, Path(args.work)),
+                               lambda res: write(res, args, Path(args.out)))
+    if results is None:
         return 2
-    results = []
-    for path in args.clusters:
-        results.append(topology(path, args, Path(args.work)))
-        write(results, args, Path(args.out))  # partial results survive a later failure
     for r in results:
         print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
               f"{100 * r['mean_rel_error']:.1f}%, planner vs best uniform "

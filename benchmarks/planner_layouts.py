@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from planner import accuracy, repeat_consistency, train_steps  # noqa: E402
+from planner import accuracy, measure_clusters, repeat_consistency, train_steps  # noqa: E402
 
 from oases.config import load_config  # noqa: E402
 from oases.planner import report as rep  # noqa: E402
@@ -399,17 +399,10 @@ def main(argv=None) -> int:
     args.out = Path(args.out or REPO / "benchmarks" / "results" / name)
     if args.work is None:
         args.work = f"/tmp/oases-planner-layouts/{time.strftime('%Y%m%d-%H%M%S')}"
-    from cluster import ClusterError, check_prerequisites
-
-    try:
-        check_prerequisites()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    results = measure_clusters(args.clusters, lambda path: topology(path, args, Path(args.work)),
+                               lambda res: write(res, meta_of(args), args.out))
+    if results is None:
         return 2
-    results = []
-    for path in args.clusters:
-        results.append(topology(path, args, Path(args.work)))
-        write(results, meta_of(args), args.out)  # partial results survive a later failure
     for r in results:
         print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
               f"{100 * r['mean_rel_error']:.1f}%, milp / best measured "

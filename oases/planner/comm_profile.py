@@ -26,10 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from oases.planner.profile import sync_device
 
 
 def _fit(points: list[tuple[float, float]]) -> list[float]:
@@ -64,8 +61,7 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
                 for _ in range(reps):
                     t0 = time.perf_counter()
                     op()
-                    if ctx.device.type == "cuda":
-                        torch.cuda.synchronize(ctx.device)
+                    sync_device(ctx.device)
                     ts.append(time.perf_counter() - t0)
                 t = statistics.median(ts)
             slow = torch.tensor([t], dtype=torch.float64, device=ctx.device)
@@ -180,11 +176,11 @@ def _slowdown_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: 
     b = torch.randn(512, 512, device=dev)
 
     def work(n: int) -> float:
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         for _ in range(n):
             a @ b
-        _sync(dev)
+        sync_device(dev)
         return time.perf_counter() - t0
 
     work(3)
@@ -206,7 +202,7 @@ def _slowdown_per_byte(ctx, group, fit: list[float], nbytes: int = 2**20, reps: 
         loaded = work(n)
         for w in works:
             w.wait()
-        _sync(dev)
+        sync_device(dev)
         comm = time.perf_counter() - t0
         lost.append(max(loaded - own, 0.0))
         moved.append(k * nbytes * min(1.0, loaded / max(comm, 1e-9)))  # bytes during the loop
@@ -233,10 +229,10 @@ def _call_cost(ctx, group, chunk_s: float = 2e-3, calls: int = 48, reps: int = 3
         for _ in range(n):
             a @ b
 
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     chunk(20)
-    _sync(dev)
+    sync_device(dev)
     n = max(1, int(chunk_s / max((time.perf_counter() - t0) / 20, 1e-7)))
     n_t = torch.tensor([n], device=dev)
     dist.all_reduce(n_t, op=dist.ReduceOp.MIN)  # the same work on every rank
@@ -254,7 +250,7 @@ def _call_cost(ctx, group, chunk_s: float = 2e-3, calls: int = 48, reps: int = 3
             work = dist.all_reduce(tiny, group=group, async_op=True) if with_calls else None
         if work is not None:
             work.wait()
-        _sync(dev)
+        sync_device(dev)
         dist.barrier()  # the pass ends when the slowest rank's does
         return time.perf_counter() - t0
 

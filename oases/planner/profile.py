@@ -79,7 +79,8 @@ class _ShardShape(ModelConfig):
         return self.fixed_head_dim
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), before reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -103,15 +104,15 @@ def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
     so they contend as in a step rather than drift apart."""
 
     def once() -> list[float]:
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         rest = [p for p in step() if callable(p)]
-        _sync(device)
+        sync_device(device)
         times = [time.perf_counter() - t0]
         for phase in rest:
             t0 = time.perf_counter()
             phase()
-            _sync(device)
+            sync_device(device)
             times.append(time.perf_counter() - t0)
         return times
 
