@@ -1,7 +1,7 @@
 """Initialisation scales with the pipeline stage: one rank's init time and peak host memory.
 
-    .venv/bin/python benchmarks/init_scaling.py                 # llama-7b, tp=2 (no root)
-    .venv/bin/python benchmarks/init_scaling.py --cases 0:8 24:32 --repeats 1
+    .venv/bin/python -m benchmarks.init_scaling                 # llama-7b, tp=2 (no root)
+    .venv/bin/python -m benchmarks.init_scaling --cases 0:8 24:32 --repeats 1
 
 A pipelined rank builds and initialises only its own stage's layers (and the
 embedding or head where its stage has them). This benchmark checks that for
@@ -36,21 +36,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import resource
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-sys.path.insert(0, str(REPO))
+from benchmarks.lib import driver
+from benchmarks.lib.machine import machine_info
+
+REPO = driver.REPO
+RESULTS = driver.RESULTS
 
 GIB = 2**30
 
@@ -162,22 +161,6 @@ def mem_available_gib() -> float:
     return 0.0
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or "cpu"
-    for ln in Path("/proc/cpuinfo").read_text().splitlines():
-        if ln.startswith("model name"):
-            cpu = ln.split(":", 1)[1].strip()
-            break
-    import torch
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(),
-            "mem_gib": round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "git": git,
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
 def expected_stage_bytes(model_name: str, stage: tuple, tp: int) -> int:
     """Parameter bytes of one rank of the stage, from the meta-device model (no memory)."""
     import torch
@@ -204,10 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", default=None, help="re-write the .md of a saved .json")
     args = p.parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        write_markdown(Path(args.from_json).with_suffix(".md"), data["meta"], data["cases"],
-                       data["derived"])
-        return 0
+        return driver.rerender(Path(args.from_json), render)
     from oases.config import load_config
 
     mcfg = load_config(None, [f"model.name={args.model}", "parallel.tp=2"]).validate(2).model
@@ -215,7 +195,7 @@ def main(argv=None) -> int:
     cases = [tuple(int(v) for v in c.split(":")) for c in args.cases]
     command = " ".join([os.path.relpath(sys.executable, REPO)
                         if sys.executable.startswith(str(REPO)) else sys.executable,
-                        os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+                        "-m", "benchmarks.init_scaling", *sys.argv[1:]])
     meta = {"command": command, "machine": machine_info(), "model": args.model,
             "n_layer": n_layer, "tp": 2, "repeats": args.repeats,
             "loadavg_before": list(os.getloadavg()),
@@ -288,13 +268,13 @@ def main(argv=None) -> int:
             "params_drawn": s16["full_params_drawn"] / s8["full_params_drawn"]}
     meta["elapsed_min"] = (time.monotonic() - t_start) / 60
     meta["loadavg_after"] = list(os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": results,
-                                                    "derived": extra}, indent=1))
-    write_markdown(out.with_suffix(".md"), meta, results, extra)
-    print(out.with_suffix(".md").read_text())
+    driver.save(Path(args.out), {"meta": meta, "cases": results, "derived": extra}, render)
     return 0
+
+
+def render(out: Path, data: dict) -> None:
+    """``<out>.md`` from the results JSON."""
+    write_markdown(out.with_suffix(".md"), data["meta"], data["cases"], data["derived"])
 
 
 def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:

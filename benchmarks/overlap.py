@@ -1,13 +1,13 @@
 """Overlapped TP on a slow link: megatron vs oases schedules on an emulated 2-node cluster.
 
-    sudo .venv/bin/python benchmarks/overlap.py                  # the full benchmark
-    sudo .venv/bin/python benchmarks/overlap.py --quick          # smoke run, 1 repeat
-    sudo .venv/bin/python benchmarks/overlap.py --modes megatron+full nocomm --repeats 3
+    sudo .venv/bin/python -m benchmarks.overlap                  # the full benchmark
+    sudo .venv/bin/python -m benchmarks.overlap --quick          # smoke run, 1 repeat
+    sudo .venv/bin/python -m benchmarks.overlap --modes megatron+full nocomm --repeats 3
 
 For every cluster file (default: a 500 Mbit/s and a 300 Mbit/s 2-node cluster) this
-brings the emulated cluster up (benchmarks/cluster.py; needs root and iproute2),
+brings the emulated cluster up (benchmarks.lib.cluster; needs root and iproute2),
 then runs, in ``--repeats`` rounds, every mode once per round in round-robin order
-(so machine noise hits all modes alike), each run in fresh processes: tp=2 across
+(benchmarks.lib.driver: machine noise hits all modes alike), each run in fresh processes: tp=2 across
 the two nodes (one process per node, gloo over the shaped link).
 
 Modes (``--modes``):
@@ -21,8 +21,8 @@ Modes (``--modes``):
     nocomm                 oases+fine with parallel.tp_comm_noop=true: no TP communication
                            at all (timing only, the upper bound)
     megatron+full+nocomm   megatron+full without TP communication: its comm share
-    dtensor                benchmarks/peers/dtensor_gpt.py (torch DTensor TP)
-    megatron-core          benchmarks/peers/megatron_core_gpt.py (Megatron-Core TP)
+    dtensor                benchmarks.peers.dtensor_gpt (torch DTensor TP)
+    megatron-core          benchmarks.peers.megatron_core_gpt (Megatron-Core TP)
 
 train.py runs read ``step_time_s`` from ``<out_dir>/metrics.jsonl``; peers write
 ``{"step_times_s": [...], "tokens_per_step": n}`` to ``--out-json``. A run's figure
@@ -38,29 +38,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import re
-import shlex
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib import driver
+from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
+from benchmarks.lib.machine import fmt_mbit, machine_info
+from benchmarks.lib.train_run import timed_run
 
-from machine import fmt_mbit, machine_info  # noqa: E402,F401  (pipeline.py, reshard.py too)
-from cluster import (ClusterError, ClusterSpec, EmulatedCluster,  # noqa: E402
-                     check_prerequisites, free_port)
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-PEERS = REPO / "benchmarks" / "peers"
+REPO = driver.REPO
+RESULTS = driver.RESULTS
 
 DEFAULT_CLUSTERS = ["configs/cluster/two-nodes-500m.yaml", "configs/cluster/two-nodes-300m.yaml"]
 
-# mode -> train.py overrides (or a peer script)
+# mode -> train.py overrides (or a peer module)
 TRAIN_MODES = {
     "megatron+full": ["parallel.schedule=megatron", "parallel.recompute=full"],
     "megatron+none": ["parallel.schedule=megatron", "parallel.recompute=none"],
@@ -78,7 +71,8 @@ TRAIN_MODES = {
                        "parallel.overlap_fb=true", "parallel.sub_batches=1"],
     "oases+selective": ["parallel.schedule=oases", "parallel.recompute=selective"],
 }
-PEER_MODES = {"dtensor": "dtensor_gpt.py", "megatron-core": "megatron_core_gpt.py"}
+PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
+              "megatron-core": "benchmarks.peers.megatron_core_gpt"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]
 PAIRED_MODES = {"oases+fine+fb", "oases+fine+fb1"}  # need grad_accum >= 2
 BASELINE = "megatron+full"
@@ -107,135 +101,19 @@ DEFAULT_MODEL = {"d_model": 512, "n_layer": 2, "n_head": 8, "seq_len": 128,
 # One run
 
 
-def train_overrides(mode: str, model: dict, args, out_dir: Path, tp: int) -> list[str]:
-    d = model["d_model"]
-    return [
-        "model.name=gpt-tiny", "model.arch=gpt", f"model.d_model={d}",
-        f"model.n_layer={model['n_layer']}", f"model.n_head={model['n_head']}",
-        f"model.n_kv_heads={model['n_head']}", f"model.ffn_hidden={4 * d}",
-        f"model.seq_len={model['seq_len']}", f"model.vocab_size={args.vocab_size}",
-        f"parallel.tp={tp}", "parallel.device=cpu", "parallel.backend=gloo",
-        f"parallel.timeout_s={args.run_timeout}",
-        *TRAIN_MODES[mode],
-        f"train.steps={args.steps}", f"train.micro_batch_size={model['micro_batch_size']}",
-        f"train.grad_accum={model['grad_accum']}",
-        "train.log_interval=1", "wandb.mode=disabled", "data.kind=synthetic",
-        "checkpoint.save_final=false", "checkpoint.interval=0", "eval.interval=0",
-        f"out_dir={out_dir}",
-    ]
-
-
-def peer_args(model: dict, args, out_json: Path) -> list[str]:
-    return ["--d-model", str(model["d_model"]), "--n-layer", str(model["n_layer"]),
-            "--n-head", str(model["n_head"]), "--seq-len", str(model["seq_len"]),
-            "--micro-batch-size", str(model["micro_batch_size"]), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out-json", str(out_json)]
-
-
-def error_summary(outputs: list[str], limit: int = 300) -> str:
-    """The most telling line of failed runs' output (an ``error:`` line, an exception)."""
-    pat = re.compile(r"(^error: |Error\b|Exception\b|Traceback|Killed|Timeout|timed out)")
-    noise = re.compile(r"(ChildFailedError|torch/distributed/elastic|elastic/multiprocessing|"
-                       r"^\s*(File|raise|return|\^)|^=+$|^-+$|error_file|traceback :|"
-                       r"To enable traceback)")
-    best = ""
-    for out in outputs:
-        for ln in out.splitlines():
-            ln = ln.strip()
-            if ln and pat.search(ln) and not noise.search(ln) and ln != "Traceback (most recent call last):":
-                best = ln  # the last such line is usually the cause
-        if best:
-            break
-    if not best:
-        tails = [ln.strip() for out in outputs for ln in out.splitlines() if ln.strip()]
-        best = tails[-1] if tails else "no output"
-    return best[:limit]
-
-
 def run_one(cluster: EmulatedCluster, mode: str, model: dict, args, out_dir: Path) -> dict:
-    spec = cluster.spec
-    world = spec.nodes * spec.devices_per_node
-    dp = world // args.tp
-    rec: dict = {"cluster": spec.name, "mode": mode, "ok": False, "error": None}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    if mode in PEER_MODES and model["grad_accum"] != 1:
-        rec["error"] = "the peer scripts run one micro-batch per step (grad_accum=1)"
-        rec["skip_retries"] = True
-        return rec
-    if mode in PEER_MODES:
-        script = PEERS / PEER_MODES[mode]
-        if not script.is_file():
-            rec["error"] = f"{script.relative_to(REPO)} does not exist"
-            rec["skip_retries"] = True
-            return rec
-        out_json = out_dir / "peer.json"
-        script_args = peer_args(model, args, out_json)
-        cmd = lambda i: cluster.torchrun_command(i, script_args, str(script), port)  # noqa: E731
-    else:
-        script_args = train_overrides(mode, model, args, out_dir, args.tp)
-        cmd = lambda i: cluster.torchrun_command(i, script_args, "train.py", port)  # noqa: E731
-    rec["command_node0"] = shlex.join(cmd(0))
-    rec["loadavg_1min_before"] = round(os.getloadavg()[0], 2)  # other tenants skew timings
-    t0 = time.monotonic()
-    results = cluster.run(cmd, timeout=args.run_timeout)
-    rec["wall_s"] = round(time.monotonic() - t0, 2)
-    (out_dir / "node0.log").write_text(results[0].output)
-    if len(results) > 1:
-        (out_dir / "node1.log").write_text(results[1].output)
-    failed = [r for r in results if not r.ok]
-    if failed:
-        if any(r.timed_out for r in failed):
-            rec["error"] = f"timed out after {args.run_timeout:.0f} s"
-        else:
-            rec["error"] = error_summary([r.output for r in failed if r.returncode]
-                                         + [r.output for r in results])
-        return rec
-    try:
-        if mode in PEER_MODES:
-            data = json.loads(out_json.read_text())
-            times = [float(t) for t in data["step_times_s"]]
-            tokens = int(data["tokens_per_step"])
-            # a peer reports every step, or only the timed ones (after its --warmup)
-            times = times[args.warmup:] if len(times) >= args.steps else times
-        else:
-            recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines()
-                    if ln.strip()]
-            times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
-            tokens = model["micro_batch_size"] * model["grad_accum"] * model["seq_len"] * dp
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        rec["error"] = f"could not read the step times: {type(e).__name__}: {e}"
-        return rec
-    if not times:
-        rec["error"] = "no timed steps (is --steps larger than --warmup?)"
-        return rec
-    rec.update(ok=True, step_times_s=times, step_time_s=statistics.median(times),
-               tokens_per_step=tokens)
-    return rec
+    return timed_run(cluster, mode, TRAIN_MODES.get(mode), model, args, out_dir,
+                     peer=PEER_MODES.get(mode))
 
 
 # ---------------------------------------------------------------------------
-# Summary
+# Summary and report
 
 
 def summarize(runs: list[dict], clusters: list[ClusterSpec], modes: list[str]) -> dict:
     out = {}
     for spec in clusters:
-        per = {}
-        for mode in modes:
-            rs = [r for r in runs if r["cluster"] == spec.name and r["mode"] == mode]
-            ok = [r for r in rs if r["ok"]]
-            if not ok:
-                errs = [r["error"] for r in rs if r.get("error")]
-                per[mode] = {"ok": False, "error": errs[0] if errs else "not run",
-                             "repeats": 0}
-                continue
-            t = statistics.median(r["step_time_s"] for r in ok)
-            per[mode] = {"ok": True, "step_time_s": t,
-                         "step_time_s_repeats": [r["step_time_s"] for r in ok],
-                         "tokens_per_step": ok[0]["tokens_per_step"],
-                         "tokens_per_s": ok[0]["tokens_per_step"] / t, "repeats": len(ok),
-                         "failed_repeats": len(rs) - len(ok)}
+        per = driver.mode_medians([r for r in runs if r["cluster"] == spec.name], modes)
         ref = "nocomm" if per.get("nocomm", {}).get("ok") else (
             "megatron+full+nocomm" if per.get("megatron+full+nocomm", {}).get("ok") else None)
         base = per.get(BASELINE, {})
@@ -246,36 +124,23 @@ def summarize(runs: list[dict], clusters: list[ClusterSpec], modes: list[str]) -
                                       if base.get("ok") else None)
             m["exposed_comm_fraction"] = ((m["step_time_s"] - per[ref]["step_time_s"])
                                           / m["step_time_s"] if ref else None)
-        mf, mfn = per.get("megatron+full", {}), per.get("megatron+full+nocomm", {})
-        comm_share = ((mf["step_time_s"] - mfn["step_time_s"]) / mf["step_time_s"]
-                      if mf.get("ok") and mfn.get("ok") else None)
-        targets = []
-        for desc, num, den, need in TARGETS:
-            a, b = per.get(num), per.get(den)
-            if a is None or b is None:
-                continue
-            if a["ok"] and b["ok"]:
-                ratio = a["tokens_per_s"] / b["tokens_per_s"]
-                targets.append({"target": desc, "ratio": ratio, "need": need,
-                                "status": "PASS" if ratio >= need else "FAIL",
-                                "figures": f"{a['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} tok/s"})
-            else:
-                missing = [m for m, x in ((num, a), (den, b)) if not x["ok"]]
-                targets.append({"target": desc, "ratio": None, "need": need, "status": "N/A",
-                                "figures": f"{', '.join(missing)} failed"})
         out[spec.name] = {"gbps": spec.inter_node_bandwidth_gbps, "modes": per,
-                          "exposed_reference": ref, "megatron_full_comm_share": comm_share,
-                          "targets": targets}
+                          "exposed_reference": ref,
+                          "megatron_full_comm_share": driver.comm_share(
+                              per, "megatron+full", "megatron+full+nocomm"),
+                          "targets": driver.ratio_targets(per, TARGETS)}
     return out
 
 
+def _exposed(r: dict) -> str:
+    e = r["exposed_comm_fraction"]
+    return f"{100 * e:.0f}%" if e is not None else "n/a"
+
+
 def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> None:
-    m, mi = meta["model"], meta["machine"]
+    m = meta["model"]
     L = [f"# Overlapped TP on a slow link ({meta['tag']})", "",
-         f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB, Linux {mi['kernel']}, "
-         f"Python {mi['python']}, torch {mi['torch']}, oases {mi['git']}, {mi['date']}.", "",
-         f"Command: `{meta['command']}` ({meta['elapsed_min']:.1f} min)"
-         + (" -- **interrupted**: partial results." if meta.get("interrupted") else "."), "",
+         driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
          f"Emulated cluster: 2 nodes (network namespaces) x 1 CPU process, tp=2 across the link "
          f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/cluster.py). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
@@ -296,42 +161,26 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
                                            if ref else " (n/a: no no-comm mode ran)")
         L += [f"| mode | step (s) | repeats (s) | tokens/s | vs megatron+full | exposed comm{note} |",
               "|---|---|---|---|---|---|"]
-        for mode in modes:
-            r = s["modes"].get(mode)
-            if r is None:
-                continue
-            if not r["ok"]:
-                L.append(f"| {mode} | failed | | | | {r['error'].replace('|', '/')} |")
-                continue
-            reps = ", ".join(f"{t:.3f}" for t in r["step_time_s_repeats"])
-            ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "n/a"
-            exp = (f"{100 * r['exposed_comm_fraction']:.0f}%"
-                   if r["exposed_comm_fraction"] is not None else "n/a")
-            L.append(f"| {mode} | {r['step_time_s']:.3f} | {reps} | {r['tokens_per_s']:,.0f} | "
-                     f"{ratio} | {exp} |")
+        L += [driver.mode_row(mode, s["modes"][mode], _exposed)
+              for mode in modes if mode in s["modes"]]
         if s["targets"]:
-            L += ["", "| target | measured | result |", "|---|---|---|"]
-            for t in s["targets"]:
-                got = f"{t['ratio']:.3f}x ({t['figures']})" if t["ratio"] else t["figures"]
-                L.append(f"| {t['target']} | {got} | **{t['status']}** |")
+            L += ["", *driver.target_rows(s["targets"])]
         L.append("")
     loads = [r["loadavg_1min_before"] for r in meta.get("runs", []) if "loadavg_1min_before" in r]
+    L += driver.load_line(loads, "Machine load (1-min load average before each run; the "
+                                 "benchmark itself adds ~2):")
     if loads:
-        L += [f"Machine load (1-min load average before each run; the benchmark itself adds "
-              f"~2): min {min(loads):.1f}, median {statistics.median(loads):.1f}, max "
-              f"{max(loads):.1f}. Other tenants' CPU load slows compute but not the shaped "
-              f"link, so it lowers the communication share; trust runs on a quiet machine.", ""]
+        L[-1] += (". Other tenants' CPU load slows compute but not the shaped link, so it "
+                  "lowers the communication share; trust runs on a quiet machine.")
+        L.append("")
     L += ["Raw numbers (every run's step times, errors, node-0 commands): "
           f"`{Path(meta['json']).name}`; chart: `{Path(meta['png']).name}`.", ""]
     path.write_text("\n".join(L))
 
 
 def write_plot(path: Path, summary: dict, modes: list[str]) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = driver.matplotlib_pyplot()
+    if plt is None:
         return "matplotlib is not installed (pip install -e '.[bench]'): no chart"
     names = list(summary)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -359,6 +208,13 @@ def write_plot(path: Path, summary: dict, modes: list[str]) -> Optional[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def render(out: Path, data: dict) -> Optional[str]:
+    """``<out>.md`` and ``<out>.png`` from the results JSON."""
+    meta, summary = data["meta"], data["summary"]
+    write_markdown(out.with_suffix(".md"), {**meta, "runs": data["runs"]}, summary, meta["modes"])
+    return write_plot(out.with_suffix(".png"), summary, meta["modes"])
 
 
 # ---------------------------------------------------------------------------
@@ -393,15 +249,7 @@ def parse_args(argv=None):
         p.error("--warmup must be smaller than --steps")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    model = dict(DEFAULT_MODEL)
-    for kv in args.model:
-        k, _, v = kv.partition("=")
-        k = k.replace("-", "_")
-        if k == "mbs":
-            k = "micro_batch_size"
-        if k not in model or not v.isdigit():
-            p.error(f"--model {kv}: expected one of {', '.join(model)} = a positive integer")
-        model[k] = int(v)
+    model = driver.parse_shape(p, args.model, DEFAULT_MODEL, "--model")
     if model["d_model"] % model["n_head"] or model["n_head"] % args.tp:
         p.error(f"--model: n_head {model['n_head']} must divide d_model {model['d_model']} "
                 f"and be divisible by tp {args.tp}")
@@ -413,21 +261,10 @@ def parse_args(argv=None):
     return args
 
 
-def rerender(path: Path) -> int:
-    data = json.loads(path.read_text())
-    meta, summary, runs = data["meta"], data["summary"], data["runs"]
-    write_markdown(path.with_suffix(".md"), {**meta, "runs": runs}, summary, meta["modes"])
-    warn = write_plot(path.with_suffix(".png"), summary, meta["modes"])
-    if warn:
-        print(f"warning: {warn}", file=sys.stderr)
-    print(f"re-wrote {path.with_suffix('.md')} and .png from {path}")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        return rerender(Path(args.from_json))
+        return driver.rerender(Path(args.from_json), render)
     try:
         check_prerequisites()
         specs = [ClusterSpec.load(c) for c in args.clusters]
@@ -446,61 +283,33 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else RESULTS / ("overlap-quick" if args.quick else "overlap")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     workdir = Path(args.workdir) if args.workdir else REPO / "runs" / "bench-overlap" / stamp
-    exe = sys.executable
-    if Path(exe).resolve().is_relative_to(REPO) or exe.startswith(str(REPO)):
-        exe = os.path.relpath(exe, REPO)
-    command = " ".join(shlex.quote(a) for a in
-                       [exe, os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
-    t_start = time.monotonic()
-    runs: list[dict] = []
     n_total = len(specs) * args.repeats * len(args.modes)
     print(f"overlap: {len(specs)} cluster(s) x {args.repeats} repeats x {len(args.modes)} modes "
           f"= {n_total} runs; model {model}; work dir {workdir}", flush=True)
-    interrupted = False
+
+    def one(cluster, mode, rnd):
+        rdir = workdir / cluster.spec.name / mode.replace("+", "-") / f"r{rnd}"
+        return run_one(cluster, mode, model, args, rdir)
+
+    def line(rec, minutes):
+        return driver.run_line(f"{rec['cluster']} r{rec['round']}", rec, minutes, 22)
+
     try:
-        for spec in specs:
-            dead: set[str] = set()
-            with EmulatedCluster(spec) as cluster:
-                for rnd in range(args.repeats):
-                    for mode in args.modes:
-                        if mode in dead:
-                            continue
-                        rdir = workdir / spec.name / mode.replace("+", "-") / f"r{rnd}"
-                        rec = run_one(cluster, mode, model, args, rdir)
-                        rec["round"] = rnd
-                        runs.append(rec)
-                        el = (time.monotonic() - t_start) / 60
-                        if rec["ok"]:
-                            print(f"[{el:5.1f} min] {spec.name} r{rnd} {mode:22s} "
-                                  f"{rec['step_time_s']:.3f} s/step "
-                                  f"({rec['tokens_per_step'] / rec['step_time_s']:,.0f} tok/s, "
-                                  f"run {rec['wall_s']:.0f} s)", flush=True)
-                        else:
-                            dead.add(mode)  # not retried on this cluster
-                            print(f"[{el:5.1f} min] {spec.name} r{rnd} {mode:22s} FAILED: "
-                                  f"{rec['error']}", flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: writing the results so far", file=sys.stderr)
+        runs, interrupted, elapsed = driver.run_rounds(
+            [(partial(EmulatedCluster, spec), args.modes) for spec in specs],
+            args.repeats, one, line)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    elapsed = (time.monotonic() - t_start) / 60
-    summary = summarize(runs, specs, args.modes)
-    meta = {"tag": "quick" if args.quick else "full", "command": command,
+    meta = {"tag": "quick" if args.quick else "full",
+            "command": driver.command("benchmarks.overlap", argv),
             "machine": machine_info(), "model": model, "vocab_size": args.vocab_size,
             "tp": args.tp, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "modes": args.modes, "clusters": args.clusters, "elapsed_min": elapsed,
             "interrupted": interrupted, "json": str(out.with_suffix(".json")),
             "png": str(out.with_suffix(".png"))}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    write_markdown(out.with_suffix(".md"), {**meta, "runs": runs}, summary, args.modes)
-    warn = write_plot(out.with_suffix(".png"), summary, args.modes)
-    if warn:
-        print(f"warning: {warn}", file=sys.stderr)
-    print(out.with_suffix(".md").read_text())
+    driver.save(out, {"meta": meta, "summary": summarize(runs, specs, args.modes), "runs": runs},
+                render)
     print(f"wrote {out.with_suffix('.md')}, .json, .png in {elapsed:.1f} min")
     return 130 if interrupted else 0
 

@@ -1,17 +1,17 @@
 """Pipeline parallelism across a slow link: schedules, engines and stage layouts.
 
-    .venv/bin/python benchmarks/pipeline.py                 # as root: the full benchmark
-    .venv/bin/python benchmarks/pipeline.py --quick         # smoke run: 1 repeat, 4 steps
-    .venv/bin/python benchmarks/pipeline.py --clusters configs/cluster/hetero-4.yaml \
+    .venv/bin/python -m benchmarks.pipeline               # as root: the full benchmark
+    .venv/bin/python -m benchmarks.pipeline --quick       # smoke run: 1 repeat, 4 steps
+    .venv/bin/python -m benchmarks.pipeline --clusters configs/cluster/hetero-4.yaml \
         --modes megatron+full+1f1b oases+fine+1f1b --repeats 5
 
 Four emulated nodes, one process each, in two fast pairs joined by a slow link
-(benchmarks/cluster.py; needs root and iproute2). ``--clusters`` (default both):
+(benchmarks.lib.cluster; needs root and iproute2). ``--clusters`` (default both):
 configs/cluster/hetero-4.yaml ({0,1} and {2,3} at 1 Gbit/s, 200 Mbit/s between the
 pairs) and configs/cluster/hetero-4-300m.yaml (300 Mbit/s pairs, 100 Mbit/s between
 them: the overlap benchmark's 300 Mbit/s, where TP communication is half of a
 megatron+full step, the Oases paper's regime). The run is pp=2 x tp=2: oases puts
-stage s on ranks 2s, 2s+1 (oases.layout: a stage owns consecutive ranks, TP inside
+stage s on ranks 2s, 2s+1 (oases.parallel.layout: a stage owns consecutive ranks, TP inside
 it), i.e. TP inside each pair and the pipeline across the slow link; train.py's
 ``pipeline:`` line is recorded to show it.
 
@@ -34,7 +34,7 @@ Modes (each run is ``train.py`` in fresh processes unless said):
                                 communication at all (timing only: the upper bound)
       megatron+full+nocomm+1f1b megatron+full+1f1b without TP communication: gives the
                                 baseline's TP-communication share
-      torch-1f1b                benchmarks/peers/torch_pipelining.py: the same stage
+      torch-1f1b                benchmarks.peers.torch_pipelining: the same stage
                                 modules (megatron engine, full recompute) driven by
                                 torch.distributed.pipelining.Schedule1F1B
     resharding case: stages of different layouts (a plan file in the work dir;
@@ -51,12 +51,12 @@ Modes (each run is ``train.py`` in fresh processes unless said):
 Default: the three megatron/oases modes that measure the TP overlap on every cluster
 but the last; every mode but the ``+send`` ones on the last. ``--modes`` runs the
 given modes on every cluster. Every mode runs ``--repeats`` times, modes interleaved
-round-robin (so machine noise hits all alike). A run's figure is the median
+round-robin (benchmarks.lib.driver: machine noise hits all alike). A run's figure is the median
 ``step_time_s`` (and ``pipeline_bubble``) of ``metrics.jsonl`` after ``--warmup``
 steps; tokens/s = tokens per step / that time; a mode's figure the median over its
 repeats. Round 0 of each train.py mode runs with parallel.trace=true (train.py traces
 step 3; that step is left out of the timing) and its per-rank traces are drawn with
-benchmarks/timeline.py to results/timeline-pipeline-<cluster>-<mode>.png. All modes
+benchmarks.lib.timeline to results/timeline-pipeline-<cluster>-<mode>.png. All modes
 use untied embeddings (model.tie_embeddings=false): the torch peer cannot tie a weight
 across stages.
 
@@ -65,9 +65,11 @@ Writes ``benchmarks/results/pipeline.{md,json,png}`` (``--quick``: pipeline-quic
 on the timelines, into the .md).
 """
 
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -80,19 +82,19 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib import driver, train_run
+from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster,
+                                    check_prerequisites, free_port)
+from benchmarks.lib.cpu_cgroup import NodeQuota, busy_cpu_s
+from benchmarks.lib.machine import machine_info
+from benchmarks.lib.pipeline_report import (BASELINE, RESHARD_ORDERS, TRACED_STEP, render,
+                                            write_plan)
+from benchmarks.lib.timeline import render_timelines, slug, trace_stats
 
-from cluster import (ClusterError, ClusterSpec, EmulatedCluster,  # noqa: E402
-                     check_prerequisites, free_port)
-from machine import fmt_mbit, machine_info  # noqa: E402
-from overlap import error_summary  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-PEER = REPO / "benchmarks" / "peers" / "torch_pipelining.py"
+REPO = driver.REPO
+RESULTS = driver.RESULTS
+PEER = "benchmarks.peers.torch_pipelining"
 DEFAULT_CLUSTERS = ["configs/cluster/hetero-4.yaml", "configs/cluster/hetero-4-300m.yaml"]
-CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
-CGROUP_ACCT = Path("/sys/fs/cgroup/cpuacct")
 
 ENGINES = {
     "megatron+full": ["parallel.schedule=megatron", "parallel.recompute=full"],
@@ -123,7 +125,6 @@ ALL_MODES = list(MODES)
 # default: these on every cluster but the last, which runs LAST_MODES
 CORE_MODES = ["megatron+full+1f1b", "megatron+full+nocomm+1f1b", "oases+fine+1f1b"]
 LAST_MODES = [m for m in ALL_MODES if not m.endswith("+send")]
-BASELINE = {"uniform": "megatron+full+1f1b", "reshard": "reshard:1f1b"}
 
 # (description, numerator, denominator, minimum ratio or None = information only)
 TARGETS = [
@@ -147,129 +148,10 @@ DEFAULT_MODEL = {"d_model": 512, "n_layer": 8, "n_head": 8, "seq_len": 128,
 DEFAULT_RESHARD_MODEL = {"d_model": 256, "n_layer": 6, "n_head": 8, "seq_len": 256,
                          "micro_batch_size": 4}
 DEFAULT_RESHARD_SPLIT = 4
-SHAPE_KEYS = tuple(DEFAULT_MODEL)
-TRACED_STEP = 3  # train.py traces step min(3, steps) (oases.runtime.trainer)
-
-
-# ---------------------------------------------------------------------------
-# CPU quota per node (cgroup v1 cpu controller)
-
-
-class NodeQuota:
-    """One cgroup per emulated node: ``cpu.cfs_quota_us`` = cores x period (cores 0: no
-    limit), plus a cpuacct group for accounting (this machine mounts cpu and cpuacct as
-    separate v1 hierarchies). A node's command is wrapped so that it moves itself into
-    both before exec."""
-
-    def __init__(self, nodes: int, cores: float, period_us: int = 100_000) -> None:
-        self.cores = cores
-        self.period_us = period_us
-        name = f"oases-pipeline-{os.getpid()}"
-        self.roots = [CGROUP_ROOT / name, CGROUP_ACCT / name]
-        self.dirs: list[Path] = []
-        self.acct: list[Path] = []
-        if not (CGROUP_ROOT / "cpu.cfs_quota_us").is_file():
-            if cores > 0:
-                raise ClusterError(f"--cpu-quota needs the cgroup v1 cpu controller at "
-                                   f"{CGROUP_ROOT}")
-            return
-        for r in self.roots:
-            if r.parent.is_dir():
-                r.mkdir(exist_ok=True)
-        for i in range(nodes):
-            d = self.roots[0] / f"n{i}"
-            d.mkdir(exist_ok=True)
-            (d / "cpu.cfs_period_us").write_text(str(period_us))
-            (d / "cpu.cfs_quota_us").write_text(str(int(cores * period_us)) if cores > 0 else "-1")
-            self.dirs.append(d)
-            if self.roots[1].is_dir():
-                a = self.roots[1] / f"n{i}"
-                a.mkdir(exist_ok=True)
-                self.acct.append(a)
-
-    def wrap(self, i: int, cmd: list[str]) -> list[str]:
-        if not self.dirs:
-            return cmd
-        # `ip netns exec` mounts a fresh /sys, which hides /sys/fs/cgroup: reach the
-        # cgroups through this (host-side) process's root instead
-        root = f"/proc/{os.getpid()}/root"
-        paths = [f"{root}{self.dirs[i]}/cgroup.procs"]
-        if self.acct:
-            paths.append(f"{root}{self.acct[i]}/cgroup.procs")
-        script = " && ".join(f'echo $$ > "${k + 1}"' for k in range(len(paths)))
-        return ["sh", "-c", f"{script} && shift {len(paths)} && exec \"$@\"", "sh", *paths, *cmd]
-
-    def usage_s(self) -> list[float]:
-        """CPU seconds used so far by each node's processes (cpuacct)."""
-        out = []
-        for a in self.acct:
-            try:
-                out.append(int((a / "cpuacct.usage").read_text()) / 1e9)
-            except (OSError, ValueError):
-                out.append(float("nan"))
-        return out
-
-    def throttled_s(self) -> list[float]:
-        out = []
-        for d in self.dirs:
-            try:
-                st = dict(ln.split() for ln in (d / "cpu.stat").read_text().splitlines())
-                out.append(int(st.get("throttled_time", 0)) / 1e9)
-            except (OSError, ValueError):
-                out.append(float("nan"))
-        return out
-
-    def close(self) -> None:
-        for d in [*self.dirs, *self.acct]:
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-        for r in self.roots:
-            try:
-                r.rmdir()
-            except OSError:
-                pass
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has been busy (all cores; /proc/stat)."""
-    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = f[3] + (f[4] if len(f) > 4 else 0)
-    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------
 # One run
-
-
-def model_overrides(model: dict, vocab: int) -> list[str]:
-    d = model["d_model"]
-    return ["model.name=gpt-tiny", "model.arch=gpt", f"model.d_model={d}",
-            f"model.n_layer={model['n_layer']}", f"model.n_head={model['n_head']}",
-            f"model.n_kv_heads={model['n_head']}", f"model.ffn_hidden={4 * d}",
-            f"model.seq_len={model['seq_len']}", f"model.vocab_size={vocab}",
-            "model.tie_embeddings=false"]
-
-
-RESHARD_ORDERS = {  # name -> ((dp, tp) of stage 0, (dp, tp) of stage 1)
-    "tp2-dp2": ((1, 2), (2, 1)),
-    "dp2-tp2": ((2, 1), (1, 2)),
-}
-
-
-def write_plan(path: Path, n_layer: int, order: str, split: int) -> Path:
-    h = split
-    (d0, t0), (d1, t1) = RESHARD_ORDERS[order]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# stage 0 on nodes {{0,1}} as dp {d0} x tp {t0}, stage 1 on nodes {{2,3}} "
-                    f"as dp {d1} x tp {t1}\n"
-                    "stages:\n"
-                    f"  - {{layers: [0, {h}], dp: {d0}, tp: {t0}}}\n"
-                    f"  - {{layers: [{h}, {n_layer}], dp: {d1}, tp: {t1}}}\n")
-    return path
 
 
 def microbatches(mode: str, args) -> int:
@@ -279,16 +161,14 @@ def microbatches(mode: str, args) -> int:
 def train_args(mode: str, model: dict, args, out_dir: Path, plan: Optional[Path],
                trace: bool) -> list[str]:
     return [
-        *model_overrides(model, args.vocab_size),
+        *train_run.gpt_overrides(model, args.vocab_size), "model.tie_embeddings=false",
         "parallel.tp=2", "parallel.pp=2", "parallel.device=cpu", "parallel.backend=gloo",
         f"parallel.timeout_s={args.run_timeout}",
         *([f"parallel.plan={plan}"] if plan is not None else []),
         *MODES[mode][1],
         *(["parallel.trace=true"] if trace else []),
-        f"train.steps={args.steps}", f"train.micro_batch_size={model['micro_batch_size']}",
-        f"train.grad_accum={microbatches(mode, args)}", "train.log_interval=1",
-        "wandb.mode=disabled", "data.kind=synthetic", "checkpoint.save_final=false",
-        "checkpoint.interval=0", "eval.interval=0", f"out_dir={out_dir}",
+        *train_run.timed_run_overrides(args.steps, model["micro_batch_size"],
+                                    microbatches(mode, args), out_dir),
     ]
 
 
@@ -315,11 +195,13 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
     peer = MODES[mode][1] is None
     if peer:
         out_json = out_dir / "peer.json"
-        script, script_args = str(PEER), peer_args(model, args, out_json)
+        script, script_args = PEER, peer_args(model, args, out_json)
     else:
         script, script_args = "train.py", train_args(mode, model, args, out_dir, plan, trace)
-    cmd = lambda i: quota.wrap(i, cluster.torchrun_command(i, script_args, script, port))  # noqa: E731
-    rec["command_node0"] = shlex.join(cluster.torchrun_command(0, script_args, script, port))
+    torchrun = lambda i: cluster.torchrun_command(i, script_args, script, port,  # noqa: E731
+                                                  module=peer)
+    cmd = lambda i: quota.wrap(i, torchrun(i))  # noqa: E731
+    rec["command_node0"] = shlex.join(torchrun(0))
     rec["loadavg_1min_before"] = round(os.getloadavg()[0], 2)
     thr0, use0, busy0 = quota.throttled_s(), quota.usage_s(), busy_cpu_s()
     t0 = time.monotonic()
@@ -336,16 +218,12 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
         rec["others_cpu_cores"] = round(max(0.0, (busy1 - busy0) - sum(ours)) / wall, 3)
     for r in results:
         (out_dir / f"node{r.node}.log").write_text(r.output)
-    failed = [r for r in results if not r.ok]
-    if failed:
-        if any(r.timed_out for r in failed):
-            rec["error"] = f"timed out after {args.run_timeout:.0f} s"
+    rec["error"] = train_run.run_error(results, args.run_timeout)
+    if rec["error"]:
+        if any(r.timed_out for r in results):
             # what a hung peer printed last (e.g. the torch peer on gloo)
             tails = [ln for r in results for ln in r.output.splitlines()[-3:] if ln.strip()]
             rec["error_tail"] = tails[-6:]
-        else:
-            rec["error"] = error_summary([r.output for r in failed if r.returncode]
-                                         + [r.output for r in results])
         return rec
     try:
         if peer:
@@ -357,8 +235,7 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
         else:
             m = LAYOUT_RE.search(results[0].output)
             rec["layout"] = m.group(1).strip() if m else None
-            recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines()
-                    if ln.strip()]
+            recs = train_run.metrics(out_dir)
             # the traced step (step 3) of a traced run is left out of the timing
             timed = [r for r in recs if "step_time_s" in r and r["step"] > args.warmup
                      and not (trace and r["step"] == TRACED_STEP)]
@@ -382,38 +259,26 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
 
 
 # ---------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------
 # Summary
 
 
 def summarize_cluster(runs: list[dict], modes: list[str]) -> dict:
-    per = {}
-    for mode in modes:
-        rs = [r for r in runs if r["mode"] == mode]
-        ok = [r for r in rs if r["ok"]]
-        if not ok:
-            errs = [r["error"] for r in rs if r.get("error")]
-            per[mode] = {"ok": False, "case": MODES[mode][0], "repeats": 0,
-                         "error": errs[0] if errs else "not run"}
-            continue
-        t = statistics.median(r["step_time_s"] for r in ok)
+    def extra(mode: str, ok: list[dict]) -> dict:
         bub = [r["bubble"] for r in ok if r.get("bubble") is not None]
-        per[mode] = {"ok": True, "case": MODES[mode][0], "step_time_s": t,
-                     "step_time_s_repeats": [r["step_time_s"] for r in ok],
-                     "tokens_per_step": ok[0]["tokens_per_step"],
-                     "tokens_per_s": ok[0]["tokens_per_step"] / t,
-                     "bubble": statistics.median(bub) if bub else None,
-                     "bubble_repeats": bub, "repeats": len(ok),
-                     "failed_repeats": len(rs) - len(ok),
-                     "layout": next((r.get("layout") for r in ok if r.get("layout")), None)}
+        return {"bubble": statistics.median(bub) if bub else None, "bubble_repeats": bub,
+                "layout": next((r.get("layout") for r in ok if r.get("layout")), None)}
+
+    per = driver.mode_medians(runs, modes, extra, lambda mode: {"case": MODES[mode][0]})
     for mode, m in per.items():
         if not m["ok"]:
             continue
         base = per.get(BASELINE[m["case"]], {})
         m["ratio_vs_baseline"] = (m["tokens_per_s"] / base["tokens_per_s"]
                                   if base.get("ok") else None)
-    mf, mfn = per.get("megatron+full+1f1b", {}), per.get("megatron+full+nocomm+1f1b", {})
-    comm_share = ((mf["step_time_s"] - mfn["step_time_s"]) / mf["step_time_s"]
-                  if mf.get("ok") and mfn.get("ok") else None)
+    comm_share = driver.comm_share(per, "megatron+full+1f1b", "megatron+full+nocomm+1f1b")
     # the torch peer trains the same model on the same data: its losses must match
     # megatron+full+1f1b's step by step (a check that it runs the same computation)
     a = next((r for r in runs if r["mode"] == "torch-1f1b" and r["ok"] and r.get("losses")), None)
@@ -424,28 +289,7 @@ def summarize_cluster(runs: list[dict], modes: list[str]) -> dict:
         per["torch-1f1b"]["max_loss_diff_vs_megatron"] = max(
             abs(x - y) for x, y in zip(a["losses"][:n], b["losses"][:n]))
         per["torch-1f1b"]["loss_steps_compared"] = n
-    targets = []
-    for desc, num, den, need in TARGETS:
-        a, b = per.get(num), per.get(den)
-        if a is None or b is None:
-            continue
-        if a["ok"] and b["ok"]:
-            ratio = a["tokens_per_s"] / b["tokens_per_s"]
-            status = ("PASS" if ratio >= need else "FAIL") if need else "info"
-            # the same ratio within each round (the two runs were minutes apart)
-            by_round = {}
-            for r in runs:
-                if r["ok"] and r["mode"] in (num, den):
-                    by_round.setdefault(r["round"], {})[r["mode"]] = r["step_time_s"]
-            rounds = [v[den] / v[num] for _, v in sorted(by_round.items())
-                      if num in v and den in v]
-            targets.append({"target": desc, "ratio": ratio, "need": need, "status": status,
-                            "per_round": rounds,
-                            "figures": f"{a['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} tok/s"})
-        else:
-            missing = [m for m, x in ((num, a), (den, b)) if not x["ok"]]
-            targets.append({"target": desc, "ratio": None, "need": need, "status": "N/A",
-                            "figures": f"{', '.join(missing)} failed"})
+    targets = driver.ratio_targets(per, TARGETS, runs)
     return {"modes": per, "megatron_full_comm_share": comm_share, "targets": targets}
 
 
@@ -456,238 +300,11 @@ def summarize(runs: list[dict], plan: list[dict]) -> dict:
             for c in plan}
 
 
-def _slug(mode: str) -> str:
-    return mode.replace(":", "-").replace("+", "-")
-
-
-def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> None:
-    m, rm, mi = meta["model"], meta["reshard_model"], meta["machine"]
-    q = meta["cpu_quota"]
-    (d0, t0), (d1, t1) = RESHARD_ORDERS[meta["reshard_order"]]
-    L = [f"# Pipeline parallelism across a slow link ({meta['tag']})", "",
-         f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB, Linux {mi['kernel']}, "
-         f"Python {mi['python']}, torch {mi['torch']}, oases {mi['git']}, {mi['date']}.", "",
-         f"Command: `{meta['command']}` ({meta['elapsed_min']:.1f} min)"
-         + (" -- **interrupted**: partial results." if meta.get("interrupted") else "."), "",
-         "## Set-up", "",
-         "4 emulated nodes (network namespaces, benchmarks/cluster.py) x 1 CPU process, two "
-         "pairs {0,1} and {2,3} with a fast link inside a pair and a slow one between the pairs "
-         "(tc htb per destination), gloo, OMP_NUM_THREADS=1"
-         + (f"; every node limited to **{q:g} core** (cgroup v1 cpu quota, period "
-            f"{meta['cpu_period_ms']:g} ms), so each emulated device computes at one fixed "
-            f"speed and 4 x {q:g} = {4 * q:g} cores = this machine (without it, a rank that "
-            f"waits lends its core to the other ranks, which no real cluster does)"
-            if q > 0 else "; no CPU limit (4 processes share the cores)") + ".", "",
-         f"Resharding case: stage 0 = layers [0, {meta['reshard_split']}) as dp {d0} x tp {t0}, "
-         f"stage 1 = the rest as dp {d1} x tp {t1} (a plan file with `stages:`), so every "
-         f"activation and gradient crossing the slow link is a cross-mesh reshard; GPT d_model "
-         f"{rm['d_model']}, {rm['n_layer']} layers, {rm['n_head']} heads, seq {rm['seq_len']}, "
-         f"micro-batch {rm['micro_batch_size']} sequences ({meta['reshard_act_mib']:.2f} MiB of "
-         f"activation), {meta['reshard_microbatches']} micro-batches. The layer split balances "
-         f"the stages (stage 1 runs at tp 2, its TP all-reduces cross the pair link, and has "
-         f"the head), so that a transfer delays the pipeline instead of hiding behind a slower "
-         f"stage; the model is narrow so that a transfer is a sizeable part of a stage's "
-         f"compute (a wider or longer model grows the compute faster than the activation).", "",
-         f"Each figure: median over {meta['repeats']} repeats (fresh processes, modes "
-         f"interleaved round-robin) of the median step time of steps {meta['warmup'] + 1}.."
-         f"{meta['steps']} (round 0 without the traced step {TRACED_STEP}); tokens/s = tokens "
-         f"per step / that time. Bubble = "
-         f"`pipeline_bubble` of metrics.jsonl: mean over ranks of the fraction of the step "
-         f"spent outside F/B compute (fill/drain, waits for transfers, gradient clipping), "
-         f"median over the same steps and repeats. Absolute times on a shared 2-core machine "
-         f"are noisy; compare ratios within a table.", ""]
-    ran = {MODES[x][0] for c in summary.values() for x in c["modes"]}
-    layout_txt = [
-        "pp=2 x tp=2: oases puts stage s on ranks 2s, 2s+1 (oases.layout: a stage owns "
-        "consecutive ranks, TP inside it), i.e. stage 0 = nodes {0,1}, stage 1 = nodes {2,3}: "
-        "TP inside each fast pair, the pipeline across the slow link. train.py printed: "
-        f"`{meta.get('uniform_layout') or meta.get('reshard_layout') or 'n/a'}`.", ""]
-    same_txt = [
-        f"Same-layout case: GPT d_model {m['d_model']}, {m['n_layer']} layers (4 per stage), "
-        f"{m['n_head']} heads, ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq "
-        f"{m['seq_len']}, micro-batch {m['micro_batch_size']} sequences, "
-        f"{meta['microbatches']} micro-batches per step (train.grad_accum), fp32, untied "
-        f"embeddings (the torch peer cannot tie a weight across stages; all modes use the "
-        f"same model).", ""]
-    # the set-up paragraphs of the cases that ran, before the "Each figure" paragraph
-    k = next(i for i, ln in enumerate(L) if ln.startswith("Each figure"))
-    reshard_txt = L[k - 2:k]
-    del L[k - 2:k]
-    L[k - 2:k - 2] = (layout_txt + (same_txt if "uniform" in ran else [])
-                      + (reshard_txt if "reshard" in ran else []))
-
-    def table(name: str, s: dict, case: str) -> None:
-        per = s["modes"]
-        rows = [x for x in s["modes"] if MODES[x][0] == case]
-        if not rows:
-            return
-        title = ("same layouts, pp 2 x tp 2" if case == "uniform"
-                 else f"stages of different layouts: dp {d0} x tp {t0} -> dp {d1} x tp {t1}")
-        L.extend([f"### {name}: {title}", "",
-                  f"| mode | step (s) | repeats (s) | tokens/s | vs {BASELINE[case]} | bubble |",
-                  "|---|---|---|---|---|---|"])
-        for mode in rows:
-            r = per[mode]
-            if not r["ok"]:
-                L.append(f"| {mode} | failed | | | | {r['error'].replace('|', '/')} |")
-                continue
-            reps = ", ".join(f"{t:.3f}" for t in r["step_time_s_repeats"])
-            ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "n/a"
-            bub = f"{100 * r['bubble']:.0f}%" if r["bubble"] is not None else "n/a"
-            L.append(f"| {mode} | {r['step_time_s']:.3f} | {reps} | {r['tokens_per_s']:,.0f} | "
-                     f"{ratio} | {bub} |")
-        L.append("")
-        tp_ = per.get("torch-1f1b", {})
-        if case == "uniform" and "max_loss_diff_vs_megatron" in tp_:
-            L.append(f"The torch peer's losses match megatron+full+1f1b's over "
-                     f"{tp_['loss_steps_compared']} steps within "
-                     f"{tp_['max_loss_diff_vs_megatron']:.1e} (same model, data and optimizer; "
-                     f"only the pipeline driver differs).")
-            L.append("")
-        share = s.get("megatron_full_comm_share")
-        if case == "uniform" and share is not None:
-            L.extend([f"TP-communication share of megatron+full+1f1b's step (vs "
-                  f"megatron+full+nocomm+1f1b): **{100 * share:.0f}%**; perfect overlap at no "
-                  f"other cost could give at most {1 / (1 - share):.2f}x.", ""])
-
-    for name, s in summary.items():
-        L += [f"## {name}: {fmt_mbit(s['fast_gbps'])} inside a pair, {fmt_mbit(s['slow_gbps'])} "
-              f"between the pairs (`{s['file']}`)", ""]
-        table(name, s, "uniform")
-        table(name, s, "reshard")
-        if s["targets"]:
-            L += [f"### {name}: targets", "",
-                  "| target | measured (medians) | each round | result |", "|---|---|---|---|"]
-            for t in s["targets"]:
-                got = f"{t['ratio']:.3f}x ({t['figures']})" if t["ratio"] else t["figures"]
-                rounds = ", ".join(f"{v:.2f}x" for v in t.get("per_round") or [])
-                L.append(f"| {t['target']} | {got} | {rounds} | **{t['status']}** |")
-            L.append("")
-    tl = meta.get("timelines") or {}
-    if tl:
-        L += ["## Timelines", "",
-              "One traced step (step 3 of round 0; left out of the timing) per mode, drawn by "
-              "benchmarks/timeline.py: per rank a pipeline row (F/B actions; red = waiting for a "
-              "transfer, purple = waiting for the step's sends), the engine's compute row (blue "
-              "/ orange: the oases engine's two sub-batches) and its collectives (green).", ""]
-        for key, png in tl.items():
-            L.append(f"- {key}: `{Path(png).name}`")
-        L.append("")
-    if meta.get("analysis"):
-        L += ["## What the timelines show", "", *meta["analysis"], ""]
-    loads = [r["loadavg_1min_before"] for r in runs if "loadavg_1min_before" in r]
-    others = [r["others_cpu_cores"] for r in runs if "others_cpu_cores" in r]
-    if loads:
-        L += [f"Machine load: 1-min load average before each run (it includes the previous "
-              f"run's own 4 processes) min {min(loads):.1f}, median "
-              f"{statistics.median(loads):.1f}, max {max(loads):.1f}"
-              + (f"; CPU used by other tenants during a run (machine busy time minus this "
-                 f"benchmark's cgroups): median {statistics.median(others):.2f} cores, max "
-                 f"{max(others):.2f} of {mi['cores']}" if others else "") + ".", ""]
-    L += ["Raw numbers (every run's step times, bubbles, losses, per-node CPU, errors, node-0 "
-          f"commands, per-rank trace totals): `{Path(meta['json']).name}`; chart: "
-          f"`{Path(meta['png']).name}`.", ""]
-    path.write_text("\n".join(L))
-
-
-def write_plot(path: Path, summary: dict) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no chart"
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-    labels, rel, tps, bub, colors = [], [], [], [], []
-    palette = ["tab:blue", "tab:green", "tab:purple", "tab:red"]
-    for ci, (name, s) in enumerate(summary.items()):
-        for mode, r in s["modes"].items():
-            labels.append(f"{mode}\n{name}")
-            tps.append(r.get("tokens_per_s", 0.0) if r["ok"] else 0.0)
-            rel.append((r.get("ratio_vs_baseline") or 0.0) if r["ok"] else 0.0)
-            bub.append(100 * (r.get("bubble") or 0.0) if r["ok"] else 0.0)
-            colors.append(palette[ci % len(palette)] if MODES[mode][0] == "uniform"
-                          else "tab:orange")
-    x = list(range(len(labels)))
-    axes[0].bar(x, rel, color=colors)
-    for xi, (v, t) in enumerate(zip(rel, tps)):
-        if v:
-            axes[0].text(xi, v + 0.02, f"{t:,.0f}", ha="center", va="bottom", fontsize=6)
-    axes[0].axhline(1.0, color="black", linewidth=0.8)
-    axes[0].axhline(1.25, color="tab:blue", linestyle="--", linewidth=0.8)
-    axes[0].axhline(1.1, color="tab:orange", linestyle="--", linewidth=0.8)
-    axes[1].bar(x, bub, color=colors)
-    for ax, title, yl in ((axes[0], "throughput vs the case's 1F1B baseline on the same cluster "
-                                    "(labels: tokens/s; dashed: targets 1.25x, 1.1x)",
-                           "x megatron+full+1f1b  /  x reshard:1f1b"),
-                          (axes[1], "pipeline bubble (fraction outside F/B)", "% of step")):
-        ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(title, fontsize=9)
-        ax.set_ylabel(yl)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("pp=2 x tp=2 on 4 emulated nodes (one colour per cluster; orange: resharding "
-                 "stages, another model shape)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def render_timelines(runs: list[dict], out_dir: Path, prefix: str, multi: bool) -> dict:
-    import timeline
-
-    out = {}
-    for r in runs:
-        key = f"{r['cluster']} {r['mode']}" if multi else r["mode"]
-        if not r.get("traces") or key in out:
-            continue
-        png = out_dir / (f"{prefix}{r['cluster']}-{_slug(r['mode'])}.png" if multi
-                         else f"{prefix}{_slug(r['mode'])}.png")
-        try:
-            timeline.render([Path(p) for p in r["traces"]], png,
-                            f"{r['mode']} on {r['cluster']}: one step (step 3); ranks 0-1 = "
-                            f"stage 0, ranks 2-3 = stage 1")
-            out[key] = str(png)
-        except Exception as e:  # a chart must not lose the numbers
-            print(f"warning: timeline of {key}: {type(e).__name__}: {e}", file=sys.stderr)
-    return out
-
-
-def trace_stats(paths: list[str]) -> dict:
-    """Per rank: ms in F, B, waits for transfers, wait sends, and the step span."""
-    out = {}
-    for p in paths:
-        ev = json.loads(Path(p).read_text())["traceEvents"]
-        pl = [e for e in ev if e.get("tid") == "pipeline"]
-        if not pl:
-            continue
-        r = int(re.search(r"rank(\d+)", p).group(1))
-        agg: dict = {"F": 0.0, "B": 0.0, "wait_F": 0.0, "wait_B": 0.0, "wait_sends": 0.0}
-        for e in pl:
-            n = e["name"]
-            k = ("wait_sends" if n.startswith("wait sends") else
-                 f"wait_{n.split()[1][0]}" if n.startswith("wait") else n[0])
-            agg[k] = agg.get(k, 0.0) + e["dur"] / 1e3
-        agg["span"] = max(e["ts"] + e["dur"] for e in pl) / 1e3
-        comm = [e for e in ev if e.get("cat") == "comm"]
-        agg["comm_ms"] = sum(e["dur"] for e in comm) / 1e3
-        out[r] = {k: round(v, 1) for k, v in agg.items()}
-    return out
-
-
 # ---------------------------------------------------------------------------
 
 
 def parse_shape(p, kvs: list[str], default: dict, flag: str, even_layers: bool = True) -> dict:
-    model = dict(default)
-    for kv in kvs:
-        k, _, v = kv.partition("=")
-        k = k.replace("-", "_")
-        if k == "mbs":
-            k = "micro_batch_size"
-        if k not in model or not v.isdigit():
-            p.error(f"{flag} {kv}: expected one of {', '.join(model)} = a positive integer")
-        model[k] = int(v)
+    model = driver.parse_shape(p, kvs, default, flag)
     if model["d_model"] % model["n_head"] or model["n_head"] % 2:
         p.error(f"{flag}: n_head must divide d_model and be even (tp 2)")
     if model["n_layer"] < 2 or (even_layers and model["n_layer"] % 2):
@@ -758,27 +375,30 @@ def parse_args(argv=None):
     return args
 
 
-def rerender(path: Path) -> int:
-    data = json.loads(path.read_text())
-    meta, summary, runs = data["meta"], data["summary"], data["runs"]
+def refresh(data: dict) -> dict:
+    """The saved runs summarised again (with this version's derived figures)."""
     plan_ = [{"name": n, **{k: c[k] for k in ("file", "fast_gbps", "slow_gbps", "modes")}}
-             for n, c in summary.items()]
-    summary = summarize(runs, plan_)  # with this version's derived figures
-    data["summary"] = summary
-    path.write_text(json.dumps(data, indent=1))
-    af = REPO / meta.get("analysis_file", "")
-    if meta.get("analysis_file") and af.is_file():
-        meta["analysis"] = af.read_text().splitlines()
-    write_markdown(path.with_suffix(".md"), meta, summary, runs)
-    write_plot(path.with_suffix(".png"), summary)
-    print(f"re-wrote {path.with_suffix('.md')} and .png from {path}")
-    return 0
+             for n, c in data["summary"].items()]
+    data["summary"] = summarize(data["runs"], plan_)
+    return data
+
+
+@contextlib.contextmanager
+def quota_cluster(spec: ClusterSpec, args):
+    """The cluster up, every node under its cpu quota: yields (cluster, quota)."""
+    quota = NodeQuota(spec.nodes, args.cpu_quota, int(args.cpu_period_ms * 1000))
+    try:
+        with EmulatedCluster(spec) as cluster:
+            yield cluster, quota
+    finally:
+        quota.close()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        return rerender(Path(args.from_json))
+        return driver.rerender(Path(args.from_json), lambda out, data: render(out, data, True),
+                               refresh)
     try:
         check_prerequisites()
         specs = [ClusterSpec.load(c) for c in args.clusters]
@@ -807,62 +427,37 @@ def main(argv=None) -> int:
     workdir = workdir.resolve()
     plan = write_plan(workdir / "plan-reshard.yaml", args.reshard_shape["n_layer"],
                       args.reshard_order, args.reshard_split)
-    exe = sys.executable
-    if exe.startswith(str(REPO)):
-        exe = os.path.relpath(exe, REPO)
-    command = " ".join(shlex.quote(a) for a in
-                       [exe, os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
-    t_start = time.monotonic()
-    runs: list[dict] = []
     n_runs = args.repeats * sum(len(c["modes"]) for c in plan_)
     per_cluster = ", ".join(f"{c['name']}: {len(c['modes'])} modes" for c in plan_)
     print(f"pipeline: {n_runs} runs ({per_cluster} x {args.repeats} repeats); "
           f"model {args.model_shape}; reshard model "
           f"{args.reshard_shape} ({args.reshard_order}); cpu quota {args.cpu_quota} core/node; "
           f"work dir {workdir}", flush=True)
-    interrupted = False
-    quota = None
+
+    def one(ctx, mode, rnd):
+        cluster, quota = ctx
+        case = MODES[mode][0]
+        shape = args.model_shape if case == "uniform" else args.reshard_shape
+        rdir = workdir / cluster.spec.name / slug(mode) / f"r{rnd}"
+        return run_one(cluster, quota, mode, shape, args, rdir,
+                       plan if case == "reshard" else None,
+                       trace=rnd == 0 and not args.no_trace)
+
+    def line(rec, minutes):
+        extra = ""
+        if rec["ok"]:
+            extra = ((f", bubble {100 * rec['bubble']:.0f}%" if rec["bubble"] is not None else "")
+                     + (f", others {rec['others_cpu_cores']:.2f} cores"
+                        if "others_cpu_cores" in rec else ""))
+        return driver.run_line(f"{rec['cluster']} r{rec['round']}", rec, minutes, 26, extra)
+
     try:
-        for c in plan_:
-            spec = c["spec"]
-            quota = NodeQuota(spec.nodes, args.cpu_quota, int(args.cpu_period_ms * 1000))
-            dead: set[str] = set()
-            try:
-                with EmulatedCluster(spec) as cluster:
-                    for rnd in range(args.repeats):
-                        for mode in c["modes"]:
-                            if mode in dead:
-                                continue
-                            case = MODES[mode][0]
-                            shape = args.model_shape if case == "uniform" else args.reshard_shape
-                            rdir = workdir / spec.name / _slug(mode) / f"r{rnd}"
-                            rec = run_one(cluster, quota, mode, shape, args, rdir,
-                                          plan if case == "reshard" else None,
-                                          trace=rnd == 0 and not args.no_trace)
-                            rec["round"] = rnd
-                            runs.append(rec)
-                            el = (time.monotonic() - t_start) / 60
-                            if rec["ok"]:
-                                bub = (f", bubble {100 * rec['bubble']:.0f}%"
-                                       if rec["bubble"] is not None else "")
-                                oth = (f", others {rec['others_cpu_cores']:.2f} cores"
-                                       if "others_cpu_cores" in rec else "")
-                                print(f"[{el:5.1f} min] {spec.name} r{rnd} {mode:26s} "
-                                      f"{rec['step_time_s']:.3f} s/step ({rec['tokens_per_step'] / rec['step_time_s']:,.0f} "
-                                      f"tok/s{bub}, run {rec['wall_s']:.0f} s{oth})", flush=True)
-                            else:
-                                dead.add(mode)
-                                print(f"[{el:5.1f} min] {spec.name} r{rnd} {mode:26s} FAILED: "
-                                      f"{rec['error']}", flush=True)
-            finally:
-                quota.close()
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: writing the results so far", file=sys.stderr)
+        runs, interrupted, elapsed = driver.run_rounds(
+            [(lambda spec=c["spec"]: quota_cluster(spec, args), c["modes"]) for c in plan_],
+            args.repeats, one, line)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    elapsed = (time.monotonic() - t_start) / 60
     summary = summarize(runs, plan_)
     timelines = ({} if args.no_trace else
                  render_timelines(runs, out.parent, tl_prefix, multi=len(plan_) > 1))
@@ -870,7 +465,8 @@ def main(argv=None) -> int:
         if r.get("traces"):
             r["trace_stats_ms"] = trace_stats(r["traces"])
     rs = args.reshard_shape
-    meta = {"tag": "quick" if args.quick else "full", "command": command,
+    meta = {"tag": "quick" if args.quick else "full",
+            "command": driver.command("benchmarks.pipeline", argv),
             "machine": machine_info(), "clusters": args.clusters, "cpu_quota": args.cpu_quota,
             "cpu_period_ms": args.cpu_period_ms, "model": args.model_shape,
             "reshard_model": rs, "reshard_order": args.reshard_order,
@@ -889,14 +485,7 @@ def main(argv=None) -> int:
             "analysis_file": os.path.relpath(out.parent.resolve() / (out.name + "-analysis.md"),
                                              REPO),
             "loadavg_end": list(os.getloadavg())}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    write_markdown(out.with_suffix(".md"), meta, summary, runs)
-    warn = write_plot(out.with_suffix(".png"), summary)
-    if warn:
-        print(f"warning: {warn}", file=sys.stderr)
-    print(out.with_suffix(".md").read_text())
+    driver.save(out, {"meta": meta, "summary": summary, "runs": runs}, render)
     print(f"wrote {out.with_suffix('.md')}, .json, .png in {elapsed:.1f} min")
     return 130 if interrupted else 0
 

@@ -1,7 +1,7 @@
 """Planner validation on the emulated cluster: predicted vs measured step time.
 
-    sudo .venv/bin/python benchmarks/planner.py                      # 2 nodes, 4 nodes, hetero-4
-    sudo .venv/bin/python benchmarks/planner.py --clusters configs/cluster/two-nodes-1g.yaml --repeats 1
+    sudo .venv/bin/python -m benchmarks.planner                      # 2 nodes, 4 nodes, hetero-4
+    sudo .venv/bin/python -m benchmarks.planner --clusters configs/cluster/two-nodes-1g.yaml --repeats 1
 
 Per topology (tp = every node, one process per node, oases + fine):
 1. ``train.py parallel.plan=auto`` for one step profiles the live cluster
@@ -16,7 +16,7 @@ Per topology (tp = every node, one process per node, oases + fine):
    measured, and whether the planner's plan is at least as fast as the best
    uniform plan, to ``benchmarks/results/planner.{md,json,png}``.
 
-Needs root and iproute2 (network namespaces), like benchmarks/cluster.py.
+Needs root and iproute2 (network namespaces), like benchmarks.lib.cluster.
 """
 
 from __future__ import annotations
@@ -29,20 +29,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.lib import driver
+from benchmarks.lib.cluster import EmulatedCluster
+from benchmarks.lib.validation import (accuracy, measure_clusters, measure_plans,
+                                       repeat_consistency, train_steps)
+from oases.cli.plan import run_shape
+from oases.config import load_config
+from oases.planner import ilp
+from oases.planner.cluster import load_cluster
+from oases.planner.cost import CostModel, ModelShape, Profile
+from oases.planner.plan_file import Plan, model_dict
 
-from cluster import ClusterError, EmulatedCluster, check_prerequisites, free_port  # noqa: E402
-
-from oases.config import load_config  # noqa: E402
-from oases.plan import run_shape  # noqa: E402
-from oases.planner import ilp  # noqa: E402
-from oases.planner.cluster import load_cluster  # noqa: E402
-from oases.planner.cost import CostModel, ModelShape, Profile  # noqa: E402
-from oases.planner.plan import Plan, model_dict  # noqa: E402
+REPO = driver.REPO
 
 DEFAULT_CLUSTERS = ["configs/cluster/two-nodes-200m.yaml", "configs/cluster/four-nodes-1g.yaml",
                     "configs/cluster/hetero-4.yaml"]
@@ -63,57 +62,6 @@ def overrides(args, tp: int, out_dir: Path, extra: list[str]) -> list[str]:
 def run_train(c: EmulatedCluster, args, tp: int, out_dir: Path, extra: list[str]) -> list[float]:
     return train_steps(c, overrides(args, tp, out_dir, extra), out_dir, args.run_timeout,
                        args.warmup)
-
-
-def train_steps(c: EmulatedCluster, ov: list[str], out_dir: Path, timeout: float, warmup: int,
-                env: dict | None = None) -> list[float]:
-    """``train.py ov`` on every node of ``c`` (its ``out_dir=`` is ``out_dir``): node 0's
-    output goes to ``<out_dir>.log``; returns the step times after ``warmup`` steps, or
-    raises with the output's last lines when a node failed."""
-    port = free_port()
-    res = c.run(lambda i: c.torchrun_command(i, ov, "train.py", port), timeout=timeout, env=env)
-    (out_dir.parent / f"{out_dir.name}.log").write_text(res[0].output)
-    if not all(r.ok for r in res):
-        tail = "\n".join(res[0].output.strip().splitlines()[-5:])
-        raise RuntimeError(f"run {out_dir.name} failed:\n{tail}")
-    recs = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln]
-    return [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > warmup]
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):  # average ranks for ties
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = sum((x - ma) ** 2 for x in ra) ** 0.5
-    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
-    return cov / (va * vb) if va and vb else float("nan")
-
-
-def accuracy(plans: list[dict], key: str) -> dict:
-    pred = [p[key] for p in plans]
-    meas = [p["measured_s"] for p in plans]
-    return {"spearman": spearman(pred, meas), "n_plans": len(plans),
-            "mean_rel_error": statistics.mean(abs(p - m) / m for p, m in zip(pred, meas))}
-
-
-def repeat_consistency(plans: list[dict]) -> list[float]:
-    """Spearman between the measured times of every two repeats: how well the
-    measurement itself ranks the plans (a ceiling for the prediction's)."""
-    reps = list(zip(*[p["measured_repeats_s"] for p in plans]))
-    return [spearman(list(a), list(b)) for i, a in enumerate(reps) for b in reps[i + 1:]]
 
 
 def topology(path: str, args, work: Path) -> dict:
@@ -161,19 +109,15 @@ def topology(path: str, args, work: Path) -> dict:
                 res["memlimit_error"] = str(e)
         res["memory_limit_bytes"] = limit
         res["uniform_memory_bytes"] = {str(t): mem[t] for t in cm.degrees}
-        measured: dict[str, list[float]] = {k: [] for k in plans}
-        for rep in range(args.repeats):
-            for name, degrees in plans.items():
-                pf = work / f"{name}.yaml"
-                Plan(degrees, T, model_dict(cfg.model)).save(pf)
-                t0 = time.monotonic()
-                times = run_train(c, args, T, work / f"{name}-r{rep}",
-                                  [f"parallel.plan={pf}", f"train.steps={args.steps}"])
-                measured[name].append(statistics.median(times))
-                print(f"[{cluster.name}] rep {rep + 1}/{args.repeats} {name} {degrees}: "
-                      f"{1e3 * measured[name][-1]:.1f} ms/step (predicted "
-                      f"{1e3 * cm.plan_time(degrees):.1f}) [{time.monotonic() - t0:.0f}s]",
-                      flush=True)
+
+        def train(name: str, rnd: int) -> list[float]:
+            pf = work / f"{name}.yaml"
+            Plan(plans[name], T, model_dict(cfg.model)).save(pf)
+            return run_train(c, args, T, work / f"{name}-r{rnd}",
+                             [f"parallel.plan={pf}", f"train.steps={args.steps}"])
+
+        measured = measure_plans(c, cluster.name, list(plans), args.repeats, train,
+                                 lambda n: (f"{plans[n]}", cm.plan_time(plans[n])))
     for name, degrees in plans.items():
         res["plans"].append({"name": name, "degrees": degrees,
                              "predicted_s": cm.plan_time(degrees),
@@ -287,22 +231,6 @@ def write(results: list[dict], args, out: Path) -> None:
         plt.close(fig)
     except ImportError:
         print("matplotlib missing: no PNG", file=sys.stderr)
-
-
-def measure_clusters(clusters: list[str], measure, write) -> Optional[list[dict]]:
-    """``measure(path)`` for each cluster file in turn, ``write(results so far)`` after
-    each (partial results survive a later failure); None, with the reason printed, when
-    this host cannot run the emulated cluster."""
-    try:
-        check_prerequisites()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
-    results: list[dict] = []
-    for path in clusters:
-        results.append(measure(path))
-        write(results)
-    return results
 
 
 def main(argv=None) -> int:

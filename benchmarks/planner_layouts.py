@@ -1,7 +1,7 @@
 """Planner v2 validation on the emulated cluster: every kind of layout, predicted vs measured.
 
-    sudo .venv/bin/python benchmarks/planner_layouts.py            # 3 clusters, 3 repeats
-    sudo .venv/bin/python benchmarks/planner_layouts.py --quick    # one cluster, 1 repeat
+    sudo .venv/bin/python -m benchmarks.planner_layouts            # 3 clusters, 3 repeats
+    sudo .venv/bin/python -m benchmarks.planner_layouts --quick    # one cluster, 1 repeat
 
 Per cluster (4 nodes x 1 device; GPT d_model 256, 8 layers, 4 heads, seq 64, global
 batch 16, oases + fine):
@@ -23,7 +23,7 @@ batch 16, oases + fine):
    differs, against the best uniform layout, to
    ``benchmarks/results/planner-layouts.{md,json,png}``.
 
-Needs root and iproute2, like benchmarks/cluster.py.
+Needs root and iproute2, like benchmarks.lib.cluster.
 """
 
 from __future__ import annotations
@@ -31,48 +31,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.lib import driver
+from benchmarks.lib.layouts import PROFILE_MBS, WORLD, candidates, job_config, model_overrides
+from benchmarks.lib.validation import (accuracy, measure_clusters, measure_plans,
+                                       repeat_consistency, train_steps)
+from oases.planner import report as rep
+from oases.planner.search import search
+from oases.planner.stages import build, enumerate_choices, job_from_config, profile_run
 
-from planner import accuracy, measure_clusters, repeat_consistency, train_steps  # noqa: E402
-
-from oases.config import load_config  # noqa: E402
-from oases.planner import report as rep  # noqa: E402
-from oases.planner.search import _candidate, megatron_plan, search  # noqa: E402
-from oases.planner.stages import (build, enumerate_choices, job_from_config,  # noqa: E402
-                                  profile_run)
-
+REPO = driver.REPO
 DEFAULT_CLUSTERS = ["configs/cluster/four-nodes-1g.yaml", "configs/cluster/hetero-4.yaml",
                     "configs/cluster/four-nodes-halfspeed.yaml"]
-WORLD = 4
-PROFILE_MBS = 8   # the profile's rows: profile_run(job, 4, 8) is the tp-4 run plan=auto profiles
-
-
-def model_overrides(args) -> list[str]:
-    """The job every candidate runs (its layout comes from the plan and run overrides)."""
-    return ["model.name=gpt-tiny", f"model.d_model={args.d_model}",
-            f"model.n_layer={args.n_layer}", f"model.n_head={args.n_head}",
-            f"model.n_kv_heads={args.n_head}", f"model.ffn_hidden={4 * args.d_model}",
-            f"model.seq_len={args.seq_len}", "parallel.schedule=oases",
-            "parallel.recompute=fine", "parallel.device=cpu", "train.log_interval=1",
-            "wandb.mode=disabled", "data.kind=synthetic", "data.val_path=", "eval.interval=0",
-            "checkpoint.save_final=false", "checkpoint.interval=0", "resume=none"]
-
-
-def job_config(args):
-    """The validated config the search plans for: global batch ``--batch`` at pp 1,
-    tp = world (its micro-batch only sets the profile's rows)."""
-    ov = model_overrides(args) + [f"parallel.tp={WORLD}", "parallel.pp=1",
-                                  f"train.micro_batch_size={PROFILE_MBS}",
-                                  f"train.grad_accum={args.batch // PROFILE_MBS}"]
-    return load_config(str(REPO / "configs/gpt-tiny.yaml"), ov).validate(WORLD)
 
 
 def live_profile(c, args, cluster, path: str, work: Path):
@@ -122,59 +96,6 @@ def run_train(c, args, name: str, work: Path, extra: list[str], env=None) -> lis
     return train_steps(c, ov, out, args.run_timeout, args.warmup, env)
 
 
-def random_partition(rng: random.Random, L: int, pp: int) -> list[int]:
-    """First layer of each of ``pp`` non-empty contiguous stages."""
-    return [0] + sorted(rng.sample(range(1, L), pp - 1))
-
-
-def candidates(problems, res_u, res_a, n_random: int, seed: int) -> tuple[dict, dict]:
-    """(name -> Candidate, name -> other names of the same plan): the MILP's plan, AMP's
-    pick, every uniform (pp, dp, tp) layout at its best micro-batch count, and
-    ``n_random`` distinct random plans that fit; no plan twice (a random draw that
-    repeats a plan is recorded as that plan's alias "random draw")."""
-    out: dict = {}
-    seen: set = set()
-    aliases: dict = {}
-
-    def add(name, cand):
-        if cand is None:
-            return
-        if cand.key() in seen:  # the same plan under another name: say so
-            first = next(n for n, c in out.items() if c.key() == cand.key())
-            aliases.setdefault(first, []).append(name)
-            return
-        seen.add(cand.key())
-        out[name] = cand
-
-    add("milp", res_u.best)
-    add("amp", res_a.amp)
-    uniform: dict = {}
-    for prob in problems:
-        m = megatron_plan(prob)
-        ch = prob.choice
-        k = (ch.pp, ch.dp, ch.tp)
-        if m is not None and (k not in uniform or m.time < uniform[k].time):
-            uniform[k] = m
-    for (pp, dp, tp), m in sorted(uniform.items()):
-        add(f"uniform-pp{pp}-dp{dp}-tp{tp}", m)
-    rng = random.Random(seed)
-    for _ in range(1000):
-        if sum(n.startswith("random") for n in out) >= n_random:
-            break
-        prob = rng.choice(problems)
-        L = prob.inst.L
-        starts = random_partition(rng, L, prob.choice.pp)
-        strat = [rng.randrange(len(prob.choice.degrees)) for _ in range(L)]
-        used = prob.memory(starts, strat)
-        limits = [lim + k for lim, k in zip(prob.inst.memory_limit, prob.memory_const)]
-        if any(u > lim for u, lim in zip(used, limits)):
-            continue
-        cand = _candidate(prob, starts, strat, "random")
-        add(f"random-{sum(n.startswith('random') for n in out) + 1}"
-            if cand.key() not in seen else "random draw", cand)
-    return out, aliases
-
-
 def brief(c) -> dict:
     ch = c.choice
     return {"pp": ch.pp, "dp": ch.dp, "tp": ch.tp, "micro_batches": ch.micro_batches,
@@ -183,8 +104,7 @@ def brief(c) -> dict:
 
 
 def topology(path: str, args, work: Path) -> dict:
-    from cluster import EmulatedCluster
-
+    from benchmarks.lib.cluster import EmulatedCluster
     from oases.planner.cluster import load_cluster
 
     cluster = load_cluster(path)
@@ -211,16 +131,10 @@ def topology(path: str, args, work: Path) -> dict:
             pf = work / f"{name}.yaml"
             rep.to_plan(cand, res_u, cfg, cluster.name).save(pf)
             plans[name] = [f"parallel.plan={pf}", *rep.run_overrides(cand)]
-        measured: dict[str, list[float]] = {k: [] for k in cands}
-        for r in range(args.repeats):
-            for name, cand in cands.items():
-                t1 = time.monotonic()
-                times = run_train(c, args, f"{name}-r{r}", work, plans[name])
-                measured[name].append(statistics.median(times))
-                print(f"[{cluster.name}] rep {r + 1}/{args.repeats} {name} "
-                      f"({cand.describe()}): {1e3 * measured[name][-1]:.1f} ms/step "
-                      f"(predicted {1e3 * cand.time:.1f}) [{time.monotonic() - t1:.0f}s]",
-                      flush=True)
+        measured = measure_plans(
+            c, cluster.name, list(cands), args.repeats,
+            lambda name, r: run_train(c, args, f"{name}-r{r}", work, plans[name]),
+            lambda n: (f"({cands[n].describe()})", cands[n].time))
     for name, cand in cands.items():
         res["plans"].append({"name": name, "also": aliases.get(name, []), **brief(cand),
                              "predicted_s": cand.time,

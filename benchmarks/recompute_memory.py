@@ -1,29 +1,25 @@
 """Saved activation bytes of each recompute mode, measured (one process, CPU).
 
-    .venv/bin/python benchmarks/recompute_memory.py [--dropout 0.1] [key=value ...]
+    .venv/bin/python -m benchmarks.recompute_memory [--dropout 0.1] [key=value ...]
 
 Runs one forward of one micro-batch per mode under the engine that runs it and
 reports what autograd and the engine's stash keep from forward to backward
-(:class:`oases.schedule.memory.SavedTensorMeter`, parameters excluded), the
-default shape being benchmarks/overlap.py's (GPT d 512, 2 layers, 8 heads, seq 128,
+(:class:`oases.overlap.memory.SavedTensorMeter`, parameters excluded), the
+default shape being the overlap benchmark's (GPT d 512, 2 layers, 8 heads, seq 128,
 micro-batch 8) at tp = 1. Writes nothing; prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import build_model  # noqa: E402
-from oases.config import load_config  # noqa: E402
-from oases.parallel.random import TPRNGTracker  # noqa: E402
-from oases.schedule.engines import build_schedule  # noqa: E402
-from oases.schedule.memory import SavedTensorMeter  # noqa: E402
+from models import build_model
+from oases.config import load_config
+from oases.parallel.random import TPRNGTracker
+from oases.overlap.engines import build_schedule
+from oases.overlap.memory import SavedTensorMeter
 
 MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
          ("oases", "none"), ("oases", "selective"), ("oases", "fine"), ("oases", "full")]

@@ -1,10 +1,10 @@
 """Cross-mesh resharding microbenchmark: broadcast vs send vs allgather across a slow link.
 
-    .venv/bin/python benchmarks/reshard.py          # as root: the full benchmark (~4 min)
-    .venv/bin/python benchmarks/reshard.py --quick  # smoke run: 1 repeat, 3 iterations
+    .venv/bin/python -m benchmarks.reshard          # as root: the full benchmark (~4 min)
+    .venv/bin/python -m benchmarks.reshard --quick  # smoke run: 1 repeat, 3 iterations
 
 Two emulated nodes (configs/cluster/two-nodes-4dev-500m.yaml: 4 processes per node,
-500 Mbit/s between the nodes, loopback inside a node; benchmarks/cluster.py, needs
+500 Mbit/s between the nodes, loopback inside a node; benchmarks.lib.cluster, needs
 root and iproute2). The src mesh of every case is on node 0 (ranks 0..), the dst
 mesh on node 1 (ranks 4..); host_of = node, as the paper balances per host.
 Cases (``--cases``):
@@ -16,7 +16,7 @@ Cases (``--cases``):
              (chosen over (dp2,tp1): there every dst replica is one rank, so the three
              methods send the same bytes and only the sender choice differs)
 
-Methods (oases.parallel.cross_mesh): ``broadcast`` (paper 002: balanced senders, each
+Methods (oases.pipeline.cross_mesh): ``broadcast`` (paper 002: balanced senders, each
 byte crosses once, fan-out by dist.broadcast inside the dst replica), ``send`` (naive:
 every dst rank receives its rows from the src rank at its TP position), ``allgather``
 (Megatron's scatter-gather: 1/tp of the slice per dst rank, then all_gather).
@@ -38,15 +38,15 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+from benchmarks.lib import driver
+
+REPO = driver.REPO
+RESULTS = driver.RESULTS
 DEFAULT_CLUSTER = "configs/cluster/two-nodes-4dev-500m.yaml"
 METHODS = ["broadcast", "send", "allgather"]
 CASES = {  # name -> ((src dp, src tp), (dst dp, dst tp))
@@ -66,7 +66,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from oases.parallel.cross_mesh import CrossMeshTransfer, Mesh
+    from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.run_timeout))
@@ -148,12 +148,10 @@ def summarize(runs: list[dict], cases: list[str]) -> dict:
 
 
 def write_markdown(path: Path, meta: dict, summary: dict) -> None:
-    mi, (B, S, H) = meta["machine"], meta["shape"]
+    B, S, H = meta["shape"]
     gbps = meta["gbps"]
     L = ["# Cross-mesh resharding across a slow link", "",
-         f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB, Linux {mi['kernel']}, "
-         f"Python {mi['python']}, torch {mi['torch']}, oases {mi['git']}, {mi['date']}.", "",
-         f"Command: `{meta['command']}` ({meta['elapsed_min']:.1f} min).", "",
+         driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
          f"Emulated cluster `{meta['cluster']}`: 2 nodes x {meta['per_node']} CPU processes "
          f"(gloo, OMP_NUM_THREADS=1), {gbps * 1000:g} Mbit/s between the nodes (tc tbf), "
          f"loopback inside a node. src mesh on node 0, dst mesh on node 1. Payload: one "
@@ -198,11 +196,8 @@ def write_markdown(path: Path, meta: dict, summary: dict) -> None:
 
 
 def write_plot(path: Path, summary: dict) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = driver.matplotlib_pyplot()
+    if plt is None:
         return "matplotlib is not installed (pip install -e '.[bench]'): no chart"
     cases = list(summary)
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -249,18 +244,27 @@ def parse_args(argv=None):
     return args
 
 
+def render(out: Path, data: dict) -> str | None:
+    """``<out>.md`` and ``<out>.png`` from the results JSON."""
+    write_markdown(out.with_suffix(".md"), data["meta"], data["summary"])
+    return write_plot(out.with_suffix(".png"), data["summary"])
+
+
+class RunFailed(Exception):
+    """A run's torchrun failed (the message: where its logs are, and their tail)."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        write_markdown(Path(args.from_json).with_suffix(".md"), data["meta"], data["summary"])
-        write_plot(Path(args.from_json).with_suffix(".png"), data["summary"])
-        return 0
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites, free_port
-    from machine import machine_info
+        return driver.rerender(Path(args.from_json), render)
+    from functools import partial
+
+    from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster,
+                                        check_prerequisites, free_port)
+    from benchmarks.lib.machine import machine_info
 
     try:
         check_prerequisites()
@@ -277,33 +281,39 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     workdir = REPO / "runs" / "bench-reshard" / stamp
     workdir.mkdir(parents=True, exist_ok=True)
-    exe = sys.executable
-    if exe.startswith(str(REPO)):
-        exe = os.path.relpath(exe, REPO)
-    command = shlex.join([exe, os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    command = driver.command("benchmarks.reshard")
     wargs = ["--worker", "--cases", *args.cases, "--shape", *map(str, args.shape),
              "--dtype", args.dtype, "--iters", str(args.iters), "--warmup", str(args.warmup),
              "--run-timeout", str(args.run_timeout)]
     if args.split:
         wargs += ["--split", str(args.split)]
-    t_start, runs, loads = time.monotonic(), [], []
-    with EmulatedCluster(spec) as cluster:
-        for r in range(args.repeats):
-            port, js = free_port(), workdir / f"run{r}.json"
-            loads.append(round(os.getloadavg()[0], 2))
-            res = cluster.run(lambda i: cluster.torchrun_command(
-                i, [*wargs, "--out-json", str(js)], "benchmarks/reshard.py", port),
-                timeout=args.run_timeout + 60)
-            for n in res:
-                (workdir / f"run{r}-node{n.node}.log").write_text(n.output)
-            if not all(n.ok for n in res) or not js.is_file():
-                tail = next((n.output for n in res if not n.ok), res[0].output)[-2000:]
-                print(f"run {r} failed (logs in {workdir}):\n{tail}", file=sys.stderr)
-                return 1
-            runs.append(json.loads(js.read_text()))
-            med = {k: statistics.median(v) for k, v in runs[-1]["times_s"].items()}
-            print(f"[{(time.monotonic() - t_start) / 60:4.1f} min] run {r}: "
-                  + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in med.items()), flush=True)
+    loads = []
+
+    def one(cluster, mode, r):  # one run: every case x method, the methods interleaved
+        port, js = free_port(), workdir / f"run{r}.json"
+        loads.append(round(os.getloadavg()[0], 2))
+        res = cluster.run(lambda i: cluster.torchrun_command(
+            i, [*wargs, "--out-json", str(js)], "benchmarks.reshard", port, module=True),
+            timeout=args.run_timeout + 60)
+        for n in res:
+            (workdir / f"run{r}-node{n.node}.log").write_text(n.output)
+        if not all(n.ok for n in res) or not js.is_file():
+            tail = next((n.output for n in res if not n.ok), res[0].output)[-2000:]
+            raise RunFailed(f"run {r} failed (logs in {workdir}):\n{tail}")
+        return {"ok": True, "mode": mode, **json.loads(js.read_text())}
+
+    def line(rec, minutes):
+        med = {k: statistics.median(v) for k, v in rec["times_s"].items()}
+        return (f"[{minutes:4.1f} min] run {rec['round']}: "
+                + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in med.items()))
+
+    try:
+        recs, _, elapsed = driver.run_rounds([(partial(EmulatedCluster, spec), ["run"])],
+                                             args.repeats, one, line, catch_interrupt=False)
+    except RunFailed as e:
+        print(e, file=sys.stderr)
+        return 1
+    runs = [{k: v for k, v in r.items() if k not in ("ok", "mode", "round")} for r in recs]
     summary = summarize(runs, args.cases)
     B, S, H = args.shape
     import torch
@@ -312,17 +322,10 @@ def main(argv=None) -> int:
             "shape": args.shape, "dtype": args.dtype, "split": args.split,
             "payload_mib": B * S * H * getattr(torch, args.dtype).itemsize / 2**20,
             "iters": args.iters, "warmup": args.warmup, "repeats": args.repeats,
-            "cases": args.cases, "elapsed_min": (time.monotonic() - t_start) / 60,
+            "cases": args.cases, "elapsed_min": elapsed,
             "loadavg_before": loads, "json": str(out.with_suffix(".json")),
             "png": str(out.with_suffix(".png"))}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    write_markdown(out.with_suffix(".md"), meta, summary)
-    warn = write_plot(out.with_suffix(".png"), summary)
-    if warn:
-        print(f"warning: {warn}", file=sys.stderr)
-    print(out.with_suffix(".md").read_text())
+    driver.save(out, {"meta": meta, "summary": summary, "runs": runs}, render)
     return 0
 
 

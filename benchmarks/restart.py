@@ -1,7 +1,7 @@
 """Multi-node restarts: two torchrun agents ("nodes"), one node's worker killed mid-run.
 
-    .venv/bin/python benchmarks/restart.py                     # ~1-2 min on 2 cores, no root
-    .venv/bin/python benchmarks/restart.py --victim 0 --steps 80
+    .venv/bin/python -m benchmarks.restart                     # ~1-2 min on 2 cores, no root
+    .venv/bin/python -m benchmarks.restart --victim 0 --steps 80
 
 Two torchrun agents on 127.0.0.1 act as two nodes of one job, the way a multi-node
 job is launched (``--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d
@@ -266,7 +266,7 @@ def check(ref: dict, run: dict, a: argparse.Namespace, work: Path) -> tuple[list
 
 
 def machine() -> str:
-    from machine import machine_info
+    from benchmarks.lib.machine import machine_info
 
     m = machine_info()
     return f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}"
@@ -328,7 +328,7 @@ def write_report(checks, detail, a, cmd: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="benchmarks/restart.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.restart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60, help="train.steps")
     ap.add_argument("--interval", type=int, default=10, help="checkpoint.interval")
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not 0 < (a.kill_after or a.interval + a.interval // 2) < a.steps:
         ap.error("--kill-after must fall inside the run")
-    cmd = " ".join([".venv/bin/python benchmarks/restart.py",
+    cmd = " ".join([".venv/bin/python -m benchmarks.restart",
                     *(argv if argv is not None else sys.argv[1:])])
     with tempfile.TemporaryDirectory(prefix="oases-restart-") as tmp:
         work = Path(a.workdir) if a.workdir else Path(tmp)

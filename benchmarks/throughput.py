@@ -1,7 +1,7 @@
 """Single-device training throughput and MFU (bf16 on CUDA).
 
-    python benchmarks/throughput.py --models gpt-350m gpt-1.3b --steps 20 --repeats 3
-    python benchmarks/throughput.py --models gpt-tiny --device cpu --precision fp32   # smoke run
+    python -m benchmarks.throughput --models gpt-350m gpt-1.3b --steps 20 --repeats 3
+    python -m benchmarks.throughput --models gpt-tiny --device cpu --precision fp32   # smoke run
 
 For each model: build it at tp=1, train ``--steps`` optimizer steps on synthetic
 tokens with the real ``train_step`` (AdamW, clipping, bf16 autocast), drop the
@@ -25,17 +25,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import build_model  # noqa: E402
-from oases.config import load_config  # noqa: E402
-from oases.parallel.groups import init_distributed  # noqa: E402
-from oases.parallel.random import TPRNGTracker  # noqa: E402
-from oases.runtime.data import TrainBatches  # noqa: E402
-from oases.runtime.dp import GradReducer  # noqa: E402
-from oases.runtime.metrics import peak_flops  # noqa: E402
-from oases.runtime.optim import build_optimizer  # noqa: E402
-from oases.runtime.trainer import train_step  # noqa: E402
+from models import build_model
+from oases.config import load_config
+from oases.parallel.groups import init_distributed
+from oases.parallel.random import TPRNGTracker
+from oases.runtime.data import TrainBatches
+from oases.dp.reducer import GradReducer
+from oases.runtime.metrics import peak_flops
+from oases.runtime.optim import build_optimizer
+from oases.runtime.step import TrainState, train_step
 
 
 def bench_one(name: str, args, ctx) -> dict:
@@ -58,7 +56,7 @@ def bench_one(name: str, args, ctx) -> dict:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr)
+            train_step(TrainState(cfg, ctx, model, opt, reducer), batches, cfg.train.lr)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - t0)

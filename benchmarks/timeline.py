@@ -1,103 +1,17 @@
 """Render per-rank event traces (``parallel.trace=true``) as a timeline PNG.
 
-    python benchmarks/timeline.py runs/x/trace_rank*.json --out timeline.png [--title T]
+    python -m benchmarks.timeline runs/x/trace_rank*.json --out timeline.png [--title T]
 
-One row pair per rank: compute segments (the oases engine's sub-batch a blue, b
-orange; the megatron engine's forward grey, backward dark grey)
-and collectives (green; their overlap with compute is the hidden communication).
-A pipelined run's trace also has a "pipeline" lane (oases.runtime.pipeline): it is
-drawn as a third row per rank, forwards ``F<m>`` light blue, backwards ``B<m>``
-light orange (labelled with their micro-batch), waits for a transfer (``wait F<m>``,
-``wait B<m>``) red and the end-of-step ``wait sends`` purple; the white gaps of that
-row are the rank's pipeline bubble. Traces without that lane draw as before.
+What the rows and colours mean: :mod:`benchmarks.lib.timeline`.
 The traces are also plain Chrome trace JSON (chrome://tracing, Perfetto).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-
-def _color(name: str, cat: str) -> str:
-    if cat == "comm":
-        return "tab:green"
-    tag = name.split()[0] if name else ""
-    # the oases engine's spans: "Fa ...", "Rb ...", "Ba ..." (phase, sub-batch)
-    if len(tag) == 2 and tag[1] == "a":
-        return "tab:blue"
-    if len(tag) == 2 and tag[1] == "b":
-        return "tab:orange"
-    if tag == "backward":  # the megatron engine's spans: "forward", "backward"
-        return "dimgray"
-    return "tab:gray"
-
-
-def _pipeline_color(name: str) -> str:
-    if name.startswith("wait sends"):
-        return "tab:purple"
-    if name.startswith("wait"):
-        return "tab:red"
-    if name[:1] == "F":
-        return "lightskyblue"
-    if name[:1] == "B":
-        return "navajowhite"
-    return "lightgray"
-
-
-def render(paths: list[Path], out: Path, title: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = [json.loads(Path(p).read_text())["traceEvents"] for p in paths]
-    piped = any(e.get("tid") == "pipeline" for ev in traces for e in ev)
-    lanes = ("pipeline", "compute", "comm") if piped else ("compute", "comm")
-    pitch = len(lanes) + 0.5
-    fig, ax = plt.subplots(figsize=(14 if not piped else 16,
-                                    1.2 + (1.0 if not piped else 1.35) * len(traces)))
-    t_end = max((e["ts"] + e["dur"]) / 1e3 for ev in traces for e in ev) if any(traces) else 1.0
-    yticks, ylabels = [], []
-    for r, events in enumerate(traces):
-        for lane_i, lane in enumerate(lanes):
-            y = (len(traces) - 1 - r) * pitch + (len(lanes) - 1 - lane_i)
-            if lane == "pipeline":
-                spans = [(e["ts"] / 1e3, e["dur"] / 1e3, _pipeline_color(e["name"]), e["name"])
-                         for e in events if e["tid"] == lane]
-            else:
-                spans = [(e["ts"] / 1e3, e["dur"] / 1e3, _color(e["name"], e["cat"]), "")
-                         for e in events if e["tid"] == lane]
-            for t0, d, c, label in spans:
-                ax.broken_barh([(t0, d)], (y, 0.8), facecolors=c, edgecolor="black",
-                               linewidth=0.2)
-                # label F<m>/B<m> where the bar is wide enough to hold it
-                if label[:1] in ("F", "B") and d > 0.012 * t_end:
-                    ax.text(t0 + d / 2, y + 0.4, label, ha="center", va="center", fontsize=7)
-            yticks.append(y + 0.4)
-            ylabels.append(f"rank {r} {lane}")
-    ax.set_yticks(yticks, ylabels)
-    ax.set_xlabel("ms since step start")
-    default = "per-rank timeline (blue: sub-batch a, orange: b, green: all-reduce)"
-    if piped:
-        default = ("per-rank timeline (pipeline row: F light blue, B light orange, red: wait "
-                   "for a transfer, purple: wait sends; compute row: blue sub-batch a, orange b; "
-                   "green: all-reduce)")
-    ax.set_title(title or default, fontsize=10 if piped else None)
-    if piped:
-        from matplotlib.patches import Patch
-
-        legend = [("F<m>", "lightskyblue"), ("B<m>", "navajowhite"),
-                  ("wait for a transfer", "tab:red"), ("wait sends", "tab:purple"),
-                  ("sub-batch a", "tab:blue"), ("sub-batch b", "tab:orange"),
-                  ("forward / backward (megatron)", "tab:gray"), ("all-reduce", "tab:green")]
-        ax.legend(handles=[Patch(facecolor=c, edgecolor="black", label=n) for n, c in legend],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=len(legend),
-                  fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+from benchmarks.lib.timeline import render
 
 
 def main() -> None:

@@ -1,13 +1,14 @@
 """ZeRO levels on a slow link: tokens/s at parallel.zero 0-3, megatron and oases engines.
 
-    sudo .venv/bin/python benchmarks/zero.py                 # needs root (network namespaces)
-    sudo .venv/bin/python benchmarks/zero.py --quick         # smoke run, 1 repeat
+    sudo .venv/bin/python -m benchmarks.zero                 # needs root (network namespaces)
+    sudo .venv/bin/python -m benchmarks.zero --quick         # smoke run, 1 repeat
 
 The 2-node emulated cluster (default configs/cluster/two-nodes-500m.yaml, one process
 per node) runs dp = 2 (tp = 1): every data-parallel byte crosses the shaped link. In
 ``--repeats`` rounds every mode runs once, round-robin, in fresh processes (so noise
 hits all modes alike); a mode's figure is the median over rounds of the median step
-time after ``--warmup`` steps (the run machinery is benchmarks/overlap.py's).
+time after ``--warmup`` steps (benchmarks.lib.driver's rounds, benchmarks.lib.train_run's
+runs, as the overlap benchmark's).
 
 Modes: ``<engine>+z<level>`` for engine megatron (recompute none) and oases (recompute
 fine), level 0-3; and ``oases+z3-noprefetch`` (parallel.zero_prefetch=false: each
@@ -28,20 +29,19 @@ import json
 import shlex
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.lib import driver
+from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
+from benchmarks.lib.train_run import metrics, timed_run
 
-import overlap  # noqa: E402
-from cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites  # noqa: E402
-
-REPO = overlap.REPO
+REPO = driver.REPO
 ENGINES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"],
            "oases": ["parallel.schedule=oases", "parallel.recompute=fine"]}
 MODES = {f"{e}+z{z}": [*ov, f"parallel.zero={z}"] for e, ov in ENGINES.items() for z in range(4)}
 MODES["oases+z3-noprefetch"] = [*MODES["oases+z3"], "parallel.zero_prefetch=false"]
-# deeper than overlap.py's default, so a block's gather has a block's compute to hide behind
+# deeper than the overlap benchmark's default, so a block's gather has a block's compute to hide behind
 DEFAULT_MODEL = {"d_model": 512, "n_layer": 4, "n_head": 8, "seq_len": 128, "micro_batch_size": 8}
 
 
@@ -68,7 +68,7 @@ def parse_args(argv=None):
 
 def _wait(rdir: Path, warmup: int) -> float | None:
     try:
-        recs = [json.loads(ln) for ln in (rdir / "metrics.jsonl").read_text().splitlines() if ln]
+        recs = metrics(rdir)
     except OSError:
         return None
     w = [r["zero_gather_wait_s"] for r in recs if "zero_gather_wait_s" in r and r["step"] > warmup]
@@ -83,37 +83,40 @@ def main(argv=None) -> int:
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    overlap.TRAIN_MODES.update(MODES)  # run_one takes a mode's overrides from there
-    out = Path(args.out) if args.out else overlap.RESULTS / ("zero-quick" if args.quick else "zero")
+    out = Path(args.out) if args.out else driver.RESULTS / ("zero-quick" if args.quick else "zero")
     workdir = REPO / "runs" / "bench-zero" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    runs, t0 = [], time.monotonic()
-    with EmulatedCluster(spec) as cluster:
-        for rnd in range(args.repeats):
-            for mode in args.modes:
-                rdir = workdir / mode.replace("+", "-") / f"r{rnd}"
-                rec = overlap.run_one(cluster, mode, args.model_shape, args, rdir)
-                rec.update(round=rnd, wait_s=_wait(rdir, args.warmup) if rec["ok"] else None)
-                runs.append(rec)
-                el = (time.monotonic() - t0) / 60
-                msg = (f"{rec['step_time_s']:.3f} s/step, gather wait {rec['wait_s']}"
-                       if rec["ok"] else f"FAILED: {rec['error']}")
-                print(f"[{el:5.1f} min] r{rnd} {mode:22s} {msg}", flush=True)
-    summary = {}
-    for mode in args.modes:
-        ok = [r for r in runs if r["mode"] == mode and r["ok"]]
-        if ok:
-            t = statistics.median(r["step_time_s"] for r in ok)
-            waits = [r["wait_s"] for r in ok if r["wait_s"] is not None]
-            summary[mode] = {"step_time_s": t, "tokens_per_s": ok[0]["tokens_per_step"] / t,
-                             "runs": len(ok),
-                             "wait_s": statistics.median(waits) if waits else None}
-    write(out, args, spec, summary, runs, (time.monotonic() - t0) / 60)
+    model = {**args.model_shape, "grad_accum": 1}
+
+    def one(cluster, mode, rnd):
+        rdir = workdir / mode.replace("+", "-") / f"r{rnd}"
+        rec = timed_run(cluster, mode, MODES[mode], model, args, rdir)
+        rec["wait_s"] = _wait(rdir, args.warmup) if rec["ok"] else None
+        return rec
+
+    def line(rec, minutes):
+        msg = (f"{rec['step_time_s']:.3f} s/step, gather wait {rec['wait_s']}"
+               if rec["ok"] else f"FAILED: {rec['error']}")
+        return f"[{minutes:5.1f} min] r{rec['round']} {rec['mode']:22s} {msg}"
+
+    runs, _, minutes = driver.run_rounds([(partial(EmulatedCluster, spec), args.modes)],
+                                         args.repeats, one, line, skip_failed=False,
+                                         catch_interrupt=False)
+
+    def waits(mode: str, ok: list[dict]) -> dict:
+        w = [r["wait_s"] for r in ok if r["wait_s"] is not None]
+        return {"wait_s": statistics.median(w) if w else None}
+
+    per = driver.mode_medians(runs, args.modes, waits)
+    summary = {mode: {"step_time_s": r["step_time_s"], "tokens_per_s": r["tokens_per_s"],
+                      "runs": r["repeats"], "wait_s": r["wait_s"]}
+               for mode, r in per.items() if r["ok"]}
+    write(out, args, spec, summary, runs, minutes)
     print(out.with_suffix(".md").read_text())
     return 0
 
 
 def write(out: Path, args, spec, summary: dict, runs: list, minutes: float) -> None:
-    cmd = shlex.join([".venv/bin/python", "benchmarks/zero.py", *sys.argv[1:]])
+    cmd = shlex.join([".venv/bin/python", "-m", "benchmarks.zero", *sys.argv[1:]])
     lines = [f"# ZeRO levels on {spec.name} (dp = 2 across the link, tp = 1)", "",
              f"`{cmd}` (root); model {args.model_shape}, {args.steps} steps, median after "
              f"{args.warmup}, {args.repeats} rounds, modes interleaved; {minutes:.0f} min.", "",

@@ -1,4 +1,4 @@
-"""Model zoo: architectures by name (``model.arch``), sizes in oases.model_sizes."""
+"""Model zoo: architectures by name (``model.arch``), sizes in oases.config.sizes."""
 
 from __future__ import annotations
 

@@ -24,14 +24,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.config import ModelConfig
-from oases.heads import heads_problem, local_kv_heads
+from oases.config.heads import heads_problem, local_kv_heads
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import set_spec
-from oases.schedule.block import TPBlock
-from oases.schedule.recompute import recompute
+from oases.parallel.block import TPBlock
+from oases.parallel.recompute import recompute
 
 
 class LayerNorm(nn.Module):
@@ -111,7 +111,7 @@ class ParallelAttention(ResidualBlock):
     """Pre-norm causal self-attention; heads split over TP ranks (GQA: kv heads too).
 
     Over more ranks than kv heads, each kv head is replicated on the ``r = tp /
-    n_kv_heads`` ranks whose query heads use it (oases.heads): the fused qkv keeps
+    n_kv_heads`` ranks whose query heads use it (oases.config.heads): the fused qkv keeps
     its k and v parts whole per head (``units``), so those r ranks hold the same kv
     rows. Their gradients then need one more sum, over the *kv replica group*:
 
@@ -120,7 +120,7 @@ class ParallelAttention(ResidualBlock):
         dL/dW_h = sum_j dL/dK_j^T X  over the r ranks j of group h
 
     each rank's backward computes only its own term (its query heads' share), so the
-    kv rows' gradients are summed over the group (oases.parallel.replicas, with the
+    kv rows' gradients are summed over the group (oases.dp.replicas, with the
     DP reduction) and the replicas stay identical. The input gradient needs nothing
     new: dL/dX = sum over all tp ranks of dL/dY_j W_j, and each rank's term -- its
     q, its kv share -- is distinct, so the column-parallel all-reduce of dX over the
@@ -407,7 +407,7 @@ class CausalLM(nn.Module):
     def loss_tokens(targets: torch.Tensor) -> torch.Tensor:
         """How many targets the mean loss is over: those that are not IGNORE_INDEX. The
         engines and the step weigh the pieces of a batch by it
-        (:mod:`oases.schedule.loss_weights`)."""
+        (:mod:`oases.overlap.loss_weights`)."""
         return (targets != IGNORE_INDEX).sum()
 
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ Each rank reads only the rows/columns of its own shard (``safe_open().get_slice`
 for safetensors, a memory-mapped ``torch.load`` for ``.bin``), part by part for
 fused tensors, which gives exactly ``shard(full, p.tp_spec, tp_rank, tp)``. With more
 TP ranks than kv heads, the ranks that share a kv head each read that head
-(oases.heads); export starts from full tensors (a checkpoint's, where replicas
+(oases.config.heads); export starts from full tensors (a checkpoint's, where replicas
 are saved once), so it writes every kv head once.
 """
 
@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from oases.errors import CheckpointError, UserError
-from oases.hf_config import hf_model_fields
+from oases.config.hf import HF_FIELDS, hf_model_fields
 from oases.parallel.sharding import chunk_of
 
 
@@ -180,7 +180,7 @@ class _Weights:
                                       f"index) does not exist")
             try:
                 if self.kind == "st":
-                    from safetensors import safe_open
+                    from safetensors import safe_open  # deferred: optional (oases[hf])
 
                     h = self._stack.enter_context(safe_open(str(path), framework="pt"))
                 else:
@@ -254,8 +254,6 @@ def _read_param(w: _Weights, p: torch.Tensor, parts: list[_Part], tp_rank: int, 
 
 def model_fields(model_cfg) -> dict:
     """The shape fields of a ``ModelConfig`` as a dict (as ``hf_model_fields`` returns)."""
-    from oases.hf_config import HF_FIELDS
-
     return {k: getattr(model_cfg, k) for k in HF_FIELDS}
 
 
@@ -375,7 +373,7 @@ def hf_state_dict(model_state_full: dict[str, torch.Tensor], model_cfg) -> dict[
 def export_hf(model_state_full: dict[str, torch.Tensor], model_cfg, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` loadable by
     ``GPT2LMHeadModel`` / ``LlamaForCausalLM.from_pretrained(out_dir)``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: optional (oases[hf])
 
     cfg_json = hf_config_dict(model_cfg)
     tensors = hf_state_dict(model_state_full, model_cfg)

@@ -3,7 +3,7 @@
 With tensor parallelism the kv heads are split over the ranks while ``parallel.tp``
 divides ``model.n_kv_heads``; above that each kv head is replicated on the
 ``tp / n_kv_heads`` ranks whose query heads use it, and its gradient summed over
-them once per step (oases.heads, models.common.ParallelAttention).
+them once per step (oases.config.heads, models.common.ParallelAttention).
 """
 
 from __future__ import annotations

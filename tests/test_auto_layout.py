@@ -11,7 +11,7 @@ import yaml
 
 from oases.config import load_config
 from oases.errors import ConfigError
-from oases.planner.plan import load_plan
+from oases.planner.plan_file import load_plan
 
 COMMON = ["--config", "configs/gpt-tiny.yaml", "model.d_model=64", "model.n_head=4",
           "model.n_kv_heads=4", "model.ffn_hidden=128", "model.seq_len=32",

@@ -253,3 +253,24 @@ def test_nan_and_negative_values_refused(override):
     cfg = load_config(None, [override])
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
         cfg.validate()
+
+
+def test_frozen_config_refuses_writes_and_derives_copies():
+    """A run freezes its validated config: a write anywhere in it is a bug that fails
+    where it happens; ``with_changes`` derives a validated copy and leaves it as it is."""
+    import dataclasses
+
+    cfg = load_config("configs/gpt-tiny.yaml").validate(4).freeze()
+    for section, key in ((cfg.train, "lr"), (cfg.parallel, "tp"), (cfg, "seed")):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="frozen after validation"):
+            setattr(section, key, 1)
+    new = cfg.with_changes({"parallel.tp": 1, "train.grad_accum": 3})
+    assert (new.parallel.tp, new.train.grad_accum, new.dp, new.frozen) == (1, 3, 4, True)
+    assert (cfg.parallel.tp, cfg.train.grad_accum, cfg.dp) == (2, 1, 2)
+    with pytest.raises(ConfigError, match="parallel.tp=3 does not divide"):
+        cfg.with_changes({"parallel.tp": 3})
+    with pytest.raises(ConfigError, match="unknown config key 'train.lrr'"):
+        cfg.with_changes({"train.lrr": 1.0})
+    thawed = load_config("configs/gpt-tiny.yaml").validate(2)
+    thawed.train.lr = 1e-3  # not frozen before a run freezes it
+    assert not thawed.frozen

@@ -106,7 +106,7 @@ def test_block_compute_is_affine_in_the_rows():
 
 
 def _mean_at_speed(ctx):
-    from oases.runtime.planning import _rank_mean
+    from oases.planner.online import _rank_mean
 
     speed = [1.0, 0.5][ctx.rank]
     t = 0.01 / speed  # the half-speed node measures twice the time
@@ -124,7 +124,7 @@ def test_rank_mean_takes_each_node_to_speed_one():
 
 
 def test_own_speed_reads_the_cluster_file():
-    from oases.runtime.planning import _own_speed
+    from oases.planner.online import _own_speed
 
     cfg = SimpleNamespace(parallel=SimpleNamespace(
         cluster=str(ROOT / "configs/cluster/four-nodes-halfspeed.yaml")))

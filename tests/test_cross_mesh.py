@@ -1,4 +1,4 @@
-"""Cross-mesh resharding between pipeline stages (oases/parallel/cross_mesh.py).
+"""Cross-mesh resharding between pipeline stages (oases/pipeline/cross_mesh.py).
 
 plan_tasks is pure: its tests check the tiling (every (row, col) a dst replica
 needs arrives exactly once, from a src replica that holds it) and the balancer
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oases.parallel.cross_mesh import METHODS, CrossMeshTransfer, Mesh, Pending, plan_tasks
+from oases.pipeline.cross_mesh import METHODS, CrossMeshTransfer, Mesh, Pending, plan_tasks
 from tests.distributed import run_distributed
 
 # --------------------------------------------------------------------------- plan_tasks

@@ -1,4 +1,4 @@
-"""The README's custom-block example, run as written, at tp=2 against tp=1."""
+"""The custom-block example of docs/custom-blocks.md, run as written, at tp=2 against tp=1."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch.distributed as dist
 from oases.parallel import init_parameters, unshard
 from tests.distributed import run_distributed
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "custom-blocks.md"
 
 
 def _example_namespace() -> dict:
-    text = README.read_text()
+    text = DOC.read_text()
     m = re.search(r"<!-- example:custom-block -->\s*```python\n(.*?)```", text, re.S)
-    assert m, "README lost its custom-block example"
+    assert m, "docs/custom-blocks.md lost its custom-block example"
     ns: dict = {}
-    exec(compile(m.group(1), "README.md:custom-block", "exec"), ns)
+    exec(compile(m.group(1), "docs/custom-blocks.md:custom-block", "exec"), ns)
     return ns
 
 

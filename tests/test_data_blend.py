@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from oases.config import DataConfig, load_config
-from oases.config import main as config_main
+from oases.cli.config import main as config_main
 from oases.errors import CheckpointError, ConfigError
 from oases.runtime import data as D
 from oases.runtime.blend import Blend

@@ -58,10 +58,10 @@ from models import build_model
 from oases.config import load_config
 from oases.parallel.sharding import unshard
 from oases.runtime.data import TrainBatches
-from oases.runtime.dp import GradReducer
+from oases.dp.reducer import GradReducer
 from oases.runtime.optim import build_optimizer, lr_at
-from oases.runtime.trainer import train_step
-from oases.schedule.engines import build_schedule
+from oases.runtime.step import TrainState, train_step
+from oases.overlap.engines import build_schedule
 from tests.distributed import run_distributed
 
 SEED = 7
@@ -106,8 +106,8 @@ def _train_body(ctx, runs: list[tuple], schedule: tuple = ("megatron", "none")):
                                ctx.dp_rank, ctx.dp, cfg.seed)
         losses, norms, grads = [], [], {}
         for step in range(STEPS):
-            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx,
-                                    lr_at(step, cfg.train), engine)
+            loss, norm = train_step(TrainState(cfg, ctx, model, opt, reducer, engine), batches,
+                                    lr_at(step, cfg.train))
             losses.append(loss)
             norms.append(norm)
             if step == 0:  # the DP-averaged (and clipped) gradient, before Adam sees it

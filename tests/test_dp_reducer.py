@@ -15,7 +15,7 @@ def _setup(ctx):
     from models import build_model
     from oases.config import load_config
     from oases.runtime.data import TrainBatches
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.seq_len=16", "data.kind=synthetic",
@@ -36,17 +36,17 @@ def _same_over_dp(model, ctx) -> None:
 
 
 def _repaired(ctx):
-    from oases.runtime.step import train_step
+    from oases.runtime.step import TrainState, train_step
 
     cfg, model, opt, reducer, batches = _setup(ctx)
     for _ in range(2):
-        train_step(model, batches, opt, reducer, cfg, ctx, 1e-2)
+        train_step(TrainState(cfg, ctx, model, opt, reducer), batches, 1e-2)
         opt.zero_grad(set_to_none=True)  # what a hand-written loop does
     _same_over_dp(model, ctx)
 
 
 def _detected(ctx):
-    from oases.schedule.engines import MegatronSchedule
+    from oases.overlap.engines import MegatronSchedule
 
     cfg, model, opt, reducer, batches = _setup(ctx)
     reducer.zero_grad()
@@ -87,7 +87,7 @@ class _Launches:
 def _launch_during_backward(ctx):
     import time
 
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
 
     cfg, model, opt, _, batches = _setup(ctx)
     reducer = GradReducer(model, ctx.dp_group, bucket_mb=0.05)  # many small buckets

@@ -91,7 +91,7 @@ def test_eval_only_resumes_the_latest_checkpoint(setup, tmp_path, run_single):
     final = [r for r in before if r.get("step") == 3 and "val_loss" in r]
     assert final and recs[-1]["val_loss"] == pytest.approx(final[-1]["val_loss"], rel=1e-5)
     # independent: HF LLaMA from the exported checkpoint, same windows
-    from oases.export import export_checkpoint
+    from oases.cli.export import export_checkpoint
 
     export_checkpoint(run, tmp_path / "hf")
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()

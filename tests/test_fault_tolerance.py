@@ -242,9 +242,9 @@ def _skip_body(ctx, nan_rank: int):
     """train_step with a NaN injected into one rank's gradient shard at step 2."""
     from oases.config import load_config
     from oases.runtime.data import TrainBatches
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
-    from oases.runtime.trainer import train_step
+    from oases.runtime.step import TrainState, train_step
     from models import build_model
 
     cfg = load_config(None, [*TINY, f"parallel.tp={ctx.tp}", "train.steps=3",
@@ -259,14 +259,14 @@ def _skip_body(ctx, nan_rank: int):
     target.register_hook(lambda g: g * float("nan") if inject["on"] and ctx.rank == nan_rank
                          else g)
 
-    loss1, norm1 = train_step(model, batches, opt, reducer, cfg, ctx, 1e-3)
+    loss1, norm1 = train_step(TrainState(cfg, ctx, model, opt, reducer), batches, 1e-3)
     assert math.isfinite(loss1) and math.isfinite(norm1)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = {n: {k: v.clone() for k, v in opt.state[p].items()}
              for n, p in model.named_parameters()}
 
     inject["on"] = True
-    loss2, norm2 = train_step(model, batches, opt, reducer, cfg, ctx, 1e-3)
+    loss2, norm2 = train_step(TrainState(cfg, ctx, model, opt, reducer), batches, 1e-3)
     inject["on"] = False
     # every rank sees the non-finite norm (TP all-reduce / DP reduction), not only nan_rank
     assert not math.isfinite(norm2), (ctx.rank, norm2)
@@ -276,7 +276,7 @@ def _skip_body(ctx, nan_rank: int):
         for k, v in opt.state[p].items():
             assert torch.equal(v, state[n][k]), (n, k)  # Adam state and step untouched
 
-    loss3, norm3 = train_step(model, batches, opt, reducer, cfg, ctx, 1e-3)
+    loss3, norm3 = train_step(TrainState(cfg, ctx, model, opt, reducer), batches, 1e-3)
     assert math.isfinite(loss3) and math.isfinite(norm3)
     assert any(not torch.equal(p, params[n]) for n, p in model.named_parameters())
 

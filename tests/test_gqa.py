@@ -1,8 +1,8 @@
 """GQA with more TP ranks than kv heads: each kv head replicated on the ranks that use it.
 
 llama-tiny has 4 query heads and 2 kv heads; at tp=4 ranks {0,1} hold kv head 0 and
-{2,3} kv head 1 (oases.heads), and the kv rows' gradients are summed over those
-replica groups (oases.parallel.replicas). ``model.n_kv_heads=1`` (MQA) replicates at
+{2,3} kv head 1 (oases.config.heads), and the kv rows' gradients are summed over those
+replica groups (oases.dp.replicas). ``model.n_kv_heads=1`` (MQA) replicates at
 every degree above 1, so per-block degrees 2 and 4 both have replica groups.
 
 Each parity case runs one real ``train_step`` (the trainer's model, schedule,
@@ -67,12 +67,13 @@ def _train(cfg, ctx, degrees=None, steps: int = 2):
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
+    opt = ts.opt
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.train.micro_batch_size,
                            0, 1, cfg.seed)
     losses, norm, grads = [], None, None
     for s in range(steps):
-        loss, n = train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule, pipe)
+        loss, n = train_step(ts, batches, cfg.train.lr)
         losses.append(loss)
         if s == 0:
             norm, grads = n, {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -180,7 +181,7 @@ PIPELINE = ["model.n_kv_heads=1", "parallel.pp=2", "train.grad_accum=2"]
 
 def _pipeline_body(rank: int, ref: tuple) -> None:
     """pp 2, each stage tp 2, MQA: each stage replicates its kv head over its own pair."""
-    from oases.layout import uniform_layout
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from oases.parallel.sharding import shard
 
@@ -194,11 +195,11 @@ def _pipeline_body(rank: int, ref: tuple) -> None:
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.pipeline_batch, 0, 1,
                            cfg.seed)
     ref_losses, ref_norm, ref_grads = ref
-    loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule, pipe)
+    loss, norm = train_step(ts, batches, cfg.train.lr)
     assert abs(loss - ref_losses[0]) <= RTOL * ref_losses[0], (loss, ref_losses)
     assert abs(norm - ref_norm) <= RTOL * ref_norm, (norm, ref_norm)
     for name, p in model.named_parameters():

@@ -39,7 +39,7 @@ from models import build_model  # noqa: E402
 from models.hf import load_hf_weights  # noqa: E402
 from oases.config import load_config  # noqa: E402
 from oases.errors import CheckpointError, ConfigError  # noqa: E402
-from oases.hf_config import hf_model_fields  # noqa: E402
+from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.parallel.sharding import shard  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -319,7 +319,7 @@ def test_export_roundtrip(trained_gpt2, hf_dirs, tmp_path):
 
 @pytest.mark.filterwarnings(_SINGLE)
 def test_export_of_a_step_dir_and_refusals(trained_gpt2, hf_dirs, tmp_path, capsys):
-    from oases.export import main
+    from oases.cli.export import main
 
     step2 = trained_gpt2 / "checkpoints" / "step_000002"
     out = tmp_path / "hf2"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from oases import launch as L
+from oases.cli import launch as L
 from oases.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def _launcher(tmp_path: Path, status_on_term: int) -> tuple[subprocess.Popen, Pa
     fake = tmp_path / "torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
     got = tmp_path / "got"
-    code = (f"import os, sys; from oases.launch import run; "
+    code = (f"import os, sys; from oases.cli.launch import run; "
             f"sys.exit(run([sys.executable, {str(fake)!r}, {str(got)!r}, "
             f"'{status_on_term}'], os.environ))")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE,

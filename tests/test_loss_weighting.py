@@ -121,10 +121,10 @@ def _step_body(ctx, ref: tuple) -> None:
     """One train_step per engine at dp=2 x tp=2, 2 micro-batches of 4 rows (the oases
     engine cuts each into 2 sub-batches)."""
     from models import build_model
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
-    from oases.runtime.step import train_step
-    from oases.schedule.engines import build_schedule
+    from oases.runtime.step import TrainState, train_step
+    from oases.overlap.engines import build_schedule
 
     for engine in ("oases", "megatron"):
         cfg = _cfg(ctx.world_size, engine, ctx.tp)
@@ -136,7 +136,7 @@ def _step_body(ctx, ref: tuple) -> None:
         schedule = build_schedule(engine, ctx.tp_group, cfg.parallel.sub_batches,
                                   cfg.parallel.recompute)
         batches = _Rows(x, y, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp)
-        loss, _ = train_step(model, batches, opt, reducer, cfg, ctx, 0.0, schedule)
+        loss, _ = train_step(TrainState(cfg, ctx, model, opt, reducer, schedule), batches, 0.0)
         _check(model, ctx, loss, *ref, f"{engine} dp{ctx.dp}xtp{ctx.tp}")
 
 
@@ -166,7 +166,7 @@ PIPE_CASES = [
 
 
 def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
-    from oases.layout import stages_layout, uniform_layout
+    from oases.parallel.layout import stages_layout, uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import ValBatches
@@ -180,7 +180,8 @@ def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
         ctx = build_pipeline_context(layout, torch.device("cpu"), True)
         tracker = seed_tracker(cfg, ctx)
         model = model_for(cfg, ctx, tracker, None, SEED)
-        schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+        ts = training_for(cfg, ctx, model, tracker, None)
+        pipe = ts.pipe
         rows = cfg.pipeline_batch // ctx.dp  # this replica's share of a micro-batch
         # evaluation first (the weights are still the reference's)
         got = evaluate(model, ValBatches(val, "uint16", SEQ, 256, rows, ctx.dp_rank, ctx.dp, 8),
@@ -188,8 +189,7 @@ def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
         want = refs["val"]
         assert abs(got - want) <= LOSS_RTOL * want, f"{name}: val loss {got} vs {want}"
         x, y = _global_batch(cfg.global_batch_size, cfg.model.vocab_size)
-        loss, _ = train_step(model, _Rows(x, y, rows, ctx.dp_rank, ctx.dp), opt, reducer, cfg,
-                             ctx, 0.0, schedule, pipe)
+        loss, _ = train_step(ts, _Rows(x, y, rows, ctx.dp_rank, ctx.dp), 0.0)
         _check(model, ctx, loss, *refs["step"], f"{name} {engine} {kind}")
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
-                                   cleanup_stale_cgroups, cluster_quotas, cpu_quotas)
+from benchmarks.lib.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
+                                       cleanup_stale_cgroups, cluster_quotas, cpu_quotas)
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape, RunShape
@@ -128,7 +128,7 @@ def test_plan_cli_memory_limit_is_the_smallest_node(tmp_path, monkeypatch):
     """``python -m oases.plan`` without --memory-gib plans for the run's smallest
     device: a tiny node 3 makes every plan too big (one line, exit 2)."""
     import oases.planner.profile as profile
-    from oases.plan import main
+    from oases.cli.plan import main
 
     def analytic(cfg, run, device, db, **_):
         shape = ModelShape.from_config(cfg.model)

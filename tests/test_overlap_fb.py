@@ -23,7 +23,8 @@ from oases.errors import ConfigError
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
 from oases.runtime.step import paired_forward_backward
-from oases.schedule.engines import MegatronSchedule, OasesSchedule, _rng_restore, sub_batch_rng_streams
+from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
+                                   sub_batch_rng_streams)
 from tests.distributed import run_distributed
 from tests.test_schedule import _full_grads
 
@@ -114,7 +115,8 @@ def _train(ctx, cfg, steps=2):
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
+    schedule, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     pairs = [0]  # fused backward + forward calls (the check that pairing happened)
@@ -129,8 +131,7 @@ def _train(ctx, cfg, steps=2):
     losses = []
     for s in range(steps):
         with CommCounter() as counter:
-            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr,
-                                    schedule, pipe)
+            loss, norm = train_step(ts, batches, cfg.train.lr)
         losses.append(loss)
         if s == 0:
             counts = dict(counter.counts)
@@ -142,7 +143,7 @@ def _train(ctx, cfg, steps=2):
     if pipe is None:  # pp=1: every backward but the last of each step
         want = steps * (cfg.train.grad_accum - 1)
     else:  # this stage's steady-state pairs
-        from oases.schedule.pipeline import is_fused
+        from oases.pipeline.actions import is_fused
         want = steps * sum(is_fused(pipe.actions, i) for i in range(len(pipe.actions)))
     assert pairs[0] == (want if cfg.parallel.overlap_fb else 0), (pairs[0], want)
     return losses, grads, counts
@@ -175,7 +176,7 @@ def test_dp_tp_train_step_matches_unpaired(name, grad_accum, zero):
 def _pp_body(rank, name, grad_accum):
     """pp 2 x tp 2 (eager-1f1b), dropout 0.1: the pipeline runtime with and without fused
     B, F pairs; then dropout 0 against one unsharded process (test_pipeline_parity)."""
-    from oases.layout import uniform_layout
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from tests.test_pipeline_parity import _run_case
 
@@ -239,7 +240,7 @@ def test_plan_auto_prices_the_paired_run_at_the_run_s_dp():
     """plan=auto prices the paired schedule on a copy of the validated config: the copy
     keeps dp (a dataclasses.replace copy had dp 0, which dropped the replicas' gradient
     syncs from the prediction and made degree-1 blocks look free)."""
-    from oases.runtime.planning import paired_config
+    from oases.planner.online import paired_config
 
     cfg = load_config(None, ["model.name=gpt-tiny", "parallel.tp=2", "parallel.schedule=oases",
                              "train.grad_accum=2"]).validate(4)

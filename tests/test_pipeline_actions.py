@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (oases.schedule.pipeline): pure Python, no torch.
+"""Pipeline schedules as data (oases.pipeline.actions): pure Python, no torch.
 
 Expected orders are written out by hand from the rules (gpipe: all F then all B;
 1f1b: pp-i forwards before the first B; eager-1f1b: 2(pp-i)-1; then B, F
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oases.schedule.pipeline import (KINDS, Action, ScheduleError, check_schedule,
+from oases.pipeline.actions import (KINDS, Action, ScheduleError, check_schedule,
                                      format_actions, format_timeline,
                                      forwards_before_first_backward, pipeline_actions,
                                      simulate, stage_actions)
@@ -241,8 +241,10 @@ def test_format_timeline():
 
 
 def test_pipeline_module_imports_no_torch():
-    code = ("import sys, oases.schedule.pipeline, oases.schedule; "
-            "assert 'torch' not in sys.modules; assert 'oases.schedule.__main__' not in sys.modules")
+    code = ("import sys, oases.pipeline, oases.pipeline.actions; "
+            "assert 'torch' not in sys.modules; assert 'oases.cli.schedule' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    code = "import sys, oases.schedule; assert 'torch' not in sys.modules"  # the command's
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
@@ -277,7 +279,7 @@ def test_overlap_fb_lists_are_valid_and_eager_keeps_the_rate():
     runs without deadlock when each pair waits for both its inputs; under eager-1f1b the
     pairs keep 1F1B's rate, under 1f1b they wait on each other across stages (which is
     why the config asks for eager-1f1b)."""
-    from oases.schedule.pipeline import fused_units, is_fused, pipeline_actions
+    from oases.pipeline.actions import fused_units, is_fused, pipeline_actions
 
     for kind in KINDS:
         for pp, m in [(2, 2), (2, 4), (3, 6), (4, 8)]:

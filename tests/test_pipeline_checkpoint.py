@@ -38,7 +38,7 @@ BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"trai
 def _train(rank: int, overrides: list[str]) -> None:
     from oases.config import load_config
     from oases.parallel.groups import build_context, build_pipeline_context
-    from oases.runtime.planning import resolve_layout
+    from oases.planner.online import resolve_layout
 
     world = dist.get_world_size()
     cfg = load_config(None, overrides).validate(world)

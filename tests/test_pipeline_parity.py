@@ -47,9 +47,9 @@ def _reference(cfg, steps: int):
     from models import build_model
     from oases.parallel.groups import ParallelContext
     from oases.runtime.data import TrainBatches
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
-    from oases.runtime.step import train_step
+    from oases.runtime.step import TrainState, train_step
 
     ctx = ParallelContext.single()
     model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=cfg.seed)
@@ -59,7 +59,7 @@ def _reference(cfg, steps: int):
                            cfg.pipeline_batch, 0, 1, cfg.seed)
     losses, grads, norm = [], None, None
     for s in range(steps):
-        loss, n = train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr)
+        loss, n = train_step(TrainState(cfg, ctx, model, opt, reducer), batches, cfg.train.lr)
         losses.append(loss)
         if s == 0:
             norm = n
@@ -90,13 +90,12 @@ def _run_case(rank: int, cfg, layout, steps: int, what: str) -> None:
     st = layout.stages[ctx.stage]
     degrees = [b.degree for layer in model.layers for b in (layer.attn, layer.mlp)]
     assert degrees == list(st.degrees or [st.tp] * len(degrees)), (what, degrees)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     ref_losses, ref_norm, ref_grads = _reference(cfg, steps)
     for s in range(steps):
-        loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule,
-                                pipe)
+        loss, norm = train_step(ts, batches, cfg.train.lr)
         assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), \
             f"{what}: step {s + 1} loss {loss} vs {ref_losses[s]}"
         if s == 0:
@@ -118,7 +117,7 @@ LAYOUTS = {
 
 
 def _body(rank: int, layout_name: str, cases: list) -> None:
-    from oases.layout import stages_layout, uniform_layout
+    from oases.parallel.layout import stages_layout, uniform_layout
 
     pp, tp, stages = LAYOUTS[layout_name]
     for arch, engine, kind in cases:
@@ -154,7 +153,7 @@ def _nonfinite_body(rank: int) -> None:
     non-finite norm and leaves the step out (no weight moves anywhere)."""
     import math
 
-    from oases.layout import uniform_layout
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import TrainBatches
@@ -165,13 +164,13 @@ def _nonfinite_body(rank: int) -> None:
                                  torch.device("cpu"), True)
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     if rank == 0:
         model.layers[0].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, 1e-2, schedule, pipe)
+    loss, norm = train_step(ts, batches, 1e-2)
     assert math.isfinite(loss) and math.isnan(norm), (rank, loss, norm)
     for k, p in model.named_parameters():
         assert torch.equal(p, before[k]), f"rank {rank}: {k} moved in a skipped step"

@@ -30,10 +30,10 @@ def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
     from oases.parallel.random import TPRNGTracker
     from oases.parallel.reshard import grad_group_of
     from oases.runtime.data import TrainBatches
-    from oases.runtime.dp import GradReducer
+    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
-    from oases.runtime.step import train_step
-    from oases.schedule.engines import build_schedule
+    from oases.runtime.step import TrainState, train_step
+    from oases.overlap.engines import build_schedule
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.dropout=0.3", "model.seq_len=16",
                              "parallel.tp=2", f"parallel.schedule={schedule}",
@@ -54,7 +54,8 @@ def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
     reducer = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
     batches = TrainBatches(cfg.data, 16, cfg.model.vocab_size, 8, 0, 1, cfg.seed)
     engine = build_schedule(schedule, ctx.tp_group, 4, cfg.parallel.recompute, tracker)
-    loss, _ = train_step(model, batches, opt, reducer, cfg, ctx, 0.0, engine)  # lr 0
+    state = TrainState(cfg, ctx, model, opt, reducer, engine)
+    loss, _ = train_step(state, batches, 0.0)  # lr 0
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad.contiguous()

@@ -1,22 +1,18 @@
 """The exhaustive reference of the layout search (``oases.planner.search.exhaustive``)
-and benchmarks/plan_search.py's use of it."""
+and the plan_search benchmark's use of it (``benchmarks.lib.search_timing``)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks.lib import search_timing as ps
 from oases.planner import stages as st
 from oases.planner.cluster import Cluster
 from oases.planner.cost import ModelShape
 from oases.planner.fit import analytic_profile
 from oases.planner.search import exhaustive, search, space_size
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 SHAPE = ModelShape("gpt", 4, 256, 8, 8, 1024, 512, 64)
 
@@ -56,11 +52,9 @@ def test_exhaustive_finds_nothing_when_nothing_fits():
 
 
 def test_benchmark_estimates_only_what_it_does_not_enumerate(monkeypatch):
-    """plan_search.against_exhaustive on the 8-layer problem, with searches' rows
+    """search_timing.against_exhaustive on the 8-layer problem, with searches' rows
     stubbed: above the time cap it reports an estimate (plans / sampled rate) and runs
     nothing; the space is counted exactly either way."""
-    import plan_search as ps
-
     called = []
     monkeypatch.setattr(ps, "run_exhaustive", lambda name: called.append(name))
     rows = [{"problem": "8 layers x 8 devices", "method": m, "total_s": 0.1, "time_s": 1.0}
@@ -70,4 +64,4 @@ def test_benchmark_estimates_only_what_it_does_not_enumerate(monkeypatch):
     assert e["plans"] == space_size(ps.problems("8 layers x 8 devices")) > 10**5
     assert e["estimate_s"] == pytest.approx(e["plans"] / e["rate_plans_per_s"])
     assert e["speedup"] == pytest.approx(e["estimate_s"] / 0.1)
-    assert "estimated" in ps._seconds(e) and "not enumerated" in ps._vs_optimum(e)
+    assert "estimated" in ps.seconds_text(e) and "not enumerated" in ps.vs_optimum_text(e)

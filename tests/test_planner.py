@@ -23,9 +23,9 @@ from oases.planner import ilp
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile, calibrate_host_cost
-from oases.planner.plan import Plan, check_plan, load_plan
-from oases.runtime.dp import GradReducer
-from oases.schedule.engines import build_schedule
+from oases.planner.plan_file import Plan, check_plan, load_plan
+from oases.dp.reducer import GradReducer
+from oases.overlap.engines import build_schedule
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ class _ActivationMeter:
     with the gradients and Adam moments, as the cost model's 16 B per parameter)."""
 
     def __new__(cls, model):
-        from oases.schedule.memory import SavedTensorMeter
+        from oases.overlap.memory import SavedTensorMeter
 
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -199,7 +199,7 @@ def _measure_memory_body(ctx, plans: dict, out: str) -> None:
     themselves) plus the peak of the saved activations over a real train_step."""
     from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer
-    from oases.runtime.step import train_step
+    from oases.runtime.step import TrainState, train_step
     cfg = _gpt_tiny_t2()
     got = {}
     for name, degrees in plans.items():
@@ -212,7 +212,7 @@ def _measure_memory_body(ctx, plans: dict, out: str) -> None:
         batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                                cfg.train.micro_batch_size, 0, 1, cfg.seed)
         with _ActivationMeter(model) as meter:
-            train_step(model, batches, opt, red, cfg, ctx, 1e-3)
+            train_step(TrainState(cfg, ctx, model, opt, red), batches, 1e-3)
         held = sum(t.numel() * t.element_size() for p in model.parameters()
                    for t in (p, p.grad, *opt.state[p].values()) if t.dim() > 0)
         v = torch.tensor([float(held + meter.peak_bytes)], dtype=torch.float64)

@@ -1,25 +1,22 @@
-"""benchmarks/planner_layouts.py's candidates: every uniform and random layout it would
-measure is a plan the runtime accepts with its run overrides (no cluster, no torch run)."""
+"""The planner validation benchmark's candidates (``benchmarks.lib.layouts``): every
+uniform and random layout it would measure is a plan the runtime accepts with its run
+overrides (no cluster, no torch run)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from benchmarks.lib import layouts as pl
+from oases.config import load_config
+from oases.planner import report as rep
+from oases.planner.cluster import load_cluster
+from oases.planner.fit import analytic_profile
+from oases.planner.online import resolve_layout
+from oases.planner.search import search
+from oases.planner.stages import build, enumerate_choices, job_from_config, profile_run
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import planner_layouts as pl  # noqa: E402
-
-from oases.config import load_config  # noqa: E402
-from oases.planner import report as rep  # noqa: E402
-from oases.planner.cluster import load_cluster  # noqa: E402
-from oases.planner.fit import analytic_profile  # noqa: E402
-from oases.planner.search import search  # noqa: E402
-from oases.planner.stages import (build, enumerate_choices, job_from_config,  # noqa: E402
-                                  profile_run)
-from oases.runtime.planning import resolve_layout  # noqa: E402
 
 
 def test_candidates_are_valid_plans(tmp_path):

@@ -16,11 +16,11 @@ from oases.planner import stages as st
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape
 from oases.planner.fit import analytic_profile
-from oases.planner.plan import check_plan, check_run, load_plan
+from oases.planner.plan_file import check_plan, check_run, load_plan
 from oases.planner.profile import profile_key, save_db
 from oases.planner.search import search
 from oases.planner.uniap import evaluate
-from oases.runtime.planning import resolve_layout
+from oases.planner.online import resolve_layout
 
 SHAPE = ModelShape("gpt", 4, 256, 8, 8, 1024, 512, 64)
 
@@ -203,7 +203,7 @@ inter_node_bandwidth_gbps: 0.5
 def _fabricated_db(tmp_path, overrides, tp_max=2, search_kind="uniap"):
     """A profile DB holding the analytic profile under the key the CLI will look up, at
     the degrees the profiler measures (those whose batch parts hold whole sequences)."""
-    from oases.plan import run_shape
+    from oases.planner.api import run_shape
 
     cfg = load_config("configs/gpt-tiny.yaml", overrides).validate(4)
     job = st.job_from_config(cfg)
@@ -220,7 +220,7 @@ def _fabricated_db(tmp_path, overrides, tp_max=2, search_kind="uniap"):
 
 
 def _cli(tmp_path, capsys, search_kind, *extra, overrides=TINY, cluster=CLUSTER):
-    from oases.plan import main
+    from oases.cli.plan import main
 
     (tmp_path / "cluster.yaml").write_text(cluster)
     db = _fabricated_db(tmp_path, overrides, search_kind=search_kind)
@@ -278,7 +278,7 @@ def test_cli_tp_only_and_bad_input(tmp_path, capsys):
     bad = TINY[:1] + ["model.n_head=3"] + TINY[2:]
     with pytest.raises(ConfigError):  # what the CLI reports for it (below): one line
         load_config("configs/gpt-tiny.yaml", bad).validate(4)
-    from oases.plan import main
+    from oases.cli.plan import main
     rc = main(["--config", "configs/gpt-tiny.yaml", "--cluster", str(tmp_path / "cluster.yaml"),
                "--out", str(tmp_path / "p.yaml"), *bad])
     err = capsys.readouterr().err

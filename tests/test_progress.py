@@ -129,7 +129,7 @@ def test_prepare_same_files_with_and_without_bars(monkeypatch, tmp_path, tokeniz
     """Bars only draw: the token files are the same as a piped run's, also when the text
     is tokenized and written in many pieces."""
     tty = fake_tty(monkeypatch)
-    from oases import prepare as prep
+    from oases.cli import prepare as prep
 
     tok = "bytes" if tokenizer == "bytes" else _tokenizer(tmp_path / "tok.json")
     monkeypatch.setattr(prep, "_ENCODE_CHUNK_CHARS", 500)  # ~40 chunks, several groups

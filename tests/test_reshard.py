@@ -169,7 +169,7 @@ def test_consolidate_matches_the_sharded_run(run_a, tmp_path):
 
 
 def test_consolidate_run_dir_and_errors(run_a, tmp_path):
-    from oases.consolidate import main
+    from oases.cli.consolidate import main
 
     out = tmp_path / "m.pt"
     assert main([str(run_a), "--out", str(out)]) == 0  # a run dir: its latest checkpoint

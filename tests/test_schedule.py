@@ -25,10 +25,10 @@ from oases.errors import ConfigError
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters, unshard
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
-from oases.schedule.block import TPBlock
-from oases.schedule.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
+from oases.parallel.block import TPBlock
+from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
                                     build_schedule, sub_batch_rng_streams)
-from oases.schedule.memory import SavedTensorMeter
+from oases.overlap.memory import SavedTensorMeter
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.comm import (CommCounter, CommObserver, CutRecorder, NoopCollectives,
                                  all_reduce, copy_to_tp)
-from oases.schedule.block import TPBlock
-from oases.schedule.engines import OasesSchedule
-from oases.schedule.memory import SavedTensorMeter
+from oases.parallel.block import TPBlock
+from oases.overlap.engines import OasesSchedule
+from oases.overlap.memory import SavedTensorMeter
 from tests.distributed import run_distributed
 
 

@@ -59,14 +59,16 @@ def _full_params(model, ctx) -> dict[str, torch.Tensor]:
 
 
 def _build(cfg, ctx, rows=None):
-    """What the trainer builds for this rank: model, engine, optimizer, reducer, pipeline
-    runner (None at pp = 1) and the data (``rows`` per DP rank and micro-batch)."""
+    """What the trainer builds for this rank: its TrainState (model, engine, optimizer,
+    reducer, pipeline runner: None at pp = 1), those parts, and the data (``rows`` per DP
+    rank and micro-batch)."""
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    engine, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker, None)
+    engine, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            rows or cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
-    return model, engine, opt, reducer, pipe, batches
+    return ts, model, engine, opt, reducer, pipe, batches
 
 
 def run_levels(ctx, levels, schedule, recompute, extra=()):
@@ -74,11 +76,10 @@ def run_levels(ctx, levels, schedule, recompute, extra=()):
     res = {}
     for zero in levels:
         cfg = _cfg(ctx.world_size, ctx.tp, zero, schedule, recompute, extra)
-        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
+        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
         losses, norms = [], []
         for step in range(STEPS):
-            loss, norm = train_step(model, batches, opt, reducer, cfg, ctx,
-                                    lr_at(step, cfg.train), engine, pipe)
+            loss, norm = train_step(ts, batches, lr_at(step, cfg.train))
             losses.append(loss)
             norms.append(norm)
         with reducer.unsharded(opt, model):
@@ -118,8 +119,8 @@ def _memory_body(ctx, out):
     for zero in (0, 1, 2, 3):
         cfg = _cfg(ctx.world_size, 1, zero, "megatron", "none",
                    ("train.grad_accum=1", "parallel.dp_bucket_mb=25"))
-        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
-        train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
+        train_step(ts, batches, 1e-3)
         if ctx.rank == 0:
             out[zero] = reducer.memory(model, opt)
             out[f"n{zero}"] = sum(p.numel() for p in model.parameters())
@@ -216,7 +217,7 @@ def _pp_body(rank, schedule, recompute, plan=None):
     """pp 2 x dp 2 (tied embeddings across the stages): zero 3 equals zero 0, stage by
     stage; with ``plan``, per-block levels from a plan file that leaves the first stage
     at level 0 and shards the second's."""
-    from oases.layout import uniform_layout
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
 
     res = {}
@@ -226,9 +227,9 @@ def _pp_body(rank, schedule, recompute, plan=None):
                    ("parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2", *extra))
         layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
         ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
-        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx, cfg.pipeline_batch // ctx.dp)
-        losses = [train_step(model, batches, opt, reducer, cfg, ctx, lr_at(s, cfg.train),
-                             engine, pipe) for s in range(STEPS)]
+        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx,
+                                                                 cfg.pipeline_batch // ctx.dp)
+        losses = [train_step(ts, batches, lr_at(s, cfg.train)) for s in range(STEPS)]
         with reducer.unsharded(opt, model):
             params = {k: p.detach().clone() for k, p in model.named_parameters()}
         res[name] = (losses, params)
@@ -281,14 +282,14 @@ def _nonfinite_body(ctx):
 
     for zero in (2, 3):
         cfg = _cfg(ctx.world_size, 1, zero, "oases", "fine")
-        model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
-        train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
+        train_step(ts, batches, 1e-3)
         with reducer.unsharded(opt, model) as o:
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
             moments = {id(p): o.state[p]["exp_avg"].clone() for p in model.parameters()}
         h = (model.layers[1].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
              if ctx.rank == 0 else None)
-        loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, 1e-3, engine, pipe)
+        loss, norm = train_step(ts, batches, 1e-3)
         assert math.isfinite(loss) and math.isnan(norm), (ctx.rank, zero, loss, norm)
         with reducer.unsharded(opt, model) as o:
             for k, p in model.named_parameters():

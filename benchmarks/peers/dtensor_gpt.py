@@ -1,6 +1,6 @@
 """Peer: oases' GPT shape, tensor-parallel with PyTorch's own DTensor TP API.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/peers/dtensor_gpt.py \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.peers.dtensor_gpt \
         --d-model 128 --n-layer 2 --n-head 4 --seq-len 64 --micro-batch-size 4 \
         --steps 5 --warmup 1 --out-json /tmp/dtensor.json
 
@@ -35,21 +35,18 @@ sharded, so the initial model is the same function at every tp. Every other para
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,  # noqa: E402
-                     train_loop, write_json)
+from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab,
+                                      parse_args, train_loop, write_json)
 
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                loss_parallel, parallelize_module)
 
 

@@ -9,20 +9,18 @@ itself. It tries, and reports, three things:
    ``block.combine`` itself (not ``block(...)``) and runs backward from cut tensors;
 3. the same with ``unshard()`` called by hand before the engine runs.
 
-    python benchmarks/peers/fsdp2_probe.py
+    python -m benchmarks.peers.fsdp2_probe
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _first_line(e: BaseException) -> str:
@@ -38,7 +36,7 @@ def _worker(rank: int, port: int) -> None:
 
     from models import build_model
     from oases.config import load_config
-    from oases.schedule.engines import build_schedule
+    from oases.overlap.engines import build_schedule
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.dropout=0", "model.seq_len=32",
                              "data.kind=synthetic", "data.val_path="]).validate(2)

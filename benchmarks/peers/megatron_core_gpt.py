@@ -1,6 +1,6 @@
 """Peer: oases' GPT shape, tensor-parallel with megatron-core's tensor_parallel layers.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/peers/megatron_core_gpt.py \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.peers.megatron_core_gpt \
         --d-model 128 --n-layer 2 --n-head 4 --seq-len 64 --micro-batch-size 4 \
         --steps 5 --warmup 1 --out-json /tmp/mcore.json
 
@@ -49,17 +49,14 @@ model is the same function at every tp for one seed.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,  # noqa: E402
-                     train_loop, write_json)
+from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab,
+                                      parse_args, train_loop, write_json)
 
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x4
     warnings.simplefilter("ignore")

@@ -1,7 +1,7 @@
 """Self-check of the peers: tp=2 against tp=1, and both against oases' own GPT.
 
-    .venv/bin/python benchmarks/peers/selfcheck.py            # both peers
-    .venv/bin/python benchmarks/peers/selfcheck.py --peers dtensor
+    .venv/bin/python -m benchmarks.peers.selfcheck            # both peers
+    .venv/bin/python -m benchmarks.peers.selfcheck --peers dtensor
 
 For each peer, runs ``torchrun --standalone --nproc_per_node={1,2}`` on a tiny shape
 (d 128, 2 layers, 4 heads, seq 64, mbs 4, 5 steps) twice: once on fresh random batches
@@ -27,26 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPE = dict(d_model=128, n_layer=2, n_head=4, seq_len=64, micro_batch_size=4, steps=5)
-PEERS = {"dtensor": "dtensor_gpt.py", "megatron": "megatron_core_gpt.py"}
+PEERS = {"dtensor": "benchmarks.peers.dtensor_gpt", "megatron": "benchmarks.peers.megatron_core_gpt"}
 
 
 def run_peer(script: str, tp: int, out: Path, tag: str, fixed: bool) -> dict:
     js, init = out / f"{tag}.json", out / f"{tag}.init.pt"
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={tp}", str(HERE / script),
+    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={tp}", "--module", script,
            *[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
            "--warmup=1", "--vocab=256", f"--out-json={js}", f"--dump-init={init}"]
     if fixed:
@@ -67,7 +63,7 @@ def oases_loss(init_path: str) -> tuple[float, float, int]:
     from models import build_model
     from oases.config import load_config
     from oases.runtime.optim import grad_norm
-    from _common import batch
+    from benchmarks.peers._common import batch
 
     cfg = load_config(None, ["model.name=gpt-tiny", f"model.n_layer={SHAPE['n_layer']}",
                              f"model.d_model={SHAPE['d_model']}",

@@ -1,11 +1,11 @@
 """Peer: oases' own stage modules driven by ``torch.distributed.pipelining.Schedule1F1B``.
 
-    torchrun --nproc-per-node 4 benchmarks/peers/torch_pipelining.py --pp 2 --tp 2 \
+    torchrun --nproc-per-node 4 -m benchmarks.peers.torch_pipelining --pp 2 --tp 2 \
         --d-model 128 --n-layer 4 --n-head 4 --seq-len 64 --micro-batch-size 4 \
         --microbatches 4 --steps 4 --warmup 1 --out-json /tmp/pipe.json
 
 The same stage model as ``train.py parallel.pp=2 parallel.tp=2 parallel.schedule=megatron``:
-the layout comes from ``oases.layout.uniform_layout`` (stage s = ranks s*tp .. s*tp+tp-1,
+the layout comes from ``oases.parallel.layout.uniform_layout`` (stage s = ranks s*tp .. s*tp+tp-1,
 TP inside a stage), the groups from ``oases.parallel.groups.build_pipeline_context`` and
 the stage's model from ``oases.runtime.build.model_for`` (``models.build_model(...,
 stage=(a, b))``; blocking Megatron TP all-reduces inside autograd, ``--recompute``
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,9 +45,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,7 +86,7 @@ def main() -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from oases.config import load_config
-    from oases.layout import uniform_layout
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
     from oases.runtime.build import model_for, seed_tracker
     from oases.runtime.data import TrainBatches

@@ -14,6 +14,10 @@ model code runs unsharded. Collectives issued here can be counted
 (:class:`CommObserver`, the tracer) or skipped (:class:`NoopCollectives`); what is
 active is per thread and travels with the autograd graph into backward
 (:class:`CommScope`). No mutable state here is process-global.
+
+Who all-reduces the gradient of a TP region's input (:func:`copy_to_tp`,
+:func:`column_linear`) is up to the entry a schedule entered
+(:mod:`oases.parallel.region`); by default autograd's backward does.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+# Cut and CutRecorder belong to this module's API: copy_to_tp defers to the entry
+from oases.parallel.region import Cut, CutRecorder, entered_region  # noqa: F401
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -342,77 +350,76 @@ def _trivial(group) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
-class Cut:
-    """Where a TP region was entered under a :class:`CutRecorder`: ``leaf`` replaced
-    ``source`` in the forward graph; its gradient must be all-reduced over ``group``
-    and then fed to ``source`` (``torch.autograd.backward(source, reduced_grad)``)."""
-
-    __slots__ = ("source", "leaf", "group")
-
-    def __init__(self, source: torch.Tensor, leaf: torch.Tensor, group) -> None:
-        self.source, self.leaf, self.group = source, leaf, group
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-class CutRecorder:
-    """While active, :func:`copy_to_tp` cuts the autograd graph instead of inserting
-    its backward all-reduce, and records the cut, so that a schedule can run the
-    backward up to the cut, launch the all-reduce of the cut's gradient itself
-    (asynchronously) and continue later. The same source tensor entering several
-    column-parallel layers is cut once (one all-reduce for their summed gradient).
+class _LinearAsyncGradAllReduce(torch.autograd.Function):
+    """``F.linear`` on a replicated input whose input gradient is all-reduced over TP,
+    overlapped with the weight-gradient matmul (as Megatron-LM does):
 
-    Active per thread. A recorder is consulted only while a forward builds the graph
-    (:func:`copy_to_tp`, ``ColumnParallelLinear``), on the thread that runs that
-    forward and entered the recorder around it; nothing reads it in backward (the
-    ``oases`` engine recomputes on its own thread, entering a recorder again). A
-    thread-local stack is therefore exact, and an engine on another thread, or
-    autograd's device thread re-running a ``torch.utils.checkpoint`` region, never
-    sees it."""
+        backward:  dX = dY W  -> launch all-reduce(dX)  -> dW = dY^T X, db  -> wait
 
-    _tls = threading.local()
+    The wait happens on the stream that returns dX to autograd (the current one);
+    on CUDA, NCCL's stream already waited for dX's producer at launch.
+    """
 
-    def __init__(self) -> None:
-        self.cuts: list[Cut] = []
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        dt = _compute_dtype(x)  # autocast is active in forward, not in backward
+        xc, wc = x.to(dt), weight.to(dt)
+        ctx.save_for_backward(xc, wc)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.w_dtype = weight.dtype
+        ctx.comm_scope = current_scope()  # autograd may run the backward on another thread
+        return F.linear(xc, wc, None if bias is None else bias.to(dt))
 
-    @classmethod
-    def _stack(cls) -> list:
-        st = getattr(cls._tls, "stack", None)
-        if st is None:
-            st = cls._tls.stack = []
-        return st
+    @staticmethod
+    @backward_in_forward_scope
+    def backward(ctx, g):
+        xc, wc = ctx.saved_tensors
+        g = g.contiguous()
+        dx = g.matmul(wc)
+        work = all_reduce(dx, ctx.group, async_op=True)
+        g2 = g.reshape(-1, g.shape[-1])
+        dw = g2.t().matmul(xc.reshape(-1, xc.shape[-1])).to(ctx.w_dtype)
+        db = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        work.wait()
+        return dx, dw, db, None
 
-    def __enter__(self) -> "CutRecorder":
-        self._stack().append(self)
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stack().remove(self)
+class _AutogradEntry:
+    """The :class:`~oases.parallel.region.TPRegionEntry` when no schedule entered one:
+    the input gradient's all-reduce runs inside autograd's backward."""
 
-    def cut(self, x: torch.Tensor, group) -> torch.Tensor:
-        """The tensor the TP region computes on: a view of the cut's leaf. A view, so
-        that autocast never caches its low-precision copy (it caches casts of leaves
-        that require grad, for the weights, until its outermost region exits, and an
-        engine may hold that region for a whole run)."""
-        for c in self.cuts:
-            if c.source is x and c.group is group:
-                return c.leaf.view_as(c.leaf)
-        leaf = x.detach().requires_grad_(x.requires_grad)
-        self.cuts.append(Cut(x, leaf, group))
-        return leaf.view_as(leaf)
+    @staticmethod
+    def copy(x: torch.Tensor, group) -> torch.Tensor:
+        return _CopyToTP.apply(x, group)
 
-    @classmethod
-    def current(cls) -> Optional["CutRecorder"]:
-        st = cls._stack()
-        return st[-1] if st else None
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               group) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _LinearAsyncGradAllReduce.apply(x, weight, bias, group)
+        return F.linear(_CopyToTP.apply(x, group), weight, bias)
+
+
+AUTOGRAD_ENTRY = _AutogradEntry()
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region: identity forward, all-reduce of the gradient backward."""
+    return x if _trivial(group) else (entered_region() or AUTOGRAD_ENTRY).copy(x, group)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  group) -> torch.Tensor:
+    """``F.linear(copy_to_tp(x, group), weight, bias)`` through the entered
+    :class:`~oases.parallel.region.TPRegionEntry` (a column-parallel layer's input)."""
     if _trivial(group):
-        return x
-    rec = CutRecorder.current()
-    if rec is not None:
-        return rec.cut(x, group)
-    return _CopyToTP.apply(x, group)
+        return F.linear(x, weight, bias)
+    return (entered_region() or AUTOGRAD_ENTRY).linear(x, weight, bias, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:

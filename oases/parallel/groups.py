@@ -6,7 +6,7 @@ Rank layout (TP ranks contiguous, so a TP group stays inside one node):
     world 4, tp 2:   tp groups {0,1} {2,3}     dp groups {0,2} {1,3}
 
 GQA with more TP ranks than kv heads replicates each kv head on consecutive
-ranks (oases.heads); their *kv replica groups* sum the kv gradients:
+ranks (oases.config.heads); their *kv replica groups* sum the kv gradients:
 
     world 4, tp 4, n_kv_heads 2:   kv replica groups {0,1} {2,3}
 
@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from oases.errors import UserError
-from oases.heads import kv_replicas
+from oases.parallel.ranks import kv_replica_ranks, new_groups
+from oases.parallel.reshard import DegreeGroups
 
 
 @dataclass
@@ -42,7 +45,7 @@ class ParallelContext:
     mesh: Optional[object] = None   # DeviceMesh ("dp", "tp"), used for DTensor checkpoints
     _degree_groups: Optional[object] = None
     # Pipeline (pp > 1): tp, dp and their groups above are this rank's *stage*'s; the
-    # layout (oases.layout.PipelineLayout) says where every stage lives.
+    # layout (oases.parallel.layout.PipelineLayout) says where every stage lives.
     pp: int = 1
     stage: int = 0
     layout: Optional[object] = None
@@ -70,8 +73,6 @@ class ParallelContext:
         """Groups for per-block TP degrees (built on first use; collective: every rank
         must call it at the same point)."""
         if self._degree_groups is None:
-            from oases.parallel.reshard import DegreeGroups
-
             self._degree_groups = DegreeGroups(self.rank, self.world_size, self.tp, self.dp,
                                                self.tp_group, self.dp_group,
                                                kv_heads=self.kv_heads, kv_group=self.kv_group)
@@ -100,13 +101,20 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def backend_for(device: torch.device, backend: str = "auto") -> str:
+    """``parallel.backend``'s process-group backend on ``device``: auto is NCCL on CUDA,
+    gloo elsewhere."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
 def join_world(device: str = "auto", backend: str = "auto",
                timeout_s: float = 600.0) -> torch.device:
     """Join (or create, for a plain ``python train.py``) the default process group, if
     not joined yet; returns the device. No other group is made."""
     dev = pick_device(device)
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = backend_for(dev, backend)
     if backend == "nccl" and dev.type != "cuda":
         raise UserError("parallel.backend=nccl needs CUDA; use gloo on CPU")
     if not dist.is_initialized():
@@ -132,33 +140,6 @@ def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
     return build_context(tp, dev, kv_heads)
 
 
-def kv_replica_ranks(first: int, dp: int, T: int, t: int,
-                     kv_heads: Optional[int]) -> list[list[int]]:
-    """The kv replica groups of attention blocks at degree t on ``dp`` x ``T`` ranks from
-    rank ``first`` (a stage; T = t unless a plan gives blocks their own degree): in DP
-    replica d, degree-t subgroup g, the r = t / kv_heads ranks holding kv head h,
-
-        {first + d*T + g*t + h*r + i : i < r}
-
-    None of them when kv heads are not replicated at degree t (or ``kv_heads`` unknown)."""
-    r = kv_replicas(kv_heads, t) if kv_heads else 1
-    if r == 1:
-        return []
-    return [[first + d * T + g * t + h * r + i for i in range(r)]
-            for d in range(dp) for g in range(T // t) for h in range(t // r)]
-
-
-def new_groups(rank: int, rank_lists: list[list[int]]) -> Optional[dist.ProcessGroup]:
-    """Create every group of ``rank_lists`` (collective: all ranks, in the same order);
-    returns the one ``rank`` belongs to, if any."""
-    mine = None
-    for ranks in rank_lists:
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine = g
-    return mine
-
-
 def build_context(tp: int, device: torch.device,
                   kv_heads: Optional[int] = None) -> ParallelContext:
     """dp x tp groups (and the kv replica groups of a model with ``kv_heads``) over an
@@ -167,8 +148,6 @@ def build_context(tp: int, device: torch.device,
     if world % tp:
         raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
     dp = world // tp
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     kv_group = new_groups(rank, kv_replica_ranks(0, dp, tp, tp, kv_heads))
     return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
@@ -179,7 +158,7 @@ def build_context(tp: int, device: torch.device,
 
 def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
                            kv_heads: Optional[int] = None) -> ParallelContext:
-    """The groups of a pipelined layout (oases.layout.PipelineLayout) over an initialised
+    """The groups of a pipelined layout (oases.parallel.layout.PipelineLayout) over an initialised
     default process group; returns this rank's stage's context. Collective: every rank
     creates every group of every stage in the same order (``new_group`` requires it).
 
@@ -187,8 +166,6 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
         stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
         stage s:             kv replica groups at tp_s (:func:`kv_replica_ranks`)
     """
-    from oases.parallel.reshard import DegreeGroups
-
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.world != world:
         raise UserError(f"the layout has {layout.world} ranks but the world size is {world}")
@@ -240,8 +217,6 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

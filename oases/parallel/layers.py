@@ -20,9 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.parallel.comm import (CutRecorder, _trivial, all_reduce, backward_in_forward_scope,
-                                 copy_to_tp, current_scope, gather_from_tp, group_rank,
-                                 group_size, reduce_from_tp, scatter_to_tp)
+from oases.parallel.comm import (column_linear, gather_from_tp, group_rank, group_size,
+                                 reduce_from_tp, scatter_to_tp)
 from oases.parallel.sharding import TPSpec, chunk_of, divide, local_parts, set_spec
 
 
@@ -30,45 +29,6 @@ def _set_coords(layer: nn.Module, group) -> None:
     """Record (rank, size) of the group each sharded parameter is split over."""
     for p in layer.parameters(recurse=False):
         p.tp_coords = (group_rank(group), group_size(group))
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
-class _LinearAsyncGradAllReduce(torch.autograd.Function):
-    """``F.linear`` on a replicated input whose input gradient is all-reduced over TP,
-    overlapped with the weight-gradient matmul (as Megatron-LM does):
-
-        backward:  dX = dY W  -> launch all-reduce(dX)  -> dW = dY^T X, db  -> wait
-
-    The wait happens on the stream that returns dX to autograd (the current one);
-    on CUDA, NCCL's stream already waited for dX's producer at launch.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        dt = _compute_dtype(x)  # autocast is active in forward, not in backward
-        xc, wc = x.to(dt), weight.to(dt)
-        ctx.save_for_backward(xc, wc)
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.w_dtype = weight.dtype
-        ctx.comm_scope = current_scope()  # autograd may run the backward on another thread
-        return F.linear(xc, wc, None if bias is None else bias.to(dt))
-
-    @staticmethod
-    @backward_in_forward_scope
-    def backward(ctx, g):
-        xc, wc = ctx.saved_tensors
-        g = g.contiguous()
-        dx = g.matmul(wc)
-        work = all_reduce(dx, ctx.group, async_op=True)
-        g2 = g.reshape(-1, g.shape[-1])
-        dw = g2.t().matmul(xc.reshape(-1, xc.shape[-1])).to(ctx.w_dtype)
-        db = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        work.wait()
-        return dx, dw, db, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -86,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
     local output is ``cat(part_r for part in parts)``. ``units`` (per part, e.g. its
     attention heads) lets a part with fewer units than ranks be replicated instead
     (oases.parallel.sharding.chunk_of): the ranks sharing a unit hold the same rows,
-    and their gradients must be summed over them (oases.parallel.replicas).
+    and their gradients must be summed over them (oases.dp.replicas).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
@@ -127,12 +87,9 @@ class ColumnParallelLinear(nn.Module):
         return self._local_parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (_trivial(self.tp_group) or CutRecorder.current() is not None
-                or not torch.is_grad_enabled() or not x.requires_grad):
-            # a schedule cuts the graph here and all-reduces dX itself
-            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out/tp)
-        else:
-            y = _LinearAsyncGradAllReduce.apply(x, self.weight, self.bias, self.tp_group)
+        # the input enters the TP region: the entered region entry decides who all-reduces
+        # dX (autograd, overlapped with dW; or the schedule, at a cut it records)
+        y = column_linear(x, self.weight, self.bias, self.tp_group)  # (..., out/tp)
         if self.gather_output:
             if self.parts or self.weight.tp_spec.units:
                 raise ValueError("gather_output with fused or replicated parts would "

@@ -21,7 +21,7 @@ softmax_rj - [j == target], times the upstream gradient. Columns >= ``vocab_size
 gradients, even on a rank whose slice is all padding. A target equal to
 ``IGNORE_INDEX`` (padding, a masked prompt) gets loss 0 and no gradient: it does not
 count, and a mean over a batch is over the targets that do (see
-:mod:`oases.schedule.loss_weights` for batches cut into pieces).
+:mod:`oases.overlap.loss_weights` for batches cut into pieces).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ which saw a different batch part: their gradients are *summed* over those
 replicas and averaged over DP, in one all-reduce over the *gradient group*
 {d*T + g*t + j : all DP replicas d, all subgroups g} of this rank's position j.
 
-Each degree has its own GQA layout (oases.heads): an attention block of degree
+Each degree has its own GQA layout (oases.config.heads): an attention block of degree
 t > n_kv_heads replicates each kv head on t / n_kv_heads consecutive ranks of its
 subgroup, whose kv gradients are summed over that *kv replica group* (at degree T
 the context's; ``kv[t]`` here, built by the same rank formula,
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from oases.parallel.comm import gather_from_tp, scatter_to_tp
-from oases.parallel.groups import kv_replica_ranks, new_groups
+from oases.parallel.ranks import kv_replica_ranks, new_groups
 
 
 def divisors_pow2(T: int) -> list[int]:
@@ -140,7 +140,7 @@ def grad_group_of(ctx, T: int):
 
 
 def kv_group_of(ctx, T: int):
-    """For the kv replica sum (oases.parallel.replicas): the kv replica group of a block
+    """For the kv replica sum (oases.dp.replicas): the kv replica group of a block
     of degree t (None where kv heads are not replicated)."""
     dg = ctx._degree_groups
 

@@ -14,7 +14,7 @@ Fused layers (QKV, SwiGLU gate+up) shard each *part* separately:
 A part may say how many indivisible *units* (attention heads) it holds. Over more
 ranks than units it is not split further but replicated: its ``units`` chunks go
 to ranks in blocks of ``tp / units`` (GQA kv heads above ``n_kv_heads`` ranks,
-oases.heads). :func:`chunk_of` is the one rule everything (init, checkpoints, HF
+oases.config.heads). :func:`chunk_of` is the one rule everything (init, checkpoints, HF
 import, gradient norms) uses for "which chunk of part i does rank r hold":
 
     parts (q 4 heads, k 2, v 2), tp 4:   rank 0: [q0 | k0 | v0]   rank 1: [q1 | k0 | v0]

@@ -1,6 +1,6 @@
 """Cluster files (``configs/cluster/*.yaml``) and the analytic collective model.
 
-The same file drives the emulated cluster (benchmarks/cluster.py) and the
+The same file drives the emulated cluster (benchmarks/lib/cluster.py) and the
 planner, so predicted and measured times refer to the same links and, where
 nodes differ (``node_speed``, ``node_memory_gib``), the same devices. Pure Python.
 
@@ -43,7 +43,7 @@ class Cluster:
     bandwidth_matrix_gbps: Optional[list] = None
     node_speed: Optional[list] = None       # per node, relative to the profiled device
     node_memory_gib: Optional[list] = None  # per node; default device_memory_gib each
-    subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/cluster.py)
+    subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/lib/cluster.py)
     bridge: str = "oasesbr0"        # emulation only
     cpu_share: Optional[float] = None  # emulation only: cores per node at speed 1.0
 

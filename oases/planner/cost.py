@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from oases.heads import heads_problem
+from oases.config.heads import heads_problem
 from oases.planner.cluster import CommModel, grad_groups, reshard_groups, tp_groups
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
@@ -121,7 +121,7 @@ class ModelShape:
     def rank_params(self, kind: str, t: int) -> float:
         """Parameters one rank holds of a block at degree t: the block split t ways,
         except that above ``n_kv_heads`` ranks a kv head is replicated, not split
-        (oases.heads): each rank then holds one kv head, ``kv_params / n_kv_heads``."""
+        (oases.config.heads): each rank then holds one kv head, ``kv_params / n_kv_heads``."""
         p = self.block_params(kind) / t
         if kind == "attn" and t > self.n_kv_heads:
             p += self.kv_params() / self.n_kv_heads - self.kv_params() / t
@@ -275,7 +275,7 @@ class CostModel:
     def _kv_sync(self, kind: str, t: int) -> float:
         """Summing the kv gradients of an attention block whose kv heads are replicated
         (t > n_kv_heads) over each head's replicas: once per step, after the DP reduction
-        (oases.parallel.replicas), so not hidden behind the backward."""
+        (oases.dp.replicas), so not hidden behind the backward."""
         r = t // self.shape.n_kv_heads
         if kind != "attn" or r < 2:
             return 0.0

@@ -27,11 +27,14 @@ from typing import Callable, Optional
 
 import torch
 
+from models import ARCHS, build_model
+from models.common import ParallelAttention, Rotary
 from oases.config import Config, ModelConfig
-from oases.heads import local_kv_heads
+from oases.config.heads import local_kv_heads
+from oases.overlap.memory import SavedTensorMeter
+from oases.parallel.sharding import init_parameters
 from oases.planner.cost import ModelShape, Profile, RunShape
 from oases.progress import bar_safe, progress
-from oases.schedule.memory import SavedTensorMeter
 
 DEFAULT_DB = Path.home() / ".cache" / "oases" / "profile_db.json"
 
@@ -133,9 +136,6 @@ def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
 
 
 def _block(kind: str, cfg: ModelConfig, t: int):
-    from models import ARCHS
-    from models.common import ParallelAttention, Rotary
-
     sc = _ShardShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)},
                      fixed_head_dim=cfg.head_dim)
     # one rank's share; above n_kv_heads ranks it holds one (replicated) kv head
@@ -168,9 +168,6 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
                     barrier: Optional[Callable[[], None]] = None) -> Profile:
     """Measure every (block kind, degree) and the constant parts on this device
     (``barrier``: every rank of a job runs this at once; see :func:`_time_phases`)."""
-    from models import build_model
-    from oases.parallel.sharding import init_parameters
-
     m = cfg.model
     shape = ModelShape.from_config(m)
     degrees = shape.valid_degrees(run.tp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from oases.planner.plan import Plan, model_dict
+from oases.planner.plan_file import Plan, model_dict
 from oases.planner.search import Candidate, SearchResult
 
 GIB = 2**30

@@ -123,7 +123,7 @@ class SearchResult:
         return self.ranked[0]
 
 
-def _candidate(prob: Problem, starts, strat, source: str, **kw) -> Candidate:
+def candidate(prob: Problem, starts, strat, source: str, **kw) -> Candidate:
     return Candidate(prob, list(starts), list(strat), prob.time(starts, strat),
                      prob.memory(starts, strat), source, **kw)
 
@@ -137,7 +137,7 @@ def megatron_plan(prob: Problem) -> Optional[Candidate]:
     used = uniap.evaluate(prob.inst, starts, strat)[1]
     if any(u > lim for u, lim in zip(used, prob.inst.memory_limit)):
         return None
-    return _candidate(prob, starts, strat, "megatron")
+    return candidate(prob, starts, strat, "megatron")
 
 
 def amp_plan(prob: Problem) -> Optional[Candidate]:
@@ -145,7 +145,7 @@ def amp_plan(prob: Problem) -> Optional[Candidate]:
     if got is None:
         return None
     s = prob.inst.strategies.index(got.strategy)
-    return _candidate(prob, got.partition.starts, [s] * prob.inst.L, "amp")
+    return candidate(prob, got.partition.starts, [s] * prob.inst.L, "amp")
 
 
 def lower_bound(prob: Problem) -> float:
@@ -166,7 +166,7 @@ def _milp(prob: Problem, start: Optional[Candidate], limit: float, gap: float
         return None  # nothing fits, or nothing found in time: the AMP plan (if any) stays
     strat = [prob.inst.strategies.index(s) for s in res.strategies]
     starts = [a for a, _ in res.stages]
-    return _candidate(prob, starts, strat, "uniap",
+    return candidate(prob, starts, strat, "uniap",
                       gap=None if res.status == "optimal" else res.gap, status=res.status)
 
 
@@ -269,4 +269,4 @@ def exhaustive(problems: list[Problem]) -> tuple[Optional[Candidate], int]:
                     best, best_t = (prob, starts, strat), t + prob.constant
     if best is None:
         return None, priced
-    return _candidate(best[0], best[1], best[2], "exhaustive"), priced
+    return candidate(best[0], best[1], best[2], "exhaustive"), priced

@@ -2,7 +2,7 @@
 
 An *outer choice* fixes what AMP enumerates: ``pp`` stages of ``dp x tp`` ranks
 each (the same mesh on every stage; stage p owns ranks ``p*world/pp ..``, as in
-:mod:`oases.layout`) and ``c`` micro-batches per step. The config's global batch
+:mod:`oases.parallel.layout`) and ``c`` micro-batches per step. The config's global batch
 B is kept, so a replica runs ``R = B / (c dp)`` sequences per micro-batch. For one
 choice :func:`build` makes a :class:`oases.planner.uniap.Instance`:
 
@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from oases.errors import ConfigError
-from oases.layout import even_split
+from oases.parallel.layout import even_split
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape,
                                 Profile, RunShape)
 from oases.planner.uniap import Instance, evaluate

@@ -3,20 +3,23 @@ engine, the optimizer, the gradient reducer and, pipelined, the pipeline runner.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from models import build_model
 from oases.config import Config
 from oases.parallel.groups import ParallelContext
-from oases.planner.plan import check_zero, load_plan
+from oases.planner.plan_file import check_zero, load_plan
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.replicas import ReplicaGradSum
+from oases.dp.replicas import ReplicaGradSum
 from oases.parallel.reshard import grad_group_of, kv_group_of
-from oases.runtime.dp import GradReducer, TiedTableSync
+from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.runtime.optim import build_optimizer
-from oases.schedule.engines import build_schedule
+from oases.overlap.engines import build_schedule
+from oases.pipeline.runner import PipelineRunner
+from oases.runtime.state import TrainState
+from oases.runtime.step import train_step
 
 # Mixed into the default seed per pipeline stage, so that stages draw different
 # dropout masks (as the layers of one model do at pp = 1)
@@ -51,9 +54,10 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
 
 
 def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer,
-                 zero_levels: Optional[list[int]] = None):
-    """Schedule, optimizer, gradient reducer and (pp > 1) pipeline runner of ``model``
-    (put in training mode). Collective when pipelined (the runner creates groups).
+                 zero_levels: Optional[list[int]] = None) -> TrainState:
+    """The run's state around ``model`` (put in training mode): engine, optimizer,
+    gradient reducer and (pp > 1) pipeline runner. Collective when pipelined (the runner
+    creates groups).
     ``zero_levels``: a ZeRO level per block of ``model.blocks()`` and one more for the
     parameters outside every block (norm, head); default ``parallel.zero`` for all."""
     par = cfg.parallel
@@ -83,25 +87,23 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     if tied is not None:
         cap[id(tied)] = 0
     level_of = zero_level_of(model, zero_levels, par.zero, cap)
-    tied_head = (cfg.model.tie_embeddings and getattr(model, "head", None) is None
-                 and getattr(model, "is_first", True) and getattr(model, "is_last", True))
+    tied_head = (cfg.model.tie_embeddings and model.head is None and model.is_first
+                 and model.is_last)
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
                           prescale_of=prescale_of, level_of=level_of,
                           then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch,
                           zero=any_zero)
-    opt = build_optimizer(model, cfg.train, ctx.device, reducer.optimizer_params(model))
-    reducer.seed_optimizer(opt)
+    opt = build_optimizer(model, cfg.train, ctx.device, reducer.shards.optimizer_params(model))
+    reducer.shards.seed_optimizer(opt)
     schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, tracer, params=reducer.store)
+                              tracker, tracer, params=reducer.shards.params)
     pipe = None
     if ctx.layout is not None:
-        from oases.runtime.pipeline import PipelineRunner
-
         pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
                               cfg.model.seq_len, cfg.model.d_model, par.pp_transfer,
                               par.overlap_fb)
-    return schedule, opt, reducer, pipe
+    return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)
 
 
 def plan_zero_levels(cfg: Config, ctx: ParallelContext) -> Optional[list[int]]:
@@ -157,20 +159,28 @@ class _FixedBatches:
         return self.x, self.y
 
 
-def throwaway_step(cfg: Config, ctx: ParallelContext,
-                   degrees: Optional[list[int]]) -> Callable[[], None]:
-    """One real training step (``train_step``) of a throwaway model with these per-block
-    degrees, fed one random micro-batch: what ``plan=auto``'s calibration times. It
-    draws random numbers: callers that must not be affected fork the random state
-    (``resolve_plan`` does). Collective: every rank builds it."""
-    from oases.runtime.step import train_step
+class ThrowawayStep:
+    """One real training step (``train_step``) of a throwaway model, fed one random
+    micro-batch, each time it is called: what ``plan=auto``'s calibration and trials
+    time. :meth:`close` frees the model (its gradient hooks would otherwise keep its
+    parameters and buckets alive beside the real run's)."""
 
+    def __init__(self, state: TrainState, batches: _FixedBatches) -> None:
+        self.state, self.batches = state, batches
+
+    def __call__(self) -> None:
+        train_step(self.state, self.batches, self.state.cfg.train.lr)
+
+    def close(self) -> None:
+        self.state.reducer.close()
+        self.state = None
+
+
+def throwaway_step(cfg: Config, ctx: ParallelContext,
+                   degrees: Optional[list[int]]) -> ThrowawayStep:
+    """A :class:`ThrowawayStep` with these per-block degrees. It draws random numbers:
+    callers that must not be affected fork the random state (``resolve_plan`` does).
+    Collective: every rank builds it."""
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, None)
-    batches = _FixedBatches(cfg)
-
-    def step() -> None:
-        train_step(model, batches, opt, reducer, cfg, ctx, cfg.train.lr, schedule, pipe)
-
-    return step
+    return ThrowawayStep(training_for(cfg, ctx, model, tracker, None), _FixedBatches(cfg))

@@ -60,13 +60,12 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from oases.config.schema import SHAPE_KEYS
 from oases.errors import CheckpointError
 from oases.parallel.groups import ParallelContext
 from oases.parallel.sharding import chunk_of
 from oases.progress import io_progress, nbytes
 
-SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
-              "seq_len", "tie_embeddings", "bias")
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -199,25 +198,36 @@ def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # missing, truncated or not a pickle
         raise CheckpointError(f"checkpoint {path} has an unreadable .metadata "
-                              f"({type(e).__name__}: {_first_line(e)})") from None
+                              f"({type(e).__name__}: {first_line(e)})") from None
     return {k: v for k, v in md.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}
 
 
-def _first_line(e: BaseException, limit: int = 160) -> str:
-    s = str(e).strip()
-    line = s.splitlines()[0] if s else type(e).__name__
-    return line if len(line) <= limit else line[:limit].rstrip() + "..."
+def first_line(e: BaseException, limit: Optional[int] = 160) -> str:
+    """The first non-empty line of ``e``'s message (its type's name if it has none),
+    cut at ``limit`` characters (None: whole)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    return line if limit is None or len(line) <= limit else line[:limit].rstrip() + "..."
+
+
+def cause(e: BaseException) -> BaseException:
+    """What went wrong inside a DCP failure: a CheckpointException wraps each rank's
+    exception (``failures``: rank -> exception or (exception, traceback)); the first
+    that is not itself a wrapper, else ``e``."""
+    if not isinstance(e, CheckpointException):
+        return e
+    for v in (getattr(e, "failures", None) or {}).values():
+        exc = v[0] if isinstance(v, tuple) else v
+        if not isinstance(exc, CheckpointException):
+            return exc
+    return e
 
 
 def _dcp_error(e: BaseException) -> str:
-    """One line for a DCP failure (a CheckpointException wraps each rank's exception)."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))
-        exc = exc[0] if isinstance(exc, tuple) else exc
-        return f"{type(exc).__name__}: {_first_line(exc)}"
-    return f"{type(e).__name__}: {_first_line(e)}"
+    """One line for a DCP failure."""
+    exc = cause(e)
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def load_windows(path: Path, windows: dict[str, tuple[torch.Tensor, tuple]]) -> None:

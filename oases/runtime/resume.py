@@ -8,13 +8,16 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from models.hf import load_hf_weights
 from oases.config import Config
+from oases.config.schema import SHAPE_KEYS
+from oases.config.hf import hf_dir_of
 from oases.parallel.groups import ParallelContext
 from oases.runtime import checkpoint as ckpt
 
 
 def model_shape(cfg: Config) -> dict:
-    return {k: getattr(cfg.model, k) for k in ckpt.SHAPE_KEYS}
+    return {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
 
 
 def layout_meta(ctx: ParallelContext) -> dict:
@@ -37,9 +40,6 @@ def load_init_from(cfg: Config, ctx: ParallelContext, model) -> None:
             print(f"model.init_from={cfg.model.init_from} not loaded: resume=auto "
                   f"continues from {existing}", flush=True)
         return
-    from models.hf import load_hf_weights
-    from oases.hf_config import hf_dir_of
-
     load_hf_weights(model, hf_dir_of(cfg.model.init_from), ctx.tp_rank, ctx.tp)
     if ctx.is_main:
         print(f"model.init_from: loaded {cfg.model.init_from}", flush=True)

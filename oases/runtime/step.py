@@ -5,20 +5,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from oases.config import Config
 from oases.parallel.comm import all_reduce
+from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
+from oases.overlap.loss_weights import loss_tokens
 from oases.runtime.data import TrainBatches, ValBatches
-from oases.runtime.dp import GradReducer
 from oases.runtime.optim import clip_grads
-from oases.schedule.engines import MegatronSchedule
-from oases.schedule.loss_weights import loss_tokens
+from oases.runtime.state import StepStats, TrainState
+
+__all__ = ["StepStats", "TrainState", "autocast", "evaluate", "step_shares", "train_step"]
 
 
 def autocast(cfg: Config, ctx: ParallelContext):
@@ -27,23 +27,16 @@ def autocast(cfg: Config, ctx: ParallelContext):
     return contextlib.nullcontext()
 
 
-@dataclass
-class StepStats:
-    """What a step measured beyond loss and norm: the fraction of the step the ranks
-    spent outside F/B compute (the pipeline bubble, mean over all ranks; 0 at pp=1)."""
-    bubble: float = 0.0
-
-
 def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext,
                 dp: int) -> tuple[list[float], list[float]]:
     """Each micro-batch's share of the step's loss on this rank, and the scale its
     backward is seeded with.
 
     The step's loss is one mean over the targets that count in the whole global batch
-    (:mod:`oases.schedule.loss_weights`): micro-batch ``i`` of this DP rank, counting
+    (:mod:`oases.overlap.loss_weights`): micro-batch ``i`` of this DP rank, counting
     ``n_i`` targets, has the share ``n_i / N``, ``N`` the count over every micro-batch
     and DP rank (one all-reduce of an int). The DP reduction sums the replicas'
-    gradients and divides by ``dp`` (:class:`~oases.runtime.dp.GradReducer`), so the
+    gradients and divides by ``dp`` (:class:`~oases.dp.reducer.GradReducer`), so the
     seed is ``dp * n_i / N``; with every target counting that is ``1 / grad_accum``,
     bit for bit. ``targets``: the step's micro-batches' targets, on the CPU."""
     counts = [int(loss_tokens(model, y)) for y in targets]
@@ -56,15 +49,13 @@ def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext,
     return [c / total for c in counts], [dp * c / total for c in counts]
 
 
-def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Config,
-               ctx: ParallelContext, lr: float, schedule=None, pipe=None,
-               stats: Optional[StepStats] = None) -> tuple[float, float]:
+def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad_norm).
     The loss is one mean over the targets that count in the whole global batch (every
     micro-batch and DP rank), and the gradient is that mean's: micro-batches are
     weighed by their counted targets (:func:`step_shares`).
 
-    With ``pipe`` (a :class:`~oases.runtime.pipeline.PipelineRunner`), the micro-batches
+    With ``state.pipe`` (a :class:`~oases.pipeline.runner.PipelineRunner`), the micro-batches
     flow through the pipeline stages; the loss (known on the last stage) and the
     gradient norm (summed over stages) are made global, so every rank decides alike.
 
@@ -72,12 +63,14 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     and Adam state untouched) and zeroed gradients; the caller sees the non-finite
     values and decides (``train.on_nonfinite``). Every rank decides alike: the norm is
     reduced over TP and identical over DP after the DP reduction, the loss is reduced
-    over DP and identical over TP (the vocab-parallel loss reduces it)."""
+    over DP and identical over TP (the vocab-parallel loss reduces it). The pipeline's
+    bubble goes to ``state.stats``."""
+    cfg, ctx, model, opt, reducer = state.cfg, state.ctx, state.model, state.opt, state.reducer
+    schedule, pipe = state.engine, state.pipe
     for g in opt.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
     n = cfg.train.grad_accum
-    schedule = schedule or MegatronSchedule()
     amp = lambda: autocast(cfg, ctx)  # noqa: E731
     micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
     shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp)
@@ -97,13 +90,12 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
         sums[1] = (1.0 - busy / elapsed) / ctx.world_size if elapsed > 0 else 0.0
         dist.all_reduce(sums)
         loss = float(sums[0])
-        if stats is not None:
-            stats.bubble = max(0.0, float(sums[1]))
+        state.stats.bubble = max(0.0, float(sums[1]))
     else:
         total = torch.zeros((), device=ctx.device)
         micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
                  for x, y in micro]
-        if cfg.parallel.overlap_fb and hasattr(schedule, "backward_forward"):  # oases engine
+        if cfg.parallel.overlap_fb and schedule.pairs:
             losses = paired_forward_backward(schedule, model, micro, seeds, amp, reducer.arm)
         else:
             losses = []
@@ -126,10 +118,10 @@ def train_step(model, batches: TrainBatches, opt, reducer: GradReducer, cfg: Con
     return loss, norm
 
 
-def paired_forward_backward(engine, model, micro: list, seeds: list[float], amp,
+def paired_forward_backward(engine: Engine, model, micro: list, seeds: list[float], amp,
                             before_last_backward) -> list[torch.Tensor]:
     """``parallel.overlap_fb`` at pp=1: F0, then each backward interleaved with the next
-    micro-batch's forward (:meth:`~oases.schedule.engines.OasesSchedule.backward_forward`),
+    micro-batch's forward (:meth:`~oases.overlap.engines.OasesSchedule.backward_forward`),
     then the last backward alone (the DP reduction armed before it, as unpaired):
 
         F0 | B0+F1 | B1+F2 | ... | B(n-2)+F(n-1) | B(n-1)

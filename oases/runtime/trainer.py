@@ -10,6 +10,7 @@ pipeline), :mod:`oases.runtime.step` (one step, evaluation),
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import time
@@ -22,20 +23,21 @@ from models import model_stats
 from oases.config import Config, save_config
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.parallel.comm import NoopCollectives
-from oases.parallel.groups import ParallelContext, init_distributed, join_world
+from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, join_world,
+                                   pick_device)
 from oases.planner.calibrate import time_steps
-from oases.runtime import auto_layout
+from oases.planner import auto_layout
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
-from oases.runtime.planning import resolve_layout, resolve_plan
+from oases.planner.online import resolve_layout, resolve_plan
 from oases.runtime.preempt import StopSignals
 from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
                                   trim_metrics)
 from oases.runtime.optim import lr_at
-from oases.runtime.step import StepStats, evaluate, train_step
-from oases.schedule.trace import Tracer
+from oases.runtime.step import evaluate, train_step
+from oases.overlap.trace import Tracer
 
 __all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics"]
 
@@ -70,14 +72,8 @@ def _init_torchelastic_attempt(cfg: Config) -> None:
     if (dist.is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")):
         return
-    import datetime
-
-    from oases.parallel.groups import pick_device
-
     dev = pick_device(cfg.parallel.device)
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = backend_for(dev, cfg.parallel.backend)
     if backend == "nccl" and dev.type != "cuda":
         return  # init_distributed refuses it with a clear message
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
@@ -91,13 +87,16 @@ def _init_torchelastic_attempt(cfg: Config) -> None:
 
 def run(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world)  # before any process group: bad config fails fast on every rank
+    # before any process group: a bad config fails fast on every rank; from here on the
+    # config is read-only (what the run derives lives in its TrainState)
+    cfg = cfg.validate(world).freeze()
     if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
         if int(os.environ.get("RANK", "0")) == 0:
             check_out_dir(cfg)
-        par = cfg.parallel
-        auto_layout.choose_layout(cfg, world, lambda: (
-            _init_torchelastic_attempt(cfg), join_world(par.device, par.backend, par.timeout_s)))
+        searched, par = cfg, cfg.parallel
+        cfg = auto_layout.choose_layout(searched, world, lambda: (
+            _init_torchelastic_attempt(searched),
+            join_world(par.device, par.backend, par.timeout_s)), throwaway_step)
     layout = resolve_layout(cfg, world) if cfg.parallel.pp > 1 else None
     if int(os.environ.get("RANK", "0")) == 0:
         check_out_dir(cfg)
@@ -113,7 +112,7 @@ def run(cfg: Config) -> None:
         raise CollectiveError(
             f"[rank {ctx.rank}] a collective failed or did not complete within "
             f"parallel.timeout_s={cfg.parallel.timeout_s:g}: a peer rank died or hangs "
-            f"({_first_line(e)})") from e
+            f"({ckpt.first_line(ckpt.cause(e), None)})") from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -134,19 +133,12 @@ def _collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
 
 
-def _first_line(e: BaseException) -> str:
-    for exc in (e, *(v[0] if isinstance(v, tuple) else v
-                     for v in (getattr(e, "failures", None) or {}).values())):
-        if not isinstance(exc, ckpt.CheckpointException):
-            lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-            return lines[0] if lines else type(exc).__name__
-    return type(e).__name__
-
-
 def _time_throwaway(cfg: Config, ctx: ParallelContext, degrees, n: int) -> float:
     step = throwaway_step(cfg, ctx, degrees)
-    t = time_steps(step, ctx.device, n)
-    del step
+    try:
+        t = time_steps(step, ctx.device, n)
+    finally:
+        step.close()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return t
@@ -166,13 +158,15 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     if cfg.data.val_path:
         val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
                          cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches)
-    par = cfg.parallel
     degrees = None
     if ctx.layout is None:  # per-block TP degrees, or None: all at tp
-        degrees = resolve_plan(cfg, ctx, lambda d, n: _time_throwaway(cfg, ctx, d, n))
+        planned = cfg
+        cfg, degrees = resolve_plan(planned, ctx,
+                                    lambda d, n: _time_throwaway(planned, ctx, d, n))
         if degrees is not None and ctx.is_main:
             print(f"plan: per-block TP degrees {degrees}", flush=True)
-    elif ctx.is_main:
+    par = cfg.parallel
+    if ctx.layout is not None and ctx.is_main:
         print(f"pipeline: {ctx.layout.describe()} | {par.pp_schedule}, "
               f"{cfg.train.grad_accum} micro-batches of {cfg.pipeline_batch} sequences",
               flush=True)
@@ -180,14 +174,15 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         load_init_from(cfg, ctx, model)
     tracer = Tracer(ctx.rank) if par.trace else None
-    schedule, opt, reducer, pipe = training_for(cfg, ctx, model, tracker, tracer)
+    state = training_for(cfg, ctx, model, tracker, tracer)
+    opt, reducer, schedule = state.opt, state.reducer, state.engine
 
     if reducer.sharded is False and (par.zero or reducer.norm_by_terms) and ctx.is_main:
         print("parallel.zero: no gradient group of this layout has more than one rank "
               "(dp = 1, no replicated blocks): nothing is sharded", flush=True)
 
     def run_eval() -> float:
-        return evaluate(model, val, cfg, ctx, pipe)
+        return evaluate(model, val, cfg, ctx, state.pipe)
 
     if cfg.eval.only:
         with reducer.unsharded(opt, model, load=True) as o:
@@ -242,7 +237,6 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         logger.close()
         return
     step_times: list[float] = []
-    stats = StepStats()
     noop = (NoopCollectives(ctx.tp_group) if par.tp_comm_noop and ctx.tp > 1
             else contextlib.nullcontext())
     if par.tp_comm_noop and ctx.is_main:
@@ -262,8 +256,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 tracer.events.clear()
                 tracer.t0 = time.perf_counter()
             with tracer if traced else contextlib.nullcontext():
-                loss, norm = train_step(model, batches, opt, reducer, cfg, ctx, lr, schedule,
-                                        pipe, stats)
+                loss, norm = train_step(state, batches, lr)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             dt = time.perf_counter() - t0
@@ -290,7 +283,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)
                 extra = {"skipped_steps": skipped}
                 if ctx.pp > 1:
-                    extra["pipeline_bubble"] = stats.bubble
+                    extra["pipeline_bubble"] = state.stats.bubble
                 if reducer.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
                     extra["zero_gather_wait_s"] = reducer.store.take_wait() / max(
                         1, cfg.train.log_interval)

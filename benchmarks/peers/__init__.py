@@ -1,0 +1,1 @@
+"""External peers of the benchmarks: the same models trained with other libraries."""

@@ -1,0 +1,477 @@
+"""Typed run configuration: the single source of truth.
+
+A config is built from a YAML file, then ``a.b=value`` overrides, then checked:
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["train.steps=50", "parallel.tp=2"])
+    cfg.validate(world_size=2)
+
+Unknown keys, wrong types and impossible values raise :class:`ConfigError` with
+a one-line message that names the key (and the near miss for a typo).
+This module imports no ``torch.distributed``: it is testable anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from oases.errors import ConfigError
+from oases.config.blend_spec import check_blend
+from oases.config.hf import apply_init_from
+from oases.config.heads import heads_problem
+from oases.config.sizes import MODEL_SIZES
+from oases.config.typed_yaml import build_dataclass, set_dotted
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0  # False for NaN too
+    if not ok:
+        raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+# The model fields that fix the parameters' shapes: a checkpoint or a plan made for one
+# model is refused by another that differs in any of them.
+SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
+              "seq_len", "tie_embeddings", "bias")
+
+
+class _Section:
+    """A config section that can be frozen: once a run has validated its config, every
+    value the run derives lives in its state, and a write into the config is a bug that
+    fails where it happens (:meth:`Config.freeze`)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"the config is frozen after validation: cannot set {type(self).__name__}"
+                f".{name}; derive a new config with Config.with_changes")
+        super().__setattr__(name, value)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, _Section):
+                v._set_frozen(frozen)
+        object.__setattr__(self, "_frozen", frozen)
+
+
+
+@dataclass
+class ModelConfig(_Section):
+    # A named size from oases.config.sizes; any field left None is taken from it.
+    name: str = "gpt-tiny"
+    arch: Optional[str] = None          # "gpt" | "llama"
+    n_layer: Optional[int] = None
+    d_model: Optional[int] = None
+    n_head: Optional[int] = None
+    n_kv_heads: Optional[int] = None    # < n_head: grouped-query attention
+    ffn_hidden: Optional[int] = None
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    bias: Optional[bool] = None
+    dropout: float = 0.0
+    init_std: float = 0.02
+    # The embedding/head vocabulary is padded to a multiple of vocab_pad_to * tp;
+    # padded logits are masked out of the loss, so padding never changes results.
+    vocab_pad_to: int = 64
+    # "hf:<dir>": initialise from a local Hugging Face checkpoint directory; the shape
+    # fields then come from its config.json
+    init_from: str = ""
+
+    def resolve(self) -> None:
+        """Fill the None fields from ``init_from=hf:<dir>``'s config.json, then from the
+        named size."""
+        if self.init_from:
+            apply_init_from(self)
+        if self.name not in MODEL_SIZES:
+            near = difflib.get_close_matches(self.name, MODEL_SIZES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"model.name={self.name!r} is not a known size{hint}; "
+                              f"known: {', '.join(MODEL_SIZES)}")
+        size = MODEL_SIZES[self.name]
+        kv_given = self.n_kv_heads is not None
+        for k, v in size.items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+        if not kv_given and self.arch == "gpt":
+            self.n_kv_heads = self.n_head  # GPT has no GQA: follow an overridden n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def validate(self) -> None:
+        _choice("model.arch", self.arch, ("gpt", "llama"))
+        for k in ("n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
+                  "seq_len", "vocab_pad_to"):
+            _positive(f"model.{k}", getattr(self, k))
+        if self.d_model % self.n_head:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
+                              f"model.n_head={self.n_head}")
+        if self.n_head % self.n_kv_heads:
+            raise ConfigError(f"model.n_head={self.n_head} is not divisible by "
+                              f"model.n_kv_heads={self.n_kv_heads}")
+        if self.arch == "gpt" and self.n_kv_heads != self.n_head:
+            raise ConfigError("model.n_kv_heads must equal model.n_head for arch=gpt")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        _positive("model.init_std", self.init_std)
+        _positive("model.norm_eps", self.norm_eps)
+        _positive("model.rope_theta", self.rope_theta)
+
+
+@dataclass
+class ParallelConfig(_Section):
+    tp: int = 1
+    # Pipeline stages: the layers are split into pp stages on consecutive blocks of
+    # world/pp ranks; each stage is dp x tp (dp = world / (pp x tp)), or its own layout
+    # from a plan file's ``stages``.
+    pp: int = 1
+    # "1f1b" (Megatron's), "eager-1f1b" (more warm-up forwards, so each send overlaps the
+    # next forward: paper 002 section 4) or "gpipe" (all forwards, then all backwards)
+    pp_schedule: str = "1f1b"
+    # How activations cross a stage boundary (oases.pipeline.cross_mesh): "broadcast"
+    # (each slice crosses once, from load-balanced senders, then fans out inside the
+    # receiving replica), "send" (one send per receiver) or "allgather" (Megatron's
+    # scatter-gather)
+    pp_transfer: str = "broadcast"
+    # "megatron": ordinary autograd, blocking all-reduce after every row-parallel layer
+    #   (the backward all-reduce of the column input gradient overlaps the weight gradient);
+    # "oases": two sub-batches interleaved so every TP collective overlaps compute.
+    schedule: str = "megatron"
+    # "none": save everything; "selective": everything but the attention core's
+    # activations (recomputed, as Megatron's selective); "full": recompute each
+    # transformer layer (forward all-reduces included); "fine" (oases only): save each
+    # forward all-reduce's output and recompute from there, never re-issuing a forward
+    # collective.
+    recompute: str = "none"
+    sub_batches: int = 2            # oases schedule only: micro-batch split along the batch
+    # oases only: run each micro-batch's backward interleaved with the next one's forward
+    # (pp=1 with grad_accum >= 2; a pipeline's eager-1f1b steady state), so the forward's
+    # all-reduces hide behind the backward's compute. sub_batches may then be 1.
+    overlap_fb: bool = False
+    backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
+    device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
+    timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
+    dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
+    # Sharded data parallelism over the dp ranks (and the replicas of a block below the
+    # full TP degree): 0 replicated; 1 Adam state sharded; 2 + gradients (reduce-scatter
+    # instead of all-reduce); 3 + parameters (all-gathered before each block, freed
+    # after). A plan file's per-block ``zero`` list overrides it block by block.
+    zero: int = 0
+    # ZeRO-3: start the all-gather of the next block's parameters while this block runs
+    # (false: gather each block when it is needed; the benchmark's exposed baseline)
+    zero_prefetch: bool = True
+    # Timing only: replace every TP collective by a no-op of the same shape (results are
+    # wrong). Gives the no-communication upper bound in benchmarks.
+    tp_comm_noop: bool = False
+    trace: bool = False             # write a per-rank event trace (trace_rank{r}.json) to out_dir
+    # Per-block TP degrees: a Plan YAML path (python -m oases.plan), or "auto": profile
+    # this cluster, solve on rank 0 and broadcast. Empty: every block at degree tp.
+    plan: str = ""
+    cluster: str = ""               # cluster file for plan=auto (memory limit, names)
+    memory_limit_gib: float = 0.0   # plan=auto memory limit per device (0: cluster file / device)
+    # plan=auto: time this many real training steps at degree tp (after 2 warm-up steps,
+    # on a throwaway model) and fit the cost model's host cost of communication to them
+    # before solving. 0: solve on the profile alone.
+    plan_calibration_steps: int = 5
+    # plan=auto: "tp-only" (per-block degrees for the config's pp=1 x tp), or "uniap" / "amp":
+    # the whole layout (pp, stages, dp x tp, degrees, micro-batches) searched on the
+    # parallel.cluster file before the run's groups exist (oases.planner.auto_layout)
+    plan_search: str = "tp-only"
+    plan_trials: int = 1            # uniap/amp: time the k best plans live, run the fastest
+
+    def validate(self) -> None:
+        _positive("parallel.tp", self.tp)
+        _positive("parallel.pp", self.pp)
+        _choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
+        _choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
+        _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
+        _choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.recompute == "fine" and self.schedule != "oases":
+            raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
+        if self.overlap_fb and self.schedule != "oases":
+            raise ConfigError("parallel.overlap_fb needs parallel.schedule=oases")
+        if self.sub_batches < (1 if self.overlap_fb else 2):
+            raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= "
+                              f"{1 if self.overlap_fb else 2}")
+        _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("parallel.timeout_s", self.timeout_s)
+        _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
+        _positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
+        _choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
+        _positive("parallel.plan_trials", self.plan_trials)
+        if self.plan_trials > 1 and (self.plan != "auto" or self.plan_search == "tp-only"):
+            raise ConfigError("parallel.plan_trials times searched layouts: it needs "
+                              "parallel.plan=auto and parallel.plan_search=uniap or amp")
+
+
+@dataclass
+class TrainConfig(_Section):
+    steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0          # 0 disables clipping
+    precision: str = "fp32"         # "fp32" | "bf16" (autocast; master weights fp32)
+    log_interval: int = 1
+    on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (clear message) | "skip" the step
+
+    def validate(self) -> None:
+        _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        for k in ("steps", "micro_batch_size", "grad_accum", "log_interval"):
+            _positive(f"train.{k}", getattr(self, k))
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.lr", self.lr)
+        _positive("train.min_lr", self.min_lr, allow_zero=True)
+        if not self.min_lr <= self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} is larger than train.lr={self.lr}")
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        for k in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise ConfigError(f"train.{k}={getattr(self, k)} must be in [0, 1)")
+        _choice("train.precision", self.precision, ("fp32", "bf16"))
+
+
+@dataclass
+class DataConfig(_Section):
+    kind: str = "synthetic"         # "synthetic" | "tokens"
+    train_path: str = ""            # nanoGPT-style token file (tokens)
+    # Or a blend of token files: a list of {path: FILE, weight: W}; weights > 0 are
+    # normalised to sum 1 (oases.runtime.blend). Exclusive with train_path.
+    train_paths: Optional[list] = None
+    val_path: str = ""              # optional; enables eval.interval
+    dtype: str = "uint16"           # token file dtype: "uint16" | "uint32"
+
+    def blend(self, check_files: bool = True) -> list[tuple[str, float]]:
+        """``train_paths`` checked, as ``[(path, weight), ...]`` with the weights
+        normalised to sum 1 (:func:`oases.config.blend_spec.check_blend`)."""
+        return check_blend(self.train_paths, check_files)
+
+    def validate(self) -> None:
+        _choice("data.kind", self.kind, ("synthetic", "tokens"))
+        _choice("data.dtype", self.dtype, ("uint16", "uint32"))
+        if self.train_paths is not None:
+            if self.train_path:
+                raise ConfigError("data.train_path and data.train_paths are both set; keep one "
+                                  "(the override data.train_path= clears the file)")
+            self.blend(check_files=self.kind == "tokens")
+        elif self.kind == "tokens" and not self.train_path:
+            raise ConfigError("data.kind=tokens needs data.train_path (or data.train_paths)")
+
+
+@dataclass
+class EvalConfig(_Section):
+    interval: int = 0               # run validation every N steps (0: never); also at the end
+    max_batches: int = 8            # val windows used: max_batches x micro_batch_size x dp
+    only: bool = False              # evaluate (init_from or resume) and exit, no training
+
+    def validate(self) -> None:
+        _positive("eval.interval", self.interval, allow_zero=True)
+        _positive("eval.max_batches", self.max_batches)
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    interval: int = 0               # save every N steps (0: only at the end)
+    keep: int = 2                   # complete checkpoints kept on disk (newest first)
+    save_final: bool = True
+
+    def validate(self) -> None:
+        _positive("checkpoint.interval", self.interval, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class WandbConfig(_Section):
+    mode: str = "offline"           # "offline" | "online" | "disabled"
+    project: str = "oases"
+    name: str = ""                  # run name; default: the out_dir's name
+
+    def validate(self) -> None:
+        _choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class Config(_Section):
+    out_dir: str = "runs/default"
+    seed: int = 1234
+    resume: str = "none"            # "none" | "auto" (latest complete checkpoint in out_dir)
+    debug: bool = False             # show tracebacks for bad-input errors
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    _world_size = 1  # not a field: set by validate()
+
+    # ---- derived values (set by validate) ----
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree of the default layout: world / (pp x tp)."""
+        return self._world_size // (self.parallel.tp * self.parallel.pp)
+
+    @property
+    def pipeline_batch(self) -> int:
+        """Sequences in one micro-batch of the whole pipeline (all DP replicas): a stage
+        with its own layout (dp_s, tp_s) gives each replica pipeline_batch / dp_s."""
+        return self.train.micro_batch_size * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.padded_vocab(self.parallel.tp)
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of vocab_pad_to x tp (a stage's tp)."""
+        m = self.model.vocab_pad_to * tp
+        return math.ceil(self.model.vocab_size / m) * m
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Resolve the named model size and check every section; returns self."""
+        self.model.resolve()
+        for sec in (self.model, self.parallel, self.train, self.data, self.eval,
+                    self.checkpoint, self.wandb):
+            sec.validate()
+        _choice("resume", self.resume, ("none", "auto"))
+        if self.eval.only and not self.data.val_path:
+            raise ConfigError("eval.only=true needs data.val_path (the token file to evaluate)")
+        if not self.out_dir:
+            raise ConfigError("out_dir must not be empty")
+        tp, pp, m = self.parallel.tp, self.parallel.pp, self.model
+        if world_size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}")
+        if world_size % (pp * tp):
+            raise ConfigError(f"parallel.pp={pp} x parallel.tp={tp} does not divide the world "
+                              f"size {world_size}")
+        if pp > m.n_layer:
+            raise ConfigError(f"parallel.pp={pp} is more stages than model.n_layer={m.n_layer} "
+                              f"layers")
+        n_mb = self.train.grad_accum
+        if pp > 1 and self.parallel.pp_schedule != "gpipe" and n_mb < pp:
+            raise ConfigError(f"train.grad_accum={n_mb} micro-batches is fewer than "
+                              f"parallel.pp={pp} stages: {self.parallel.pp_schedule} needs "
+                              f"at least pp micro-batches per step")
+        if self.parallel.overlap_fb:
+            _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
+        if pp > 1 and self.parallel.plan == "auto" and self.parallel.plan_search == "tp-only":
+            raise ConfigError("parallel.plan=auto with plan_search=tp-only chooses per-block TP "
+                              "degrees for pp=1 only; with parallel.pp > 1 search the layout "
+                              "(plan_search=uniap) or give a plan file")
+        heads = heads_problem(m.n_head, m.n_kv_heads, tp)  # kv heads: split or replicated
+        if heads:
+            raise ConfigError(f"parallel.tp={tp} {heads}")
+        if m.ffn_hidden % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}")
+        if self.parallel.schedule == "oases":
+            mbs, n = self.train.micro_batch_size, self.parallel.sub_batches
+            if mbs < n or mbs % n:
+                raise ConfigError(f"train.micro_batch_size={mbs} cannot be split into "
+                                  f"parallel.sub_batches={n} equal sub-batches")
+        self._world_size = world_size
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def freeze(self) -> "Config":
+        """Make this config (every section) read-only; returns self."""
+        self._set_frozen(True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("_frozen"))
+
+    def with_changes(self, changes: dict[str, Any]) -> "Config":
+        """A copy with the dotted keys of ``changes`` set to their values, validated for
+        the same world size and frozen if this one is; this config is left as it is."""
+        new = copy.deepcopy(self)
+        new._set_frozen(False)
+        for key, value in changes.items():
+            *path, name = key.split(".")
+            sec = new
+            for part in path:
+                sec = getattr(sec, part)
+            if name not in {f.name for f in dataclasses.fields(sec)}:
+                raise ConfigError(f"unknown config key {key!r}")
+            setattr(sec, name, value)
+        new.validate(self._world_size)
+        return new.freeze() if self.frozen else new
+
+
+def _overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
+    """A backward pairs with the next micro-batch's forward: at pp=1 there must be two
+    micro-batches; in a pipeline the pairs must not wait on each other across stages,
+    which takes eager-1f1b's warm-up (python -m oases.schedule --overlap-fb shows why)."""
+    if pp == 1 and micro_batches < 2:
+        raise ConfigError("parallel.overlap_fb pairs a micro-batch's backward with the next "
+                          "one's forward: it needs train.grad_accum >= 2")
+    if pp > 1 and kind != "eager-1f1b":
+        raise ConfigError(f"parallel.overlap_fb in a pipeline needs parallel.pp_schedule="
+                          f"eager-1f1b, not {kind}: under 1f1b each fused pair waits for the "
+                          f"next stage's whole pair, which halves the rate")
+
+
+# ---------------------------------------------------------------------------
+# Loading: YAML -> dataclasses, strict (oases.config.typed_yaml); dotted overrides.
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build a Config from a YAML file (optional) and ``a.b=value`` overrides."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    cfg = build_dataclass(Config, data)
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+        k, v = ov.split("=", 1)
+        set_dotted(cfg, k.strip(), v.strip())
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    data = cfg.to_dict()
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

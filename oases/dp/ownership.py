@@ -1,0 +1,160 @@
+"""A run's ZeRO ownership: which ranges of the sharded buckets this rank owns, and what
+the optimizer, clipping and checkpoints see of them.
+
+The gradient reducer (:mod:`oases.dp.reducer`) decides the buckets and reduces their
+gradients; each bucket at a level >= 1 carries its :class:`~oases.dp.zero.ShardedFlat`.
+:class:`ZeroOwnership` holds those flats together with the parameter store
+(:class:`~oases.dp.store.ParamStore`, levels 1-3) and answers every question about
+owned ranges: the optimizer's tensors (segments of the owned ranges), the gradient
+terms of the norm, the whole optimizer state for a checkpoint and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import torch
+import torch.nn as nn
+
+from oases.parallel.engine import WHOLE, BlockParams
+from oases.dp.store import ParamStore
+from oases.dp.zero import ShardedFlat
+
+
+class ZeroOwnership:
+    """``flats``: every sharded bucket's state, in bucket order. ``block_of``: parameter
+    id -> its block in ``model.blocks()`` (absent: outside every block). ``tied_head``:
+    the head uses the embedding block's table (level 3 gathers it for the head too)."""
+
+    def __init__(self, model: nn.Module, flats: list[ShardedFlat], block_of: dict[int, int],
+                 tied_head: bool = False, prefetch: bool = True) -> None:
+        self.flats = flats
+        self.handles: list = []
+        for fl in flats:
+            if fl.level >= 2:  # the full gradient buffer gets storage before the first grad
+                for p in fl.params:
+                    self.handles.append(p.register_hook(lambda g, z=fl: z.ensure_grads()))
+        units: dict[int, list[ShardedFlat]] = {}    # level 3: gathered for each use
+        pending: dict[int, list[ShardedFlat]] = {}  # levels 1, 2: gathered after the step
+        head = len(model.blocks())
+        for fl in flats:
+            blk = block_of.get(id(fl.params[0]), -1)
+            (units if fl.level >= 3 else pending).setdefault(
+                head if blk < 0 else blk, []).append(fl)
+        self.store = (ParamStore(units, head, tied_head, prefetch=prefetch, pending=pending)
+                      if units or pending else None)
+        if self.store is not None:
+            self.handles += self.store.install_hooks(model)
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.flats)
+
+    @property
+    def params(self) -> BlockParams:
+        """The engine's parameter hook: the store, or nothing to gather."""
+        return WHOLE if self.store is None else self.store
+
+    def _segment_ids(self) -> set[int]:
+        return {id(s) for fl in self.flats for s, _ in fl.segments}
+
+    def release(self) -> None:
+        """End of a step's backward passes: the optimizer is about to change the owned
+        ranges, so nothing stays gathered."""
+        if self.store is not None:
+            self.store.release()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # -- the optimizer ----------------------------------------------------------------
+    def optimizer_params(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(tensor the optimizer steps, the model parameter it belongs to): the parameter
+        itself at level 0, its segments of the owned range at levels 1-3."""
+        out = [seg for fl in self.flats for seg in fl.segments]
+        zeroed = {id(p) for fl in self.flats for p in fl.params}
+        out += [(p, p) for p in model.parameters() if p.requires_grad and id(p) not in zeroed]
+        return out
+
+    def seed_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for fl in self.flats:
+            fl.seed_state(opt)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The optimizer updated the owned ranges: levels 1 and 2 start all-gathering
+        them (the store waits for each block's before its next use)."""
+        if self.store is not None:
+            self.store.sync_params()
+
+    def grad_terms(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
+        """(gradient tensor this rank holds, its parameter, how many ranks split it):
+        the whole ``.grad`` at levels 0 and 1, the owned segment at levels 2 and 3."""
+        out, zeroed = [], set()
+        for fl in self.flats:
+            if fl.level >= 2:
+                out += [(seg.grad, p, fl.G) for seg, p in fl.segments]
+                zeroed.update(id(p) for p in fl.params)
+        out += [(p.grad, p, 1) for p in model.parameters()
+                if p.grad is not None and id(p) not in zeroed]
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------
+    def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
+        """Adam state keyed by model parameter, whole (collective: sharded buckets
+        all-gather theirs), as a level-0 optimizer would hold it."""
+        segs = self._segment_ids()
+        state = {t: opt.state[t] for g in opt.param_groups for t in g["params"]
+                 if id(t) not in segs and t in opt.state}
+        for fl in self.flats:
+            full = fl.full_state()
+            step = next((opt.state[s]["step"] for s, _ in fl.segments
+                         if s in opt.state and "step" in opt.state[s]), None)
+            for p, st in full.items():
+                state[p] = {**st, "step": step if step is not None
+                            else torch.zeros((), dtype=torch.float32)}
+        return state
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """Inverse of :meth:`full_optimizer_state`: keep the owned ranges."""
+        own = {id(t) for g in opt.param_groups for t in g["params"]}
+        for p, st in state.items():
+            if id(p) in own:  # a level-0 parameter: its state as loaded
+                opt.state[p] = st
+        for fl in self.flats:
+            fl.load_state(state)
+            for seg, p in fl.segments:
+                if p in state and "step" in state[p] and seg in opt.state:
+                    opt.state[seg]["step"].copy_(state[p]["step"])
+            fl.write_back()
+
+    @contextlib.contextmanager
+    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module, load: bool = False):
+        """Whole parameters and an optimizer stand-in whose ``state`` is keyed by model
+        parameter, as at level 0, for checkpoint save (``load`` False) and load (then the
+        loaded values go back to the owned ranges on exit). Collective."""
+        if not self.sharded:
+            yield opt
+            return
+        if self.store is not None:
+            self.store.gather_all()
+        view = _OptimizerView(model, opt, {} if load else self.full_optimizer_state(opt))
+        try:
+            yield view
+            if load:
+                self.load_optimizer_state(opt, view.state)
+        finally:
+            self.release()
+
+
+class _OptimizerView:
+    """What checkpoint save and load read of an optimizer: ``state`` keyed by model
+    parameter and ``param_groups`` listing the model's parameters."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+        fused = any(g.get("fused") for g in opt.param_groups)
+        self.state = state
+        self.param_groups = [{"params": [p for p in model.parameters() if p.requires_grad],
+                              "fused": fused}]
+

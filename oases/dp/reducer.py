@@ -1,0 +1,314 @@
+"""Data-parallel gradient averaging: bucketed, overlapped with backward.
+
+Gradients live in flat per-bucket buffers (``param.grad`` is a view into them),
+so one all-reduce covers a whole bucket. Buckets are filled in reverse
+parameter order, roughly the order backward produces gradients, and never span
+two blocks of the model's block protocol (``model.blocks()``): a block's
+gradients leave as soon as its backward is done, rather than waiting for the
+blocks below it to fill the bucket (the planner's cost model counts on that). During the
+backward of the *last* micro-batch of a step (``arm()``), a post-accumulate
+hook counts how often each parameter's gradient was accumulated; once every
+parameter of a bucket has had all its accumulations, the bucket's all-reduce
+starts asynchronously and runs while backward continues with earlier layers.
+How many accumulations a parameter gets per backward depends on the schedule
+(one under plain autograd; one per sub-batch, and more for tied weights, under
+``oases``), so the first armed backward only counts (calibration) and its
+buckets are all reduced in ``finish()``.
+``finish()`` launches any bucket that never completed (unused parameters),
+then waits on every handle exactly once and divides by dp.
+
+ZeRO (``level_of``, :mod:`oases.dp.zero`): a bucket at level 2 or 3 is
+reduce-scattered instead of all-reduced, into the range of the flat bucket this
+rank owns, and its full gradient buffer exists only from the first gradient of
+the armed backward (a pre-accumulation hook gives it storage) to the end of the
+reduction. Levels 1-3 give the optimizer segments of the owned range
+(:meth:`GradReducer.optimizer_params`); :meth:`after_step` all-gathers the
+updated parameters (levels 1, 2), and at level 3 a
+:class:`~oases.dp.store.ParamStore` gathers each block's parameters before use. The
+tied embedding of a pipeline's first and last stage stays at level 0 (its group spans
+two stages). The reducer owns the buckets and their reduction only: what this rank
+owns of them, and what the optimizer and checkpoints see, is its
+:class:`~oases.dp.ownership.ZeroOwnership` (``reducer.shards``).
+
+Averaging over dp is the gradient of the global batch's loss only if each replica's
+backward was seeded with dp times its share of that loss: ``train_step`` does so
+(:func:`oases.runtime.step.step_shares`), so replicas whose rows count different
+numbers of targets (padding, masked prompts) still add up to the gradient of one
+mean over every counted target; when every target counts, the share is 1/dp and the
+seed the plain mean's.
+
+Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
+launch, in the same order on every rank (gloo and NCCL need that).
+On CUDA, the all-reduce is enqueued on the default stream's NCCL work stream;
+``work.wait()`` in ``finish()`` makes the current (default) stream, which the
+optimizer then runs on, wait for it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.parallel.comm import all_reduce, group_size
+from oases.dp.accounting import held_memory
+from oases.dp.ownership import ZeroOwnership
+from oases.dp.zero import ShardedFlat
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], group, device, dtype,
+                 prescale: Optional[float] = None, level: int = 0) -> None:
+        self.params = params
+        self.group = group
+        self.prescale = prescale  # multiply before the sum instead of dividing by dp after
+        G = group_size(group)
+        self.level = level if G > 1 and prescale is None else 0
+        n = sum(p.numel() for p in params)
+        n += (-n) % G if self.level else 0  # ZeRO: a whole owned range per rank
+        self.buffer = torch.zeros(n, device=device, dtype=dtype)
+        self.ready = 0      # params whose accumulations are complete
+        self.need = 0       # params that get gradients at all (known after calibration)
+        self.work = None
+        self.views = []     # param.grad must stay these views (see GradReducer.finish)
+        off = 0
+        for p in params:
+            self.views.append(self.buffer[off: off + p.numel()].view_as(p))
+            p.grad = self.views[-1]
+            off += p.numel()
+        self.zero = ShardedFlat(params, self.buffer, group, self.level) if self.level else None
+
+    def attach(self) -> None:
+        for p, v in zip(self.params, self.views):
+            p.grad = v
+
+    def detached(self) -> Optional[nn.Parameter]:
+        """A parameter whose ``.grad`` is no longer its view into the buffer, if any."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                return p
+        return None
+
+
+class GradReducer:
+    """``group_of(param)`` gives the group a parameter's gradient is summed over
+    (default: the DP group); the sum is divided by dp. With per-block TP degrees
+    that group also spans the replicas of the block (oases.parallel.reshard)."""
+
+    def __init__(self, model: nn.Module, dp_group, bucket_mb: float = 25.0,
+                 group_of: Optional[Callable[[nn.Parameter], object]] = None,
+                 prescale_of: Optional[Callable[[nn.Parameter], Optional[float]]] = None,
+                 then: Optional[Callable[[], None]] = None,
+                 level_of: Optional[Callable[[nn.Parameter], int]] = None,
+                 tied_head: bool = False, prefetch: bool = True,
+                 zero: bool = False) -> None:
+        """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
+        group (the tied embedding of a pipeline's first and last stage, summed over both
+        stages' replicas), the factor its local gradient is multiplied by before the sum;
+        such a bucket is not divided by dp afterwards. ``then``: a collective to run at the
+        end of every :meth:`finish` (:class:`TiedTableSync`). ``level_of(param)``: the
+        ZeRO level of the parameter's block (default 0); ``tied_head``: the head uses
+        the embedding block's table (level 3 gathers it for the head too). ``zero``: the
+        run asks for ZeRO anywhere (the same on every rank, every stage): clipping then
+        measures the owned pieces, with the same collectives everywhere."""
+        self._then = then
+        self.norm_by_terms = zero  # clip_grads: measure through grad_terms
+        self.dp_group = dp_group
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.armed = False
+        self._hits: dict[int, int] = {}
+        self._expected: dict[int, int] | None = None
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._names = [(n, p) for n, p in model.named_parameters()]
+        group_of = group_of or (lambda p: dp_group)
+        self._prescale_of = prescale_of or (lambda p: None)
+        self._level_of = level_of or (lambda p: 0)
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        limit = int(bucket_mb * 2**20)
+        block_of: dict[int, int] = {}  # parameter -> its block (others: -1)
+        for i, blk in enumerate(model.blocks()):
+            for p in blk.parameters():
+                block_of.setdefault(id(p), i)
+        # per group: (group, params, bytes, block of those params)
+        open_: dict[int, tuple[object, list, int, int]] = {}
+        for p in reversed(params):
+            g = group_of(p)
+            key = id(g)
+            blk = block_of.get(id(p), -1)
+            grp, cur, size, cur_blk = open_.get(key, (g, [], 0, blk))
+            if cur and blk != cur_blk:  # a bucket never spans two blocks
+                self._add(cur, grp)
+                cur, size = [], 0
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self._add(cur, grp)
+                cur, size = [], 0
+            open_[key] = (grp, cur, size, blk)
+        for grp, cur, _, _ in open_.values():
+            if cur:
+                self._add(cur, grp)
+        self.active = any(b.group is not None and dist.get_world_size(b.group) > 1
+                          for b in self.buckets)
+        # the hooks hold the reducer, and through it every parameter: close() drops them
+        self._handles = ([p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                          for p in params] if self.active else [])
+        self.shards = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],
+                                    block_of, tied_head, prefetch)
+
+    def close(self) -> None:
+        """Remove every hook the reducer and its ZeRO ownership put on the parameters and
+        the model, so that a model thrown away is freed without a cycle collection."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.shards.close()
+
+    def _add(self, params, group) -> None:
+        b = _Bucket(params, group, params[0].device, params[0].dtype,
+                    self._prescale_of(params[0]), self._level_of(params[0]))
+        self.buckets.append(b)
+        for p in params:
+            self._bucket_of[id(p)] = b
+
+    @staticmethod
+    def _trivial(b: _Bucket) -> bool:
+        return b.group is None or dist.get_world_size(b.group) == 1
+
+    def zero_grad(self) -> None:
+        """Zero the flat buffers; ``param.grad`` becomes (again) a view into them, also if
+        something set it to None since (``optimizer.zero_grad()``)."""
+        for b in self.buckets:
+            b.attach()
+            if b.level >= 2:
+                b.zero.grad_shard.zero_()
+            else:
+                b.buffer.zero_()
+            if b.zero is not None:
+                b.zero.attach_grads()
+            b.ready = 0
+            b.work = None
+        self._hits = {}
+
+    def arm(self) -> None:
+        """The next backward is the last of this step: reduce while it runs."""
+        self.armed = True
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        k = id(p)
+        self._hits[k] = self._hits.get(k, 0) + 1
+        if self._expected is None or self._hits[k] != self._expected.get(k):
+            return
+        b = self._bucket_of[k]
+        b.ready += 1
+        if b.ready == b.need and b.work is None and not self._trivial(b):
+            self._launch(b)
+
+    @staticmethod
+    def _launch(b: _Bucket) -> None:
+        if b.level >= 2:
+            b.zero.ensure_grads()  # a bucket that got no gradient this step
+            b.work = b.zero.launch_reduce()
+            return
+        if b.prescale is not None:
+            b.buffer.mul_(b.prescale)
+        b.work = all_reduce(b.buffer, b.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce and average over dp (then run ``then``)."""
+        self.armed = False
+        if self.active:
+            self._reduce()
+        self.shards.release()
+        if self._then is not None:
+            self._then()
+
+    def _reduce(self) -> None:
+        for b in self.buckets:  # the same on every rank: every rank runs the same code
+            p = b.detached()
+            if p is not None:
+                name = next((n for n, q in self._names if q is p), "?")
+                raise RuntimeError(
+                    f"the gradient of parameter {name} is no longer the DP reducer's bucket "
+                    f"view (optimizer.zero_grad() or `param.grad = None` between "
+                    f"reducer.zero_grad() and the backward?): it would not be averaged over "
+                    f"data-parallel ranks. Zero gradients with GradReducer.zero_grad() only.")
+        if self._expected is None:  # calibration: all ranks count the same hooks
+            self._expected = dict(self._hits)
+            for b in self.buckets:
+                b.need = sum(1 for p in b.params if self._expected.get(id(p), 0) > 0)
+        for b in self.buckets:  # same order on every rank
+            if b.work is None and not self._trivial(b):
+                self._launch(b)
+        for b in self.buckets:
+            if b.level >= 2:
+                b.zero.finish_reduce(self.dp)
+                b.work = None
+                continue
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if b.prescale is None and self.dp > 1:
+                b.buffer.div_(self.dp)
+
+    # -- ZeRO: what the optimizer, clipping and checkpoints see (``self.shards``) -------
+    @property
+    def store(self):
+        return self.shards.store
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards.sharded
+
+    def optimizer_params(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        return self.shards.optimizer_params(model)
+
+    def seed_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self.shards.seed_optimizer(opt)
+
+    def after_step(self) -> None:
+        self.shards.after_step()
+
+    def grad_terms(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
+        return self.shards.grad_terms(model)
+
+    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module, load: bool = False):
+        return self.shards.unsharded(opt, model, load)
+
+    def memory(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes held for parameters, gradients and optimizer state
+        (:func:`~oases.dp.accounting.held_memory`)."""
+        return held_memory(model, opt, [b.buffer for b in self.buckets], self.shards)
+
+
+class TiedTableSync:
+    """Sums the gradients of a tied embedding's two copies (first and last pipeline
+    stage) when the stages shard the vocabulary differently (different tp), after each
+    stage's DP reduction.
+
+    Every rank of both stages writes its (DP-averaged) shard rows into a zero table of
+    the logical vocabulary, scaled by 1/dp of its stage (the dp replicas hold the same
+    values), and one all-reduce over both stages adds them up: each row then holds
+    first-stage + last-stage gradient, and each rank copies its rows back. (With equal
+    tp the reducer sums the shards directly over a smaller group; this moves tp times
+    the bytes, once per step.)
+    """
+
+    def __init__(self, param: nn.Parameter, group, dp: int, tp_rank: int, vocab: int) -> None:
+        self.param, self.group, self.scale, self.vocab = param, group, 1.0 / dp, vocab
+        rows = param.shape[0]
+        self.start = tp_rank * rows
+        self.n = max(0, min(rows, vocab - self.start))  # real (not padding) rows held here
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        g = self.param.grad
+        table = torch.zeros(self.vocab, g.shape[1], device=g.device, dtype=g.dtype)
+        table[self.start: self.start + self.n] = g[: self.n] * self.scale
+        all_reduce(table, self.group)
+        g[: self.n] = table[self.start: self.start + self.n]

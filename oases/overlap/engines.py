@@ -1,0 +1,469 @@
+"""Schedule engines: how a micro-batch's forward and backward run over the blocks.
+
+``megatron`` (:mod:`oases.overlap.megatron`): ordinary autograd, blocking all-reduces.
+
+``oases``: the micro-batch is split along the batch into sub-batches a, b that
+take turns. Each sub-batch is a program of compute *segments* separated by TP
+collectives; when a sub-batch reaches a collective it launches it
+asynchronously and yields, and the other sub-batch computes meanwhile:
+
+    forward     compute  | a:P0 | b:P0 | a:C0 P1 | b:C0 P1 | a:C1 P2 | ...
+                comm            | AR a0 | AR b0   | AR a1   | AR b1   | ...
+
+    (Pi = block i's partial, Ci = its combine; ARxi overlaps the other
+    sub-batch's compute, across layer boundaries too.)
+
+    backward    compute  | a:Bi | b:Bi | a:Ni Ri-1 Bi-1 | b:Ni Ri-1 Bi-1 | ...
+                comm            | ARa  | ARb            | ...
+
+    Each sub-batch's forward and backward form one program, so a's backward
+    starts while b's last forward collectives are still running.
+
+    (Bi = backward of block i down to the point where its column-parallel
+    input gradient must be all-reduced, Ni = the rest of block i's backward
+    (norm, residual), Ri-1 = recompute of block i-1. Recompute and backward of
+    a and b interleave with no barrier between a recompute and a backward pass:
+    cross-pass scheduling. Under ``fine`` a sub-batch launches Bi's all-reduce
+    and runs Ri-1 before it yields, since recompute needs only the stash: the
+    all-reduce overlaps its own recompute and then the other sub-batch's work.)
+
+The vocab-parallel loss has one collective (see oases.parallel.loss); models
+that split their loss into ``loss_partial``/``loss_combine`` get it scheduled
+like any other, so it does not block while the other sub-batch's all-reduce
+holds the link.
+
+Recompute modes under ``oases``:
+* ``none``: the forward keeps every block's autograd graph.
+* ``full``: the forward keeps only each transformer layer's input; backward
+  recomputes the layer, re-issuing its forward all-reduces (as Megatron's full
+  recompute), interleaved with the other sub-batch.
+* ``fine``: the forward keeps each block's input and the output of its forward
+  all-reduce; backward recomputes from there (partial and combine of the same
+  block), so recompute never re-issues a forward collective.
+Recompute replays the RNG states (default and TP streams) captured in forward,
+so dropout masks are identical.
+
+RNG: each sub-batch draws from its own streams, derived at the start of the
+micro-batch (:func:`sub_batch_rng_streams`), and every segment of a sub-batch
+runs with its streams swapped in. Its dropout masks are therefore exactly those
+of plain autograd run on that sub-batch alone from the same streams, whatever
+the interleaving (the parity tests rely on it).
+
+Collective discipline: every rank runs the same programs in the same
+round-robin order, so all ranks issue the same collectives in the same order.
+Each launched collective is waited exactly once, by the runner, before its
+result is handed back to the program that asked for it; no handle outlives
+``forward_backward``. On CUDA, ``work.wait()`` makes the *current* stream (the
+one every segment computes on) wait for the collective; the buffers stay
+referenced by the runner until that wait, so the caching allocator cannot hand
+their memory to another kernel while the communication stream still reads them.
+
+ZeRO-3: the engine reaches parameters only through its ``params`` hook
+(:class:`~oases.parallel.engine.BlockParams`), in :meth:`OasesSchedule._enter`.
+
+Pipeline stages: ``forward`` and ``backward`` run the same programs as separate
+actions, the sub-batches' state kept in a :class:`StageRun` in between; an input
+activation becomes a leaf whose gradient ``backward`` returns.
+
+Mixed precision: forward segments and recompute run under ``amp()``, backward
+segments without it; the run sits in one enclosing autocast region, so each
+weight is cast once per run and its copy shared (:meth:`OasesRun.cast_cache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.region import Cut, CutRecorder
+from oases.overlap.loss_weights import piece_shares
+from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
+from oases.overlap.memory import SavedTensorMeter
+from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
+from oases.overlap.runner import Launch, OasesRun, Program, Stashed, Wait, run_joint, run_programs
+
+__all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
+           "sub_batch_rng_streams"]
+
+
+class _Graft(torch.autograd.Function):
+    """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
+    unchanged (the all-reduce's backward is the identity). The output shares the
+    buffer's memory but is not an autograd view of it, so a ``combine`` may modify it
+    in place (autograd forbids that on a custom Function's views); where the buffer
+    is also stashed (``fine``) the stash's version check refuses it."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced):
+        return reduced.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+@dataclass
+class _BlockState:
+    """One block of one sub-batch. ``out`` set = its autograd graph is live."""
+    x_in: Optional[torch.Tensor] = None       # block input (a leaf when the graph is live)
+    saved_x: Optional[Stashed] = None         # stashed input for recompute
+    saved_r: Optional[Stashed] = None         # stashed all-reduce output (fine)
+    rng_partial: Optional[dict] = None
+    rng_combine: Optional[dict] = None
+    cuts: list = field(default_factory=list)
+    out: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _SubBatch:
+    name: str
+    ids: torch.Tensor                         # token ids, or the stage's input activation
+    targets: Optional[torch.Tensor]           # None on a pipeline stage before the last
+    share: object                             # of the micro-batch's loss (loss_weights)
+    blocks: list = field(default_factory=list)
+    head: Optional[tuple] = None
+    loss: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None        # output activation (not the last stage)
+    grad_out: Optional[torch.Tensor] = None   # its gradient, for the backward
+    grad_in: Optional[torch.Tensor] = None    # the input activation's gradient
+
+
+class OasesSchedule:
+    """The ``oases`` engine. It holds only its configuration: each call's state lives
+    in an :class:`~oases.overlap.runner.OasesRun` (a pipeline stage's is returned in
+    the :class:`StageRun`), so one engine serves interleaved runs (several forwards
+    before their backwards) and several threads. (Dropout draws from the process's
+    generators, a sub-batch's streams swapped in per segment: runs that draw random
+    numbers on two threads at once would take each other's draws.)"""
+
+    name = "oases"
+    pairs = True  # backward_forward interleaves the two passes' collectives
+
+    def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
+                 tracker: Optional[TPRNGTracker] = None, tracer=None,
+                 params: Optional[BlockParams] = None) -> None:
+        if recompute not in ("none", "full", "fine"):
+            raise ValueError(f"recompute={recompute!r}")
+        self.tp_group = tp_group
+        self.n = sub_batches
+        self.recompute = recompute
+        self.tracker = tracker
+        self.tracer = tracer
+        self.params: BlockParams = WHOLE if params is None else params  # see _enter
+        # Recompute the next block down while an input-gradient all-reduce is in flight
+        # (it needs only the stash). Not under ``full``: its recompute re-issues forward
+        # all-reduces, which would queue on the link behind the pending one (measured
+        # slower); there the recompute follows the wait.
+        self._early_prepare = recompute != "full"
+
+    # ------------------------------------------------------------------ API
+    def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (detached) token-mean loss
+        (:mod:`~oases.overlap.loss_weights`). Gradients accumulate scaled by ``scale``."""
+        run = self._start(model, ids, targets, amp)
+        run.forwards_left = self.n
+        # One program per sub-batch, forward then backward: no barrier between the two
+        # passes either (a's backward starts while b's last forward collectives run).
+        run_programs(run, [self._program(run, sb, scale * sb.share) for sb in run.subs])
+        return torch.stack([sb.share * sb.loss for sb in run.subs]).sum()
+
+    def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
+                amp: AmpFactory = contextlib.nullcontext) -> StageRun:
+        """Forward of one micro-batch on a pipeline stage (see
+        :meth:`MegatronSchedule.forward`): the sub-batches take turns as in
+        :meth:`forward_backward`, and keep their state until :meth:`backward`."""
+        run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        run_programs(run, [self._forward(run, sb) for sb in run.subs])
+        return self._stage_run(run)
+
+    @staticmethod
+    def _stage_run(run: OasesRun) -> StageRun:
+        if run.subs[0].targets is not None:
+            return StageRun(run, loss=torch.stack([sb.share * sb.loss for sb in run.subs]).sum())
+        return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
+
+    def backward_forward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float,
+                         model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
+                         amp: AmpFactory = contextlib.nullcontext):
+        """:meth:`backward` of ``run`` and :meth:`forward` of the next micro-batch as one
+        interleaved program (``parallel.overlap_fb``); returns what the two return,
+        (input gradient, StageRun). Their programs take turns at every collective, so
+        the forward's all-reduces, link-bound on a slow link, run while the backward
+        computes, and the backward's while the forward computes:
+
+            compute  | Bm:a | Bm:b | Fm+1:a | Fm+1:b | Bm:a | Bm:b | Fm+1:a | ...
+            link            | ARa  | ARb    | AR'a   | AR'b | ARa  | ...
+
+        Each run keeps its own sub-batch RNG streams and stash, so losses, gradients and
+        dropout masks are those of the backward followed by the forward."""
+        brun = self._resume(run, grad, amp)
+        frun = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        # the backward first: its input gradient is what the previous stage waits for
+        with self.params.two_passes():
+            run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
+                       (frun, [self._forward(frun, sb) for sb in frun.subs])])
+        return self._grad_in(brun), self._stage_run(frun)
+
+    def backward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
+                 amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
+        """Backward of a :meth:`forward` run (see :meth:`MegatronSchedule.backward`)."""
+        orun = self._resume(run, grad, amp)
+        run_programs(orun, [self._backward(orun, sb, scale * sb.share) for sb in orun.subs])
+        return self._grad_in(orun)
+
+    def _resume(self, srun: StageRun, grad: Optional[torch.Tensor], amp: AmpFactory) -> OasesRun:
+        """A forward's run, taken from its StageRun, with the output's gradient per sub-batch."""
+        run, srun.state = srun.state, None
+        run.amp = amp  # recompute runs under it
+        if grad is not None:
+            for sb, g in zip(run.subs, grad.chunk(self.n)):
+                sb.grad_out = g
+        return run
+
+    @staticmethod
+    def _grad_in(run: OasesRun) -> Optional[torch.Tensor]:
+        return torch.cat([sb.grad_in for sb in run.subs]) if run.input_grad else None
+
+    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> OasesRun:
+        if ids.shape[0] % self.n:
+            raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
+                             f"sub-batches")
+        blocks = model.blocks()
+        first = 0 if input_grad else 1  # the model's first block (embedding): never recomputed
+        # a user's model needs only blocks() and loss_from_hidden(); the rest is optional
+        groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
+                  else [(i, i + 1) for i in range(first, len(blocks))])
+        tgts = targets.chunk(self.n) if targets is not None else [None] * self.n
+        subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
+                in enumerate(zip(ids.chunk(self.n), tgts, piece_shares(model, tgts)))]
+        streams = sub_batch_rng_streams(self.tracker, ids.device, self.n)
+        home = getattr(model, "home_degree", blocks[0].degree)
+        return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
+                        input_grad, home)
+
+    def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
+        yield from self._forward(run, sb)
+        run.forwards_left -= 1
+        if run.forwards_left == 0:  # every sub-batch's activations are saved now
+            SavedTensorMeter.end_of_forward()
+        yield from self._backward(run, sb, scale)
+
+    def _span(self, name: str):
+        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
+
+    def _enter(self, block: int, toward: Optional[int] = None, span: Optional[str] = None):
+        """The way into a block's compute, taken on entering it and again on resuming it
+        after a wait (the other sub-batches ran meanwhile): its parameters whole through
+        the :class:`~oases.parallel.engine.BlockParams` hook (ZeRO-3 gathers them there,
+        and starts gathering block ``toward``, where the pass goes next), then its span.
+        The hook sees the same calls in the same order on every rank."""
+        self.params.use(block, toward)
+        return self._span(span) if span is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------- forward
+    def _to_degree(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """Forward transition of an activation between block degrees: a local slice
+        when the degree drops, an all-gather (overlapped like any collective) when it
+        grows. Returns the new activation (through ``yield from``). Block inputs are
+        detached leaves, so the backward of a transition is :meth:`_grad_to_degree`."""
+        if t_from == t_to:
+            return x
+        rs = model.resharder
+        group = rs.reshard_group(t_from, t_to)
+        if t_to < t_from:
+            piece, k = rs.piece(t_from, t_to)
+            return x.chunk(k)[piece]
+        (gathered,) = yield [("ag", x.detach(), group)]
+        return gathered
+
+    def _grad_to_degree(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """Backward of the transition t_to -> t_from (gradient of a degree-``t_from``
+        block input, wanted at degree ``t_to``): all-gather where the forward sliced,
+        slice where it gathered."""
+        if t_from == t_to or g is None:
+            return g
+        rs = model.resharder
+        piece, k = rs.piece(t_from, t_to)
+        if t_to < t_from:
+            return g.chunk(k)[piece]
+        (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
+        return gathered
+
+    def _forward(self, run: OasesRun, sb: _SubBatch) -> Program:
+        model, blocks, groups = run.model, run.blocks, run.groups
+        starts = {a for a, _ in groups}
+        in_group = {i for a, b in groups for i in range(a, b)}
+        home = run.home
+        x = sb.ids
+        for i, blk in enumerate(blocks):
+            prev = blocks[i - 1].degree if i > 0 else home
+            if x.is_floating_point():
+                x = yield from self._to_degree(model, x, prev, blk.degree)
+            keep = self.recompute == "none" or i not in in_group
+            st = _BlockState()
+            if i == 0 and not run.input_grad:  # token ids into the embedding
+                x_in = x
+            else:
+                x_in = x.detach().requires_grad_(keep)
+            if not keep:
+                st.rng_partial = run.snap()
+                if self.recompute == "fine" or i in starts:
+                    st.saved_x = run.stash(x_in, "input x")
+            with self._enter(i, i + 1, f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), \
+                    run.amp(), CutRecorder() as rec:
+                p = blk.partial(x_in)
+            buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
+            (reduced,) = yield [("ar", buf, blk.tp_group)]   # all-reduce of the partial sum
+            if not keep:
+                st.rng_combine = run.snap()
+                if self.recompute == "fine":
+                    st.saved_r = run.stash(reduced, "reduced input (the all-reduced partial sum)")
+            with self._enter(i, span=f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), run.amp():
+                r = _Graft.apply(p, reduced) if keep else reduced
+                out = blk.combine(x_in, r)
+            for kept in (st.saved_x, st.saved_r):  # fail here, not with wrong gradients later
+                if kept is not None:
+                    kept.check(blk, i, self.recompute)
+            if keep:
+                st.x_in, st.cuts, st.out = x_in, rec.cuts, out
+            sb.blocks.append(st)
+            x = out
+        x = yield from self._to_degree(model, x, blocks[-1].degree, home)
+        if sb.targets is None:  # a pipeline stage before the last: its output goes on
+            sb.out = x.detach()
+            return
+        x_last = x.detach().requires_grad_()
+        if hasattr(model, "loss_partial"):  # optional: then the loss's collective is scheduled too
+            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
+                state, stats = model.loss_partial(x_last, sb.targets)
+            (stats,) = yield [("ar", stats, model.tp_group)]
+            with self._span(f"F{sb.name} loss"), run.amp():
+                loss = model.loss_combine(state, stats)
+        else:
+            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
+                loss = model.loss_from_hidden(x_last, sb.targets)
+        sb.head = (x_last, rec.cuts, loss)
+        sb.loss = loss.detach()
+
+    # ------------------------------------------------------------ backward
+    def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program],
+                      block: int = HEAD) -> Program:
+        """All-reduce the input gradients at the cuts, then continue backward from them.
+        ``prepare`` (the recompute of the next block down, or None) needs only the stash:
+        under ``_early_prepare`` it runs while the all-reduce is in flight, before this
+        sub-batch yields; otherwise after the wait."""
+        cuts = [c for c in cuts if c.leaf.grad is not None]
+        early = self._early_prepare and prepare is not None
+        if cuts:
+            ticket = yield Launch([("ar", c.leaf.grad, c.group) for c in cuts])
+            if early:
+                yield from prepare
+            grads = yield Wait(ticket)
+            with self._enter(block, span=name):
+                torch.autograd.backward([c.source for c in cuts], grads)
+        if prepare is not None and not (early and cuts):
+            yield from prepare
+
+    def _rebuild(self, run: OasesRun, blk, st: _BlockState, reduced: torch.Tensor,
+                 x_in: torch.Tensor, p):
+        with run.replay(st.rng_combine), torch.enable_grad(), run.amp():
+            st.out = blk.combine(x_in, _Graft.apply(p, reduced))
+        st.x_in = x_in
+
+    def _recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:
+        blk = run.blocks[i]
+        x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
+        reduced = st.saved_r.get(blk, i, self.recompute)
+        with self._span(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp(), \
+                CutRecorder() as rec:
+            p = blk.partial(x_in)
+        st.cuts = rec.cuts
+        with self._span(name):
+            self._rebuild(run, blk, st, reduced, x_in, p)
+        st.saved_x = st.saved_r = None
+
+    def _recompute_group(self, run: OasesRun, sbs: list[_BlockState], a: int, b: int,
+                         name: str) -> Program:
+        """Re-run blocks a..b-1 from the stashed group input, forward all-reduces (and
+        resharding all-gathers) included."""
+        model, blocks = run.model, run.blocks
+        x = sbs[a].saved_x.get(blocks[a], a, self.recompute)
+        for i in range(a, b):
+            st = sbs[i]
+            if i > a:
+                x = yield from self._to_degree(model, x, blocks[i - 1].degree, blocks[i].degree)
+            x_in = x.detach().requires_grad_()
+            with self._enter(i, i + 1, f"{name} P{i}"), run.replay(st.rng_partial), \
+                    torch.enable_grad(), run.amp(), CutRecorder() as rec:
+                p = blocks[i].partial(x_in)
+            buf = p.detach().clone(memory_format=torch.contiguous_format)
+            (reduced,) = yield [("ar", buf, blocks[i].tp_group)]  # forward all-reduce, re-issued
+            st.cuts = rec.cuts
+            with self._span(f"{name} C{i}"):
+                self._rebuild(run, blocks[i], st, reduced, x_in, p)
+            x = st.out
+        sbs[a].saved_x = None
+
+    def _prepare(self, run: OasesRun, group_of, sb: _SubBatch, i: int) -> Program:
+        """Make block i's autograd graph live again (recompute), if the forward dropped it."""
+        st = sb.blocks[i]
+        if st.out is not None:
+            return
+        with self._enter(i):
+            if self.recompute == "fine":
+                self._recompute_fine(run, i, st, f"R{sb.name} {i}")
+            else:
+                a, b = group_of[i]
+                yield from self._recompute_group(run, sb.blocks, a, b, f"R{sb.name}")
+
+    def _backward(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
+        """Block by block from the loss. Each input-gradient all-reduce is launched, the
+        recompute of the next block down runs while it is in flight (it needs only the
+        stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
+        then does this sub-batch wait and let the others run: the all-reduce overlaps
+        this sub-batch's recompute and the other sub-batches' work."""
+        model, blocks, groups = run.model, run.blocks, run.groups
+        group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
+        home = run.home
+        last_block = self._prepare(run, group_of, sb, len(blocks) - 1)
+        if sb.head is not None:
+            x_last, cuts, loss = sb.head
+            with self._enter(HEAD, span=f"B{sb.name} loss"):
+                torch.autograd.backward(loss, torch.ones_like(loss) * scale)
+            yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
+            sb.head, g_out = None, x_last.grad
+        else:  # the gradient of the stage's output came from the next stage
+            yield from last_block
+            g_out, sb.grad_out = sb.grad_out, None
+        g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
+        for i in reversed(range(len(blocks))):
+            st = sb.blocks[i]
+            with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
+                torch.autograd.backward(st.out, g)
+            nxt = self._prepare(run, group_of, sb, i - 1) if i > 0 else None
+            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
+            g = st.x_in.grad if i > 0 or run.input_grad else None
+            t_to = blocks[i - 1].degree if i > 0 else home
+            g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
+            sb.blocks[i] = None
+        sb.grad_in = g
+
+
+def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
+                   tracker: Optional[TPRNGTracker] = None, tracer=None,
+                   params: Optional[BlockParams] = None) -> Engine:
+    """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
+    business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
+    if name == "megatron":
+        return MegatronSchedule(tracer)
+    if name == "oases":  # selective recompute is the model's (its attention cores)
+        return OasesSchedule(tp_group, sub_batches, "none" if recompute == "selective" else
+                             recompute, tracker, tracer, params)
+    raise ValueError(f"unknown schedule {name!r}")

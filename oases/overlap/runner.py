@@ -1,0 +1,211 @@
+"""The per-call state of the ``oases`` engine and its round-robin runner.
+
+Everything one call of the engine (``forward_backward``, or a pipeline stage's
+``forward`` and later ``backward``) needs lives in an :class:`OasesRun`; the
+engine object holds only its configuration. Two runs of one engine may therefore
+be in flight at once (a pipeline keeps several micro-batches between their
+forward and backward) or run on two threads, and neither sees the other.
+
+A run's sub-batches are *programs*: generators that compute a segment and yield
+where they need a collective. :func:`run_programs` resumes them in turn with the
+results of what they asked for (the timelines are in :mod:`oases.overlap.engines`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Generator, Optional
+
+import torch
+import torch.nn as nn
+
+from oases.parallel.comm import _trivial, all_gather_async, all_reduce
+from oases.parallel.random import TPRNGTracker
+from oases.overlap.megatron import AmpFactory
+from oases.overlap.memory import SavedTensorMeter
+from oases.overlap.rng_streams import _rng_restore, _rng_snapshot
+
+Program = Generator[list, list, None]
+
+
+@dataclass
+class Launch:
+    """Yielded by a program: start these collectives and resume me at once (the
+    answer is an opaque ticket for :class:`Wait`); I have compute that does not
+    need their results."""
+    reqs: list
+
+
+@dataclass
+class Wait:
+    """Yielded by a program: switch to the others, then hand me the results of the
+    collectives of this ticket (from :class:`Launch`)."""
+    launched: list
+
+
+class StashModifiedError(RuntimeError):
+    """A block modified in place a tensor the engine keeps to recompute it."""
+
+
+class Stashed:
+    """A tensor kept for recompute, with its version counter when it was kept.
+
+    Recompute assumes the tensor still holds the forward's values. A block that
+    modifies its input ``x`` (``x += y``) or the reduced tensor (``reduced.add_(b)``)
+    in place would make the recompute, and so the gradients, silently wrong; the
+    version counter (shared by every view and ``detach`` of the tensor, bumped by
+    every in-place op) tells, and :meth:`get` refuses with an error naming the block.
+    """
+
+    __slots__ = ("tensor", "version", "what")
+
+    def __init__(self, t: torch.Tensor, what: str) -> None:
+        self.tensor, self.version, self.what = t, t._version, what
+
+    def check(self, blk: nn.Module, i: int, recompute: str) -> None:
+        if self.tensor._version != self.version:
+            raise StashModifiedError(
+                f"block {i} ({type(blk).__name__}) modified its {self.what} in place; "
+                f"recompute={recompute} keeps that tensor to recompute the block in "
+                f"backward: return new tensors instead (y = x + z, not x += z)")
+
+    def get(self, blk: nn.Module, i: int, recompute: str) -> torch.Tensor:
+        self.check(blk, i, recompute)
+        return self.tensor
+
+
+@dataclass
+class OasesRun:
+    """One call's state: the model's blocks, the sub-batches, their RNG streams, the
+    device and autocast of the run, and what the forward stashed."""
+    model: nn.Module
+    blocks: list
+    groups: list
+    subs: list
+    streams: list                             # each sub-batch's RNG streams
+    tracker: Optional[TPRNGTracker]
+    device: torch.device
+    amp: AmpFactory = contextlib.nullcontext  # entered around every forward segment
+    input_grad: bool = False                  # the input is a previous stage's activation
+    home: int = 1                             # degree of the input and output (embedding's)
+    forwards_left: int = 0                    # sub-batches whose forward is still running
+    stash_bytes: int = 0                      # bytes stashed for recompute (memory tests)
+
+    # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
+    def snap(self) -> dict:
+        return _rng_snapshot(self.tracker, self.device)
+
+    def restore(self, st: dict) -> None:
+        _rng_restore(self.tracker, self.device, st)
+
+    @contextlib.contextmanager
+    def replay(self, st: Optional[dict]):
+        """Run the block with the RNG states ``st`` captured in forward (recompute)."""
+        if st is None:
+            yield
+            return
+        live = self.snap()
+        self.restore(st)
+        try:
+            yield
+        finally:
+            self.restore(live)
+
+    def stash(self, t: torch.Tensor, what: str) -> Stashed:
+        self.stash_bytes += t.numel() * t.element_size()
+        SavedTensorMeter.track(t)
+        return Stashed(t, what)
+
+    def cast_cache(self):
+        """Hold autocast's weight-cast cache for the whole run.
+
+        Autocast caches the low-precision copy of each weight (a leaf that requires
+        grad) until the outermost autocast region exits. The engine enters ``amp()``
+        around each forward segment, so without an enclosing region every segment,
+        and every sub-batch, would cast every weight again (and under
+        ``recompute=none`` each sub-batch's graph would keep its own copy). This
+        region encloses the run with autocast *disabled*: the segments' ``amp()``
+        nest inside it, so a weight is cast once per run and the copy shared by the
+        sub-batches and by recompute (the weights do not change within a run), while
+        the backward segments run outside autocast, as they should. The copies live
+        until the run ends (2 bytes per weight under bf16). A caller holding an
+        enclosing autocast region (a whole step) extends the cache to it; its autocast
+        itself is off inside the run, where ``amp`` alone applies.
+        Activations that are leaves requiring grad would be cached too (and kept
+        until the run ends): the graph cuts hand views to the layers for that reason
+        (:class:`oases.parallel.region.CutRecorder`)."""
+        return torch.autocast(self.device.type, enabled=False)
+
+
+def _launch(reqs: list[tuple]) -> list:
+    """Start each requested collective: ("ar", buf, group) all-reduces ``buf`` in
+    place; ("ag", t, group) all-gathers ``t`` along dim 0 into a new tensor.
+    A strided ``buf`` (a user block's partial sum or cut gradient may be a view) is
+    reduced as a contiguous copy, which is what the program gets back.
+    (An active Tracer sees them through the comm functions.)"""
+    out = []
+    for kind, t, group in reqs:
+        if _trivial(group):
+            out.append((t, None))
+        elif kind == "ar":
+            t = t.contiguous()
+            out.append((t, all_reduce(t, group, async_op=True)))
+        else:
+            out.append(all_gather_async(t, group))
+    return out
+
+
+def _wait(pending: list) -> list[torch.Tensor]:
+    res = []
+    for b, work in pending:
+        if work is not None:
+            work.wait()  # orders the current stream after the collective
+        res.append(b)
+    return res
+
+
+def run_programs(run: OasesRun, programs: list[Program]) -> None:
+    """Round-robin over one run's sub-batch programs (see :func:`run_joint`)."""
+    run_joint([(run, programs)])
+
+
+def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
+    """Round-robin: resume each program with the results of the collectives it
+    launched before the others ran their next segment. ``parts``: one or more runs,
+    each with its sub-batches' programs (two runs when a micro-batch's backward is
+    paired with the next one's forward, ``parallel.overlap_fb``); the turn order is
+    the order given, program after program. Program ``s`` of a run runs on that
+    run's sub-batch streams (``run.streams[s]``), which advance only by its draws,
+    so the interleaving never changes what a sub-batch draws."""
+    owners = [(run, s) for run, progs in parts for s in range(len(progs))]
+    programs = [p for _, progs in parts for p in progs]
+    pending: list = [None] * len(programs)
+    alive = [True] * len(programs)
+
+    def advance(k: int, value) -> None:
+        run, s = owners[k]
+        live = run.snap()
+        run.restore(run.streams[s])
+        try:
+            req = programs[k].send(value)
+            while isinstance(req, Launch):  # launch, keep computing in the same program
+                req = programs[k].send(_launch(req.reqs))
+        except StopIteration:
+            alive[k] = False
+            pending[k] = None
+            return
+        finally:  # sub-batch s's streams advance only by its own draws
+            run.streams[s] = run.snap()
+            run.restore(live)
+        # a Wait hands back collectives launched earlier; a list is launched now
+        pending[k] = req.launched if isinstance(req, Wait) else _launch(req)
+
+    # one autocast region around all of them: the runs share the weights' casts
+    with parts[0][0].cast_cache():
+        for k in range(len(programs)):
+            advance(k, None)
+        while any(alive):
+            for k in range(len(programs)):
+                if alive[k]:
+                    advance(k, _wait(pending[k]))

@@ -1,0 +1,192 @@
+"""The pipeline runtime: one rank's stage runs its action list for one optimizer step.
+
+Each stage's action list comes from :mod:`oases.pipeline.actions` (gpipe, 1f1b,
+eager-1f1b). An ``F``/``B`` action runs the stage's blocks through the engine
+(an :class:`~oases.parallel.engine.Engine`, ``megatron`` or ``oases``: inside every
+action the oases engine still takes turns between two sub-batches so its TP
+collectives overlap compute); ``RECV``/``SEND``
+actions post cross-mesh transfers (:mod:`oases.pipeline.cross_mesh`), which run
+in the background while the next compute action does:
+
+    stage 0 (1f1b, 4 micro-batches, pp 2):
+      compute  | F0 | F1 |   | B0 | F2 | B1 | F3 | B2 |   | B3 |
+      sends       s0   s1       g0   s2   ...
+    stage 1:
+      compute  |    | F0 | B0 | F1 | B1 | F2 | B2 | F3 | B3 |
+
+Stage boundaries may change the layout (dp_a x tp_a -> dp_b x tp_b): a transfer
+delivers to every rank of the next stage exactly the rows of the micro-batch its
+replica needs, and the gradient goes back the same way. Every replica of the last
+stage seeds its loss's backward with ``dp_b`` times its share of the step's loss
+(its rows' counted targets over the global batch's, :func:`~oases.runtime.step.step_shares`),
+and the DP reduction divides the replicas' sum by the stage's dp; so when dp
+changes across a boundary, the returning gradient is multiplied by dp_a / dp_b,
+which makes each stage's reduced gradient that of the step's mean loss over all
+counted targets.
+
+With ``parallel.overlap_fb`` each B directly followed by an F in a stage's list (the
+steady state) runs as one action, the engine interleaving the two micro-batches'
+programs (:meth:`~oases.overlap.engines.OasesSchedule.backward_forward`); both
+receives are waited first and both sends follow the pair (the lists place them so,
+:func:`~oases.pipeline.actions.stage_actions`). Only eager-1f1b's warm-up keeps the
+pairs from waiting on each other across stages (``python -m oases.schedule --overlap-fb``).
+
+Ordering: all ranks of a stage run the same list, so their TP and DP collectives
+match; a transfer's sends and receives are matched by tag and posting order
+(``CrossMeshTransfer``), and each pending transfer is waited exactly once: a
+receive by the action that consumes it, a send at the end of the step (its buffer
+is kept alive until then). On CUDA, ``Pending.wait()`` orders the current stream,
+on which the consuming F/B runs, after the transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+import torch
+
+from oases.parallel.engine import AmpFactory, Engine, SpanTracer
+from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
+from oases.pipeline.actions import is_fused, stage_actions
+
+
+def _mesh(stage) -> Mesh:
+    return Mesh(stage.first, stage.dp, stage.tp)
+
+
+class PipelineRunner:
+    """Runs this rank's stage of ``ctx.layout``. Built collectively: every rank builds
+    the transfers of every boundary in the same order (they create process groups)."""
+
+    def __init__(self, ctx, kind: str, microbatches: int, batch: int, seq: int, d_model: int,
+                 method: str = "broadcast", overlap_fb: bool = False) -> None:
+        layout = ctx.layout
+        self.ctx, self.kind, self.n = ctx, kind, microbatches
+        self.tail = (d_model,)
+        self.recv_f = self.send_f = self.recv_b = self.send_b = None
+        tag = 0
+        for b in range(layout.pp - 1):
+            src, dst = _mesh(layout.stages[b]), _mesh(layout.stages[b + 1])
+            fwd = CrossMeshTransfer(src, dst, batch, seq, method, tag=tag)
+            tag += fwd.n_tags  # each transfer uses its own range of p2p tags
+            bwd = CrossMeshTransfer(dst, src, batch, seq, method, tag=tag)
+            tag += bwd.n_tags
+            if ctx.stage == b:
+                self.send_f, self.recv_b = fwd, bwd
+            elif ctx.stage == b + 1:
+                self.recv_f, self.send_b = fwd, bwd
+        self.grad_scale = 1.0
+        if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
+            self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
+        self.overlap_fb = overlap_fb
+        self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches, overlap_fb)
+
+    def step(self, engine: Engine, model, batches: list, scales: list[float], amp: AmpFactory,
+             before_last_backward: Callable[[], None] = lambda: None):
+        """Forward and backward of every micro-batch of one step (``batches``: this rank's
+        ``(x, y)`` of each micro-batch; a stage reads only what it needs). Micro-batch
+        ``m``'s loss gradient is seeded with ``scales[m]``. Returns (on the last stage each
+        micro-batch's mean loss over this replica's rows, in order, else None; seconds
+        spent in F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``.
+        With the engine's tracer active, each action and each wait for a transfer is a
+        span of the trace's "pipeline" lane."""
+        ctx, dev = self.ctx, self.ctx.device
+        tracer = engine.tracer
+        dtype = next(model.parameters()).dtype
+        recvs: dict = {}
+        sends: list = []
+        runs: dict = {}
+        grads_in: dict = {}
+        losses: dict = {}
+        last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        busy = 0.0
+
+        def inputs_f(m):
+            x, y = batches[m]
+            if ctx.is_first_stage:
+                inp = x.to(dev)
+            else:
+                with _span(tracer, f"wait F{m}"):
+                    inp = recvs.pop(("F", m)).wait()
+            return inp, (y.to(dev) if ctx.is_last_stage else None)
+
+        def grad_b(m):
+            if ctx.is_last_stage:
+                return None
+            with _span(tracer, f"wait B{m}"):
+                g = recvs.pop(("B", m)).wait()
+            return g * self.grad_scale if self.grad_scale != 1.0 else g
+
+        fused_f = None  # the F that ran fused with the B before it
+        for i, a in enumerate(self.actions):
+            m = a.mb
+            if a.kind == "RECV_F":
+                recvs[("F", m)] = self.recv_f.recv(self.tail, dtype, dev)
+            elif a.kind == "RECV_B":
+                recvs[("B", m)] = self.recv_b.recv(self.tail, dtype, dev)
+            elif a.kind == "SEND_F":
+                sends.append(self.send_f.send(runs[m].output.to(dtype).contiguous()))
+            elif a.kind == "SEND_B":
+                sends.append(self.send_b.send(grads_in.pop(m).to(dtype).contiguous()))
+            elif a.kind == "F" and i == fused_f:
+                continue
+            elif a.kind == "F":
+                inp, tgt = inputs_f(m)
+                t0 = time.perf_counter()
+                with _span(tracer, f"F{m}"):
+                    runs[m] = engine.forward(model, inp, tgt, amp)
+                busy += time.perf_counter() - t0
+                if ctx.is_last_stage:
+                    losses[m] = runs[m].loss
+            elif self.overlap_fb and is_fused(self.actions, i):
+                # B(m) and the F after it as one interleaved program (both inputs first)
+                k = self.actions[i + 1].mb
+                g = grad_b(m)
+                inp, tgt = inputs_f(k)
+                t0 = time.perf_counter()
+                with _span(tracer, f"B{m}+F{k}"):
+                    gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
+                                                           inp, tgt, amp)
+                busy += time.perf_counter() - t0
+                fused_f = i + 1
+                if ctx.is_last_stage:
+                    losses[k] = runs[k].loss
+                if not ctx.is_first_stage:
+                    grads_in[m] = gin
+            else:  # B
+                g = grad_b(m)
+                if i == last_b:
+                    before_last_backward()
+                t0 = time.perf_counter()
+                with _span(tracer, f"B{m}"):
+                    gin = engine.backward(runs.pop(m), g, scales[m], amp)
+                busy += time.perf_counter() - t0
+                if not ctx.is_first_stage:
+                    grads_in[m] = gin
+        with _span(tracer, "wait sends"):
+            for s in sends:  # the buffers were kept alive until now
+                s.wait()
+        if recvs or runs:  # a schedule that the checker let through must leave nothing
+            raise RuntimeError(f"pipeline step left {sorted(recvs)} received and "
+                               f"{sorted(runs)} forwarded but not consumed")
+        return ([losses[m] for m in range(self.n)] if ctx.is_last_stage else None), busy
+
+    @torch.no_grad()
+    def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory):
+        """One micro-batch through the stages, no backward (evaluation): the last stage
+        returns its mean loss over this replica's counted targets, the others None."""
+        ctx, dev = self.ctx, self.ctx.device
+        dtype = next(model.parameters()).dtype
+        inp = x.to(dev) if ctx.is_first_stage else self.recv_f.recv(self.tail, dtype, dev).wait()
+        with amp():
+            out = model(inp, y.to(dev) if ctx.is_last_stage else None)
+        if ctx.is_last_stage:
+            return out.float()
+        self.send_f.send(out.to(dtype).contiguous()).wait()
+        return None
+
+
+def _span(tracer: Optional[SpanTracer], name: str):
+    return tracer.span(name, "pipeline") if tracer is not None else contextlib.nullcontext()

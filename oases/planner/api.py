@@ -1,0 +1,63 @@
+"""The planner's one-call entry: price a config's blocks on a cluster and solve for a
+TP degree per block (the pp = 1 ILP, :mod:`oases.planner.ilp`).
+
+``make_plan`` is what ``python -m oases.plan --search tp-only`` and ``parallel.plan=auto``
+both call; ``run_shape`` turns a validated config into the cost model's run description;
+``report`` prints a plan's table and its comparison with the best uniform plan."""
+
+from __future__ import annotations
+
+from oases.planner import ilp
+from oases.planner.cost import CostModel, ModelShape, RunShape
+from oases.planner.plan_file import Plan, fmt_table, model_dict
+
+
+def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print):
+    """Solve for ``cfg`` (validated) on ``cluster``; returns (Plan, CostModel, uniform)."""
+
+    run = run_shape(cfg)
+    shape = ModelShape.from_config(cfg.model)
+    # the degrees the profile has: the profiler skips those whose batch parts would not
+    # hold whole sequences (they cannot run either)
+    degrees = [t for t in shape.valid_degrees(run.tp)
+               if all(str(t) in profile.blocks.get(k, {}) for k in ("attn", "mlp"))]
+    cm = CostModel(shape, run, cluster, profile, degrees)
+    sol = ilp.solve(cm, memory_limit_bytes)
+    uni = ilp.best_uniform(cm, memory_limit_bytes)
+    plan = Plan(degrees=sol.degrees, tp=run.tp, model=model_dict(cfg.model),
+                schedule=run.schedule, recompute=run.recompute,
+                micro_batch_size=run.micro_batch_size, sub_batches=run.sub_batches,
+                cluster=cluster.name,
+                predicted={"step_time_s": sol.time_s, "memory_gib": sol.memory_bytes / 2**30,
+                           "memory_limit_gib": (memory_limit_bytes or 0) / 2**30,
+                           "solver": sol.solver, "solve_s": sol.solve_s,
+                           "best_uniform": None if uni is None else
+                           {"degree": uni.degrees[0], "step_time_s": uni.time_s,
+                            "memory_gib": uni.memory_bytes / 2**30},
+                           "blocks": cm.block_table(sol.degrees)})
+    return plan, cm, uni
+
+
+def run_shape(cfg):
+
+    p = cfg.parallel
+    return RunShape(tp=p.tp, dp=cfg.dp, micro_batch_size=cfg.train.micro_batch_size,
+                    grad_accum=cfg.train.grad_accum, sub_batches=p.sub_batches,
+                    schedule=p.schedule, recompute=p.recompute,
+                    act_bytes=2 if cfg.train.precision == "bf16" else 4,
+                    overlap_fb=p.overlap_fb)
+
+
+def report(plan, cm, uni, log=print) -> None:
+
+    log(fmt_table(plan.predicted["blocks"]))
+    pred = plan.predicted
+    log(f"plan {plan.degrees}: predicted step {1e3 * pred['step_time_s']:.1f} ms, "
+        f"memory {pred['memory_gib']:.3f} GiB per device ({pred['solver']}, "
+        f"{1e3 * pred['solve_s']:.0f} ms)")
+    if uni is None:
+        log("no uniform plan fits the memory limit")
+    else:
+        log(f"best uniform plan: degree {uni.degrees[0]}: predicted step {1e3 * uni.time_s:.1f} ms, "
+            f"memory {uni.memory_bytes / 2**30:.3f} GiB ({uni.time_s / pred['step_time_s']:.2f}x "
+            f"the plan's time)")

@@ -1,0 +1,202 @@
+"""``parallel.plan=auto`` with ``parallel.plan_search=uniap|amp``: the whole layout
+(pipeline stages and their layer ranges, each stage's dp x tp, per-block degrees, the
+micro-batch size and count) chosen at start-up, before any group of the run exists.
+
+    every rank                           rank 0                  every rank
+    join the world  -> profile as plan=auto  -> search the cluster  -> the k best plans
+                       does, at pp 1 and the    file's layouts         (broadcast as YAML)
+                       largest tp searched      (oases.planner.search)
+                    -> plan_trials > 1: build each plan's groups and model, time a few
+                       real steps of it (the slowest rank's median), keep the fastest
+                    -> write it to <out_dir>/plan.yaml and run it: parallel.pp/tp,
+                       train.micro_batch_size/grad_accum and parallel.plan are set from it
+
+The search prices layouts with the cluster file's links, node speeds and memories
+(``parallel.cluster`` is required) and the profile measured on the live cluster
+(collectives, block compute on every rank, the host cost of communication calibrated
+by real steps: :func:`oases.planner.online.measure_profile`); the
+trials measure the live cluster, which is what AMP does with its top-k (its budget).
+The global batch of the config is kept. Rank 0 searches alone while the others wait
+in the broadcast: the search takes seconds (``benchmarks/results/plan_search.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from oases.config import Config
+from oases.errors import ConfigError, UserError
+from oases.parallel.groups import (ParallelContext, build_context, build_pipeline_context,
+                                   pick_device)
+from oases.planner import report as rep
+from oases.planner.calibrate import time_steps
+from oases.planner.cluster import load_cluster
+from oases.planner.online import (measure_profile, resolve_layout, resolve_plan,
+                                  stage_logger)
+from oases.planner.search import search
+from oases.planner.stages import enumerate_choices, job_from_config, profile_run
+
+TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
+
+# The runtime's throwaway training step: (config, context, degrees) -> one step to time,
+# with close() to free its model. Passed in by the runtime, which sits above the planner.
+StepOf = Callable[[Config, ParallelContext, Optional[list[int]]], Callable[[], None]]
+
+
+def _timed(step, device: torch.device, n: int) -> float:
+    """The median of ``n`` calls of a throwaway ``step``, which is closed after."""
+    try:
+        return time_steps(step, device, n)
+    finally:
+        step.close()
+
+
+def wanted(cfg: Config) -> bool:
+    return cfg.parallel.plan == "auto" and cfg.parallel.plan_search != "tp-only"
+
+
+def choose_layout(cfg: Config, world: int, join, step_of: StepOf) -> Config:
+    """Search (rank 0), try the best ``parallel.plan_trials`` plans, and return the config
+    of the chosen one (``cfg`` itself is left as it is). ``join()`` joins the default
+    process group; ``step_of`` builds a throwaway step of a layout. Collective."""
+    p = cfg.parallel
+    join()
+    rank = dist.get_rank()
+    log = print if rank == 0 else (lambda *_: None)
+    device = pick_device(p.device)
+    job, base = _job(cfg, world)
+    profile = _profile(cfg, world, job, base, device, log, step_of)  # collective
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = _search(cfg, world, job, base, profile, log)
+        except UserError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    texts = box[0]
+    best = 0
+    if len(texts) > 1:
+        # trials draw random numbers (throwaway models): the run must not depend on them
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            times = [_trial(cfg, world, t, k, len(texts), log, step_of)
+                     for k, t in enumerate(texts)]
+        best = min(range(len(times)), key=times.__getitem__)
+        log(f"plan=auto: trial {best + 1} is the fastest ({1e3 * times[best]:.1f} ms per step)")
+    path = Path(cfg.out_dir) / "plan.yaml"
+    _write(path, texts[best])
+    chosen = _pointed_at(cfg, path, world)
+    log(f"plan=auto: wrote {path}; running it: " + " ".join(_overrides(chosen)))
+    return chosen
+
+
+def _job(cfg: Config, world: int):
+    """(Job, the run to profile at) of the search; the same on every rank."""
+    p = cfg.parallel
+    if not p.cluster:
+        raise ConfigError(f"parallel.plan_search={p.plan_search} prices layouts on the "
+                          f"cluster's links and devices: set parallel.cluster to its file")
+    job = job_from_config(cfg)
+    choices = enumerate_choices(job, world)
+    if not choices:
+        raise ConfigError(f"no (pp, dp x tp, micro-batches) layout of {world} devices runs "
+                          f"the global batch of {job.global_batch} sequences")
+    return job, profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
+
+
+def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
+    """The profile the search prices with, measured as ``parallel.plan=auto`` measures
+    it (:func:`oases.planner.online.measure_profile`) in a pp-1 run at the largest tp
+    searched, dp x that tp = the world: its collectives, block compute on every rank,
+    and the host cost of communication calibrated by real steps of that run (rank 0;
+    None elsewhere). Collective."""
+    cluster = load_cluster(cfg.parallel.cluster)
+    if cluster.world != world:
+        raise ConfigError(f"cluster file {cfg.parallel.cluster} has {cluster.world} devices "
+                          f"but this run has {world} processes")
+    ctx = build_context(base.tp, device, cfg.model.n_kv_heads)
+    run = dataclasses.replace(base, dp=ctx.dp)
+    cal = cfg.with_changes({  # the calibration's run: every block at degree base.tp
+        "parallel.pp": 1, "parallel.tp": base.tp, "parallel.plan": None,
+        "parallel.plan_trials": 1, "train.micro_batch_size": base.micro_batch_size,
+        "train.grad_accum": 1})
+    log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
+        f"{base.micro_batch_size}")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return measure_profile(cal, ctx, run, cluster,
+                               lambda n: _timed(step_of(cal, ctx, None), device, n),
+                               stage_logger(log, 3))
+
+
+def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
+    """The k best plans of the layout search, as Plan YAML texts (rank 0)."""
+    p = cfg.parallel
+    cluster = load_cluster(p.cluster)
+    limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
+    res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log)
+    for line in rep.summary(res, res.best):
+        log(line)
+    ranked = res.ranked[:p.plan_trials]
+    return [yaml.safe_dump(_plan_dict(rep.to_plan(c, res, cfg, cluster.name)), sort_keys=False)
+            for c in ranked]
+
+
+def _plan_dict(plan) -> dict:
+    return dataclasses.asdict(plan)
+
+
+def _write(path: Path, text: str) -> None:
+    """Every rank writes the same text (nodes need not share a disk): atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
+    """A copy of ``cfg`` that runs the plan at ``path``: the layout and batch it was
+    priced for."""
+    d = yaml.safe_load(path.read_text())
+    return cfg.with_changes({
+        "parallel.plan": str(path), "parallel.pp": int(d.get("pp") or 1),
+        "parallel.tp": int(d["tp"]), "train.micro_batch_size": int(d["micro_batch_size"]),
+        "train.grad_accum": int(d["micro_batches"]),
+        "parallel.plan_trials": 1,  # chosen: the run is the plan file's
+        **extra})
+
+
+def _overrides(cfg: Config) -> list[str]:
+    return [f"parallel.pp={cfg.parallel.pp}", f"parallel.tp={cfg.parallel.tp}",
+            f"train.micro_batch_size={cfg.train.micro_batch_size}",
+            f"train.grad_accum={cfg.train.grad_accum}"]
+
+
+def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,
+           step_of: StepOf) -> float:
+    """The median step time of plan ``text`` on the live cluster (collective: every rank
+    builds the plan's groups and a throwaway model, and times the same steps)."""
+    path = Path(cfg.out_dir) / f"plan-trial-{k + 1}.yaml"
+    _write(path, text)
+    trial = _pointed_at(cfg, path, world, **{"parallel.plan_calibration_steps": 0})
+    device = pick_device(cfg.parallel.device)
+    if trial.parallel.pp > 1:
+        ctx = build_pipeline_context(resolve_layout(trial, world), device,
+                                     bool(trial.model.tie_embeddings), trial.model.n_kv_heads)
+        degrees = None
+    else:
+        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads)
+        trial, degrees = resolve_plan(trial, ctx)
+    t = _timed(step_of(trial, ctx, degrees), device, TRIAL_STEPS)
+    log(f"plan=auto: trial {k + 1}/{n}: {' '.join(_overrides(trial))}: "
+        f"{1e3 * t:.1f} ms per step ({path})")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return t
