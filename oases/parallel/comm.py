@@ -299,51 +299,32 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
+def _conjugate_pair(name: str, forward_op, backward_op, scoped: bool = True):
+    """An autograd.Function that runs ``forward_op(x, group, dim)`` forward and its
+    conjugate ``backward_op(g, group, dim)`` backward. ``scoped``: the backward's
+    collective is issued in the comm scope its forward ran in (the backward may run on
+    autograd's thread, where the scope is not set)."""
+
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+        if scoped:
+            ctx.comm_scope = current_scope()
+        return forward_op(x, group, dim)
 
-    @staticmethod
     def backward(ctx, g):
-        return _split(g, ctx.group, ctx.dim), None, None
+        return backward_op(g, ctx.group, ctx.dim), None, None
+
+    if scoped:
+        backward = backward_in_forward_scope(backward)
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
-        return _split(x, group, dim)
-
-    @staticmethod
-    @backward_in_forward_scope
-    def backward(ctx, g):
-        return _all_gather(g, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    @backward_in_forward_scope
-    def backward(ctx, g):
-        return _all_gather(g, ctx.group, ctx.dim), None, None
-
-
-class _AllGatherToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.comm_scope = group, dim, current_scope()
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    @backward_in_forward_scope
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
+# the conjugate pairs: forward op, its backward (_split takes the local slice, no comm)
+_GatherFromTP = _conjugate_pair("_GatherFromTP", _all_gather, _split, scoped=False)
+_ScatterToTP = _conjugate_pair("_ScatterToTP", _split, _all_gather)
+_ReduceScatterToTP = _conjugate_pair("_ReduceScatterToTP", _reduce_scatter, _all_gather)
+_AllGatherToTP = _conjugate_pair("_AllGatherToTP", _all_gather, _reduce_scatter)
 
 
 def _trivial(group) -> bool:

@@ -47,6 +47,7 @@ from typing import Callable, Optional
 
 import torch
 
+from oases.config import Config
 from oases.parallel.engine import AmpFactory, Engine, SpanTracer
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 from oases.pipeline.actions import is_fused, stage_actions
@@ -60,8 +61,11 @@ class PipelineRunner:
     """Runs this rank's stage of ``ctx.layout``. Built collectively: every rank builds
     the transfers of every boundary in the same order (they create process groups)."""
 
-    def __init__(self, ctx, kind: str, microbatches: int, batch: int, seq: int, d_model: int,
-                 method: str = "broadcast", overlap_fb: bool = False) -> None:
+    def __init__(self, ctx, *, kind: str, microbatches: int, batch: int, seq: int,
+                 d_model: int, method: str = "broadcast", overlap_fb: bool = False) -> None:
+        """``kind``: the pipeline schedule; ``batch`` x ``seq`` x ``d_model``: one
+        micro-batch's activation across the pipeline's DP replicas; ``method``: how a
+        boundary's activation is resharded (:mod:`oases.pipeline.cross_mesh`)."""
         layout = ctx.layout
         self.ctx, self.kind, self.n = ctx, kind, microbatches
         self.tail = (d_model,)
@@ -82,6 +86,13 @@ class PipelineRunner:
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
         self.overlap_fb = overlap_fb
         self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches, overlap_fb)
+
+    @classmethod
+    def from_config(cls, ctx, cfg: Config) -> "PipelineRunner":
+        """The runner of a validated run config on this rank's stage of ``ctx.layout``."""
+        return cls(ctx, kind=cfg.parallel.pp_schedule, microbatches=cfg.train.grad_accum,
+                   batch=cfg.pipeline_batch, seq=cfg.model.seq_len, d_model=cfg.model.d_model,
+                   method=cfg.parallel.pp_transfer, overlap_fb=cfg.parallel.overlap_fb)
 
     def step(self, engine: Engine, model, batches: list, scales: list[float], amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None):

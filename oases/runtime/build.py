@@ -98,11 +98,7 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     reducer.shards.seed_optimizer(opt)
     schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
                               tracker, tracer, params=reducer.shards.params)
-    pipe = None
-    if ctx.layout is not None:
-        pipe = PipelineRunner(ctx, par.pp_schedule, cfg.train.grad_accum, cfg.pipeline_batch,
-                              cfg.model.seq_len, cfg.model.d_model, par.pp_transfer,
-                              par.overlap_fb)
+    pipe = PipelineRunner.from_config(ctx, cfg) if ctx.layout is not None else None
     return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)
 
 
