@@ -140,7 +140,7 @@ def progress(iterable: Optional[Iterable] = None, total: Optional[float] = None,
     else a :class:`Lines`. ``unit="B"`` counts bytes (KiB, MiB, ... on the bar)."""
     if not bars_enabled():
         return Lines(iterable, total, desc, unit, lines)
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: only where bars are drawn (a terminal)
 
     if total is None and iterable is not None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
@@ -154,7 +154,7 @@ def bar_safe(log: Callable[[str], None]) -> Callable[[str], None]:
     the bars, the line is printed, the bars are drawn again)."""
     if not bars_enabled():
         return log
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: only where bars are drawn (a terminal)
 
     def write(msg: str) -> None:
         with tqdm.external_write_mode():

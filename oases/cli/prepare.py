@@ -81,7 +81,7 @@ class _Corpus:
 def _builtin_pydoc() -> _Corpus:
     """CPython's documentation topics, joined in sorted key order so the corpus
     (and the token files) are identical on every run of one Python version."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # deferred: 0.5 MB of text, --builtin only
 
     text = "\n".join(topics[k] for k in sorted(topics))
     return _Corpus(text, "builtin:pydoc")
@@ -131,7 +131,7 @@ def _tokenize(text: str, tokenizer: str) -> tuple[np.ndarray, int, str]:
         raise DataError(f"--tokenizer {tokenizer} is neither 'bytes' nor an existing "
                         f"tokenizer.json file")
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # deferred: optional, --tokenizer only
     except ImportError:
         raise DataError("--tokenizer PATH needs the 'tokenizers' package: "
                         "pip install tokenizers") from None

@@ -11,10 +11,10 @@ from pathlib import Path
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # deferred: slow to import, and only figures need it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # deferred: as matplotlib
     except ImportError:
         return None
     return plt
@@ -45,8 +45,8 @@ def plot_stages(stages: list[dict], path: Path, title: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    from matplotlib import patheffects
-    from matplotlib.patches import Patch
+    from matplotlib import patheffects  # deferred: as _pyplot
+    from matplotlib.patches import Patch  # deferred: as _pyplot
 
     per_stage = [st.get("degrees") or [st["tp"]] * 2 * (st["layers"][1] - st["layers"][0])
                  for st in stages]

@@ -37,7 +37,7 @@ class Solution:
 
 def _solver(msg: bool = False):
     try:
-        import highspy  # noqa: F401
+        import highspy  # noqa: F401  # deferred: optional solver, probed at solve time
 
         return pulp.HiGHS(msg=msg)
     except Exception:

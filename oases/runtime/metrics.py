@@ -111,7 +111,7 @@ class MetricsLogger:
 
 
 def _init_wandb(cfg, out_dir: str, run_config: Optional[dict], resume: bool):
-    import wandb
+    import wandb  # deferred: seconds to import; rank 0 with W&B on only
 
     os.environ.setdefault("WANDB_SILENT", "true")
     run_id_file = Path(out_dir) / "wandb_run_id"
