@@ -83,12 +83,11 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver, train_run
-from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster,
-                                    check_prerequisites, free_port)
+from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites,
+                                    free_port)
 from benchmarks.lib.cpu_cgroup import NodeQuota, busy_cpu_s
 from benchmarks.lib.machine import machine_info
-from benchmarks.lib.pipeline_report import (BASELINE, RESHARD_ORDERS, TRACED_STEP, render,
-                                            write_plan)
+from benchmarks.lib.pipeline_report import BASELINE, RESHARD_ORDERS, TRACED_STEP, render, write_plan
 from benchmarks.lib.timeline import render_timelines, slug, trace_stats
 
 REPO = driver.REPO

@@ -41,6 +41,7 @@ from benchmarks.lib.driver import REPO
 from benchmarks.lib.search_timing import (PROBLEMS, against_exhaustive, count_text, run,
                                           seconds_text, vs_optimum_text)
 
+
 def markdown(meta: dict, rows: list, exh: list) -> str:
     lines = ["# Layout search time (cost model only)", "",
              f"Machine: {meta['machine']}; command: `{meta['command']}`; median of "

@@ -17,9 +17,9 @@ import torch
 
 from models import build_model
 from oases.config import load_config
-from oases.parallel.random import TPRNGTracker
 from oases.overlap.engines import build_schedule
 from oases.overlap.memory import SavedTensorMeter
+from oases.parallel.random import TPRNGTracker
 
 MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
          ("oases", "none"), ("oases", "selective"), ("oases", "fine"), ("oases", "full")]

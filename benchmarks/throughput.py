@@ -27,10 +27,10 @@ import torch
 
 from models import build_model
 from oases.config import load_config
+from oases.dp.reducer import GradReducer
 from oases.parallel.groups import init_distributed
 from oases.parallel.random import TPRNGTracker
 from oases.runtime.data import TrainBatches
-from oases.dp.reducer import GradReducer
 from oases.runtime.metrics import peak_flops
 from oases.runtime.optim import build_optimizer
 from oases.runtime.step import TrainState, train_step

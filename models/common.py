@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from oases.config import ModelConfig
 from oases.config.heads import heads_problem, local_kv_heads
+from oases.parallel.block import TPBlock
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.sharding import set_spec
-from oases.parallel.block import TPBlock
 from oases.parallel.recompute import recompute
+from oases.parallel.sharding import set_spec
 
 
 class LayerNorm(nn.Module):

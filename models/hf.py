@@ -43,8 +43,8 @@ from typing import Optional
 
 import torch
 
-from oases.errors import CheckpointError, UserError
 from oases.config.hf import HF_FIELDS, hf_model_fields
+from oases.errors import CheckpointError, UserError
 from oases.parallel.sharding import chunk_of
 
 

@@ -26,14 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import build_model
 from oases.config import load_config
+from oases.overlap.engines import OasesSchedule
+from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.random import TPRNGTracker
+from oases.parallel.sharding import init_parameters
 from oases.planner.api import run_shape
 from oases.planner.cluster import load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile
 from oases.planner.profile import _block
-from oases.parallel.sharding import init_parameters
-from oases.overlap.engines import OasesSchedule
-from oases.overlap.memory import SavedTensorMeter
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")

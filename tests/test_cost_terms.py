@@ -12,8 +12,7 @@ import pytest
 from oases.planner.cluster import CommModel, grad_groups, load_cluster, reshard_groups, tp_groups
 from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile
-from oases.planner.stages import (Job, StageLinks, _at_rows, build, enumerate_choices,
-                                  profile_run)
+from oases.planner.stages import Job, StageLinks, _at_rows, build, enumerate_choices, profile_run
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 
-from oases.config import DataConfig, load_config
 from oases.cli.config import main as config_main
+from oases.config import DataConfig, load_config
 from oases.errors import CheckpointError, ConfigError
 from oases.runtime import data as D
 from oases.runtime.blend import Blend

@@ -56,12 +56,12 @@ from torch.testing import assert_close
 
 from models import build_model
 from oases.config import load_config
+from oases.dp.reducer import GradReducer
+from oases.overlap.engines import build_schedule
 from oases.parallel.sharding import unshard
 from oases.runtime.data import TrainBatches
-from oases.dp.reducer import GradReducer
 from oases.runtime.optim import build_optimizer, lr_at
 from oases.runtime.step import TrainState, train_step
-from oases.overlap.engines import build_schedule
 from tests.distributed import run_distributed
 
 SEED = 7

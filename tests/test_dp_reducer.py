@@ -14,8 +14,8 @@ from tests.distributed import run_distributed
 def _setup(ctx):
     from models import build_model
     from oases.config import load_config
-    from oases.runtime.data import TrainBatches
     from oases.dp.reducer import GradReducer
+    from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.seq_len=16", "data.kind=synthetic",

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from oases.dp.store import ParamStore
 from oases.overlap.engines import MegatronSchedule, OasesSchedule
-from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
-from oases.parallel import layers
+from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters, layers
 from oases.parallel.block import TPBlock
 from oases.parallel.comm import copy_to_tp
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine, StageRun

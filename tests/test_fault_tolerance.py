@@ -240,12 +240,12 @@ def test_nonfinite_skip_counts_and_continues(tmp_path):
 
 def _skip_body(ctx, nan_rank: int):
     """train_step with a NaN injected into one rank's gradient shard at step 2."""
+    from models import build_model
     from oases.config import load_config
-    from oases.runtime.data import TrainBatches
     from oases.dp.reducer import GradReducer
+    from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import TrainState, train_step
-    from models import build_model
 
     cfg = load_config(None, [*TINY, f"parallel.tp={ctx.tp}", "train.steps=3",
                              "train.on_nonfinite=skip"]).validate(ctx.world_size)

@@ -181,8 +181,8 @@ PIPELINE = ["model.n_kv_heads=1", "parallel.pp=2", "train.grad_accum=2"]
 
 def _pipeline_body(rank: int, ref: tuple) -> None:
     """pp 2, each stage tp 2, MQA: each stage replicates its kv head over its own pair."""
-    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
     from oases.parallel.sharding import shard
 
     cfg = _cfg(2, 4, extra=PIPELINE)

@@ -38,8 +38,8 @@ from transformers import (BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, 
 from models import build_model  # noqa: E402
 from models.hf import load_hf_weights  # noqa: E402
 from oases.config import load_config  # noqa: E402
-from oases.errors import CheckpointError, ConfigError  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
+from oases.errors import CheckpointError, ConfigError  # noqa: E402
 from oases.parallel.sharding import shard  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 

@@ -122,9 +122,9 @@ def _step_body(ctx, ref: tuple) -> None:
     engine cuts each into 2 sub-batches)."""
     from models import build_model
     from oases.dp.reducer import GradReducer
+    from oases.overlap.engines import build_schedule
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import TrainState, train_step
-    from oases.overlap.engines import build_schedule
 
     for engine in ("oases", "megatron"):
         cfg = _cfg(ctx.world_size, engine, ctx.tp)
@@ -166,8 +166,8 @@ PIPE_CASES = [
 
 
 def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
-    from oases.parallel.layout import stages_layout, uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import stages_layout, uniform_layout
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import ValBatches
     from oases.runtime.step import evaluate, train_step

@@ -20,11 +20,11 @@ import torch
 from models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
+from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
+                                   sub_batch_rng_streams)
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
 from oases.runtime.step import paired_forward_backward
-from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
-                                   sub_batch_rng_streams)
 from tests.distributed import run_distributed
 from tests.test_schedule import _full_grads
 
@@ -176,8 +176,8 @@ def test_dp_tp_train_step_matches_unpaired(name, grad_accum, zero):
 def _pp_body(rank, name, grad_accum):
     """pp 2 x tp 2 (eager-1f1b), dropout 0.1: the pipeline runtime with and without fused
     B, F pairs; then dropout 0 against one unsharded process (test_pipeline_parity)."""
-    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
     from tests.test_pipeline_parity import _run_case
 
     cfgs = [_cfg(name, fb, grad_accum, 0.1, pp=2) for fb in (False, True)]

@@ -33,7 +33,6 @@ from oases.parallel.loss import vocab_parallel_cross_entropy
 from oases.parallel.sharding import TPSpec, init_parameters, shard, unshard
 from tests.distributed import run_distributed
 
-
 # ---------------------------------------------------------------------------
 # helpers usable both in-process (group=None) and in a worker
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from oases.pipeline.actions import (KINDS, Action, ScheduleError, check_schedule,
-                                     format_actions, format_timeline,
-                                     forwards_before_first_backward, pipeline_actions,
-                                     simulate, stage_actions)
+from oases.pipeline.actions import (KINDS, Action, ScheduleError, check_schedule, format_actions,
+                                    format_timeline, forwards_before_first_backward,
+                                    pipeline_actions, simulate, stage_actions)
 
 REPO = Path(__file__).resolve().parent.parent
 

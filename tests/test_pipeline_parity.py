@@ -45,9 +45,9 @@ def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, grad_accum: int)
 def _reference(cfg, steps: int):
     """Losses, norm and gradients (after step 1) of one unsharded process."""
     from models import build_model
+    from oases.dp.reducer import GradReducer
     from oases.parallel.groups import ParallelContext
     from oases.runtime.data import TrainBatches
-    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import TrainState, train_step
 
@@ -153,8 +153,8 @@ def _nonfinite_body(rank: int) -> None:
     non-finite norm and leaves the step out (no weight moves anywhere)."""
     import math
 
-    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step

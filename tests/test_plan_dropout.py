@@ -27,13 +27,13 @@ DEGREES = [2, 1, 1, 2, 2, 1, 1, 2]  # attn, mlp of 4 layers at T = 2
 def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
     from models import build_model
     from oases.config import load_config
+    from oases.dp.reducer import GradReducer
+    from oases.overlap.engines import build_schedule
     from oases.parallel.random import TPRNGTracker
     from oases.parallel.reshard import grad_group_of
     from oases.runtime.data import TrainBatches
-    from oases.dp.reducer import GradReducer
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import TrainState, train_step
-    from oases.overlap.engines import build_schedule
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.dropout=0.3", "model.seq_len=16",
                              "parallel.tp=2", f"parallel.schedule={schedule}",

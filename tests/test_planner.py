@@ -16,7 +16,9 @@ import yaml
 
 from models import build_model
 from oases.config import load_config
+from oases.dp.reducer import GradReducer
 from oases.errors import UserError
+from oases.overlap.engines import build_schedule
 from oases.parallel.reshard import grad_group_of
 from oases.parallel.sharding import unshard
 from oases.planner import ilp
@@ -24,8 +26,6 @@ from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile, calibrate_host_cost
 from oases.planner.plan_file import Plan, check_plan, load_plan
-from oases.dp.reducer import GradReducer
-from oases.overlap.engines import build_schedule
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,11 @@ from oases.planner import stages as st
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape
 from oases.planner.fit import analytic_profile
+from oases.planner.online import resolve_layout
 from oases.planner.plan_file import check_plan, check_run, load_plan
 from oases.planner.profile import profile_key, save_db
 from oases.planner.search import search
 from oases.planner.uniap import evaluate
-from oases.planner.online import resolve_layout
 
 SHAPE = ModelShape("gpt", 4, 256, 8, 8, 1024, 512, 64)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, subprocess_env, run_single
+from tests.conftest import REPO, run_single, subprocess_env
 
 pytestmark = pytest.mark.slow
 

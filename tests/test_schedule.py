@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
+from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore, build_schedule,
+                                   sub_batch_rng_streams)
+from oases.overlap.memory import SavedTensorMeter
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters, unshard
+from oases.parallel.block import TPBlock
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.block import TPBlock
-from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
-                                    build_schedule, sub_batch_rng_streams)
-from oases.overlap.memory import SavedTensorMeter
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")

@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
-from oases.parallel.comm import (CommCounter, CommObserver, CutRecorder, NoopCollectives,
-                                 all_reduce, copy_to_tp)
-from oases.parallel.block import TPBlock
 from oases.overlap.engines import OasesSchedule
 from oases.overlap.memory import SavedTensorMeter
+from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
+from oases.parallel.block import TPBlock
+from oases.parallel.comm import (CommCounter, CommObserver, CutRecorder, NoopCollectives,
+                                 all_reduce, copy_to_tp)
 from tests.distributed import run_distributed
 
 

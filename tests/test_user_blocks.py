@@ -24,11 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
+                                   sub_batch_rng_streams)
+from oases.overlap.runner import StashModifiedError
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
-from oases.overlap.engines import MegatronSchedule, OasesSchedule, _rng_restore
-from oases.overlap.engines import sub_batch_rng_streams
-from oases.overlap.runner import StashModifiedError
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")

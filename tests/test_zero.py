@@ -217,8 +217,8 @@ def _pp_body(rank, schedule, recompute, plan=None):
     """pp 2 x dp 2 (tied embeddings across the stages): zero 3 equals zero 0, stage by
     stage; with ``plan``, per-block levels from a plan file that leaves the first stage
     at level 0 and shards the second's."""
-    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
 
     res = {}
     other = ("parallel.zero=3",) if plan is None else (f"parallel.plan={plan}",)

@@ -24,17 +24,8 @@ Topology (nothing is created in the host's own network namespace)::
   has no address and the host namespace holds no part of the cluster, so the
   subnet (a private /24, ``emulation.subnet``) exists only inside the cluster,
   and deleting the namespaces removes every veth and the bridge with them.
-* Uniform cluster (no ``bandwidth_matrix_gbps``): a NIC model. Each node's veth
-  egress is a ``tbf`` at ``inter_node_bandwidth_gbps`` (with a ``netem delay`` of
-  ``latency_ms`` as its child when > 0), and so is the switch port towards the
-  node (its ingress), so a node sends and receives at most the link rate, in each
-  direction at once (full duplex).
-* ``bandwidth_matrix_gbps`` (heterogeneous): a per-pair link model. Each node's
-  veth egress is an ``htb`` with one class per peer j (rate = ceil = matrix[i][j])
-  selected by a ``u32`` filter on the destination IP, each class with its own
-  ``netem delay`` leaf when ``latency_ms`` > 0; unclassified traffic (ARP) goes to a
-  default class at the fastest rate. Switch ports are not shaped, so a node can
-  receive from two peers at their two link rates at once.
+* Links: a ``tbf`` NIC model on a uniform cluster, per-peer ``htb`` classes on a
+  ``bandwidth_matrix_gbps`` one (:mod:`benchmarks.lib.shaping` says how).
 * ``node_speed`` (some node != 1.0): every node's processes run in a cgroup v1
   cpu cgroup whose quota is its speed times its fair share of the host's cores
   (:mod:`benchmarks.lib.cpu_cgroup`); without it, no cgroup is made.

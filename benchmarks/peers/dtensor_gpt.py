@@ -37,17 +37,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
-
-from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab,
-                                      parse_args, train_loop, write_json)
-
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
+
+from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
+                                      train_loop, write_json)
 
 
 class Attention(nn.Module):

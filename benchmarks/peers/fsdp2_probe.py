@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
 

@@ -55,16 +55,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab,
-                                      parse_args, train_loop, write_json)
+from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
+                                      train_loop, write_json)
 
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x4
     warnings.simplefilter("ignore")
     import megatron.core  # noqa: E402
     from megatron.core import parallel_state, tensor_parallel  # noqa: E402
     from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-    from megatron.core.tensor_parallel.layers import (  # noqa: E402
-        param_is_not_tensor_parallel_duplicate)
+    from megatron.core.tensor_parallel.layers import \
+        param_is_not_tensor_parallel_duplicate  # noqa: E402
     from megatron.core.utils import init_method_normal, scaled_init_method_normal  # noqa: E402
 
 

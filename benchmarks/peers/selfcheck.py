@@ -60,10 +60,10 @@ def run_peer(script: str, tp: int, out: Path, tag: str, fixed: bool) -> dict:
 def oases_loss(init_path: str) -> tuple[float, float, int]:
     """oases' GPT at tp=1 with the peer's weights: loss and gradient norm on the step-0
     batch, and the parameter count."""
+    from benchmarks.peers._common import batch
     from models import build_model
     from oases.config import load_config
     from oases.runtime.optim import grad_norm
-    from benchmarks.peers._common import batch
 
     cfg = load_config(None, ["model.name=gpt-tiny", f"model.n_layer={SHAPE['n_layer']}",
                              f"model.d_model={SHAPE['d_model']}",

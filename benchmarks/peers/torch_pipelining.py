@@ -86,8 +86,8 @@ def main() -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from oases.config import load_config
-    from oases.parallel.layout import uniform_layout
     from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
     from oases.runtime.build import model_for, seed_tracker
     from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer, clip_grads, lr_at

@@ -13,7 +13,7 @@ import sys
 
 from oases.errors import EXIT_USER_ERROR
 from oases.pipeline.actions import (KINDS, format_actions, format_timeline, pipeline_actions,
-                                     simulate)
+                                    simulate)
 
 
 def main(argv: list[str] | None = None) -> int:

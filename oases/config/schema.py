@@ -22,12 +22,12 @@ from typing import Any, Optional
 
 import yaml
 
-from oases.errors import ConfigError
 from oases.config.blend_spec import check_blend
-from oases.config.hf import apply_init_from
 from oases.config.heads import heads_problem
+from oases.config.hf import apply_init_from
 from oases.config.sizes import MODEL_SIZES
 from oases.config.typed_yaml import build_dataclass, set_dotted
+from oases.errors import ConfigError
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

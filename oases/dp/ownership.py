@@ -12,12 +12,13 @@ terms of the norm, the whole optimizer state for a checkpoint and back.
 from __future__ import annotations
 
 import contextlib
+
 import torch
 import torch.nn as nn
 
-from oases.parallel.engine import WHOLE, BlockParams
 from oases.dp.store import ParamStore
 from oases.dp.zero import ShardedFlat
+from oases.parallel.engine import WHOLE, BlockParams
 
 
 class ZeroOwnership:

@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.parallel.comm import all_reduce, group_size
 from oases.dp.accounting import held_memory
 from oases.dp.ownership import ZeroOwnership
 from oases.dp.zero import ShardedFlat
+from oases.parallel.comm import all_reduce, group_size
 
 
 class _Bucket:

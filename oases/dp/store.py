@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from oases.parallel.engine import HEAD
 from oases.dp.zero import ShardedFlat, free_, is_freed
+from oases.parallel.engine import HEAD
 
 
 class ParamStore:

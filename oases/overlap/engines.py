@@ -79,14 +79,14 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
-from oases.parallel.random import TPRNGTracker
-from oases.parallel.region import Cut, CutRecorder
 from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
 from oases.overlap.runner import Launch, OasesRun, Program, Stashed, Wait, run_joint, run_programs
+from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.region import Cut, CutRecorder
 
 __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
            "sub_batch_rng_streams"]

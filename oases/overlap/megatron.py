@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from oases.parallel.engine import AmpFactory, StageRun
 from oases.overlap.memory import SavedTensorMeter
+from oases.parallel.engine import AmpFactory, StageRun
 
 __all__ = ["AmpFactory", "MegatronSchedule", "StageRun"]
 

@@ -20,11 +20,11 @@ from typing import Generator, Optional
 import torch
 import torch.nn as nn
 
-from oases.parallel.comm import _trivial, all_gather_async, all_reduce
-from oases.parallel.random import TPRNGTracker
 from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, _rng_snapshot
+from oases.parallel.comm import _trivial, all_gather_async, all_reduce
+from oases.parallel.random import TPRNGTracker
 
 Program = Generator[list, list, None]
 

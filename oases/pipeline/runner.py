@@ -49,8 +49,8 @@ import torch
 
 from oases.config import Config
 from oases.parallel.engine import AmpFactory, Engine, SpanTracer
-from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 from oases.pipeline.actions import is_fused, stage_actions
+from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
 
 def _mesh(stage) -> Mesh:

@@ -38,8 +38,7 @@ from oases.parallel.groups import (ParallelContext, build_context, build_pipelin
 from oases.planner import report as rep
 from oases.planner.calibrate import time_steps
 from oases.planner.cluster import load_cluster
-from oases.planner.online import (measure_profile, resolve_layout, resolve_plan,
-                                  stage_logger)
+from oases.planner.online import measure_profile, resolve_layout, resolve_plan, stage_logger
 from oases.planner.search import search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 

@@ -25,19 +25,18 @@ import torch
 import torch.distributed as dist
 
 from oases.config import Config
-from oases.errors import ConfigError, UserError
 from oases.config.heads import heads_problem
-from oases.parallel.layout import PipelineLayout, stages_layout, uniform_layout
+from oases.errors import ConfigError, UserError
 from oases.parallel.groups import ParallelContext
+from oases.parallel.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.planner.api import make_plan, report, run_shape
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
-from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan, check_run,
-                                check_zero, load_plan)
+from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
+                                     check_run, check_zero, load_plan)
 from oases.planner.profile import DEFAULT_DB, get_profile, load_db, profile_key, save_profile
-
 
 StepTimer = Callable[[Optional[list[int]], int], float]
 

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 import yaml
 
-from oases.errors import UserError
 from oases.config.heads import heads_problem
 from oases.config.schema import SHAPE_KEYS
+from oases.errors import UserError
 
 # a plan's blocks and their degrees do not depend on the tied head or the biases
 PLAN_SHAPE_KEYS = tuple(k for k in SHAPE_KEYS if k not in ("tie_embeddings", "bias"))

@@ -78,8 +78,8 @@ from typing import Optional
 
 from oases.errors import ConfigError
 from oases.parallel.layout import even_split
-from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape,
-                                Profile, RunShape)
+from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
+                                RunShape)
 from oases.planner.uniap import Instance, evaluate
 
 

@@ -9,15 +9,15 @@ import torch
 
 from models import build_model
 from oases.config import Config
-from oases.parallel.groups import ParallelContext
-from oases.planner.plan_file import check_zero, load_plan
-from oases.parallel.random import TPRNGTracker
-from oases.dp.replicas import ReplicaGradSum
-from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.dp.reducer import GradReducer, TiedTableSync
-from oases.runtime.optim import build_optimizer
+from oases.dp.replicas import ReplicaGradSum
 from oases.overlap.engines import build_schedule
+from oases.parallel.groups import ParallelContext
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.pipeline.runner import PipelineRunner
+from oases.planner.plan_file import check_zero, load_plan
+from oases.runtime.optim import build_optimizer
 from oases.runtime.state import TrainState
 from oases.runtime.step import train_step
 

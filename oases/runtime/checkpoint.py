@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from oases.config.schema import SHAPE_KEYS
@@ -65,7 +65,6 @@ from oases.errors import CheckpointError
 from oases.parallel.groups import ParallelContext
 from oases.parallel.sharding import chunk_of
 from oases.progress import io_progress, nbytes
-
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

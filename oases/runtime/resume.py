@@ -10,8 +10,8 @@ from typing import Optional
 
 from models.hf import load_hf_weights
 from oases.config import Config
-from oases.config.schema import SHAPE_KEYS
 from oases.config.hf import hf_dir_of
+from oases.config.schema import SHAPE_KEYS
 from oases.parallel.groups import ParallelContext
 from oases.runtime import checkpoint as ckpt
 

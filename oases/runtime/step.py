@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from oases.config import Config
+from oases.overlap.loss_weights import loss_tokens
 from oases.parallel.comm import all_reduce
 from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
-from oases.overlap.loss_weights import loss_tokens
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.optim import clip_grads
 from oases.runtime.state import StepStats, TrainState

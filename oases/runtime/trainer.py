@@ -22,22 +22,22 @@ import torch.distributed as dist
 from models import model_stats
 from oases.config import Config, save_config
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
+from oases.overlap.trace import Tracer
 from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, join_world,
                                    pick_device)
-from oases.planner.calibrate import time_steps
 from oases.planner import auto_layout
+from oases.planner.calibrate import time_steps
+from oases.planner.online import resolve_layout, resolve_plan
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
-from oases.planner.online import resolve_layout, resolve_plan
+from oases.runtime.optim import lr_at
 from oases.runtime.preempt import StopSignals
 from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
                                   trim_metrics)
-from oases.runtime.optim import lr_at
 from oases.runtime.step import evaluate, train_step
-from oases.overlap.trace import Tracer
 
 __all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics"]
 
