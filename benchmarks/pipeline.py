@@ -242,16 +242,11 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
             bubbles = [r["pipeline_bubble"] for r in timed if "pipeline_bubble" in r]
             tokens = model["micro_batch_size"] * microbatches(mode, args) * model["seq_len"]
             rec["losses"] = [r.get("loss") for r in recs if "loss" in r]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        rec["error"] = f"could not read the step times: {type(e).__name__}: {e}"
-        return rec
-    if not times:
-        rec["error"] = "no timed steps (is --steps larger than --warmup?)"
-        return rec
-    rec.update(ok=True, step_times_s=times, step_time_s=statistics.median(times),
-               tokens_per_step=tokens,
-               bubble=statistics.median(bubbles) if bubbles else None)
-    if trace and not peer:
+    except train_run.READ_ERRORS as e:
+        return train_run.unreadable(rec, e)
+    train_run.timed(rec, times, tokens,
+                    bubble=statistics.median(bubbles) if bubbles else None)
+    if rec["ok"] and trace and not peer:
         traces = sorted(out_dir.glob("trace_rank*.json"))
         rec["traces"] = [str(p) for p in traces]
     return rec

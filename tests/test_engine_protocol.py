@@ -201,7 +201,7 @@ def _close_body(ctx):
     model = build_model(cfg.model, cfg.padded_vocab_size, None, seed=3)
     reducer = GradReducer(model, ctx.dp_group, bucket_mb=0.05, level_of=lambda p: 3,
                           tied_head=bool(cfg.model.tie_embeddings), zero=True)
-    assert reducer.store is not None and reducer._handles
+    assert reducer.shards.store is not None and reducer._handles
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     reducer.zero_grad()
     reducer.arm()

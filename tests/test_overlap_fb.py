@@ -135,8 +135,8 @@ def _train(ctx, cfg, steps=2):
         losses.append(loss)
         if s == 0:
             counts = dict(counter.counts)
-            if reducer.sharded:  # ZeRO-2/3 keep only owned gradient ranges: compare weights
-                with reducer.unsharded(opt, model):
+            if reducer.shards.sharded:  # ZeRO-2/3 keep only owned gradient ranges: compare weights
+                with reducer.shards.unsharded(opt, model):
                     grads = {k: p.detach().clone() for k, p in model.named_parameters()}
             else:
                 grads = {k: p.grad.clone() for k, p in model.named_parameters()}

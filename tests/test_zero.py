@@ -82,9 +82,9 @@ def run_levels(ctx, levels, schedule, recompute, extra=()):
             loss, norm = train_step(ts, batches, lr_at(step, cfg.train))
             losses.append(loss)
             norms.append(norm)
-        with reducer.unsharded(opt, model):
+        with reducer.shards.unsharded(opt, model):
             params = _full_params(model, ctx)
-        store = reducer.store
+        store = reducer.shards.store
         res[zero] = (losses, norms, params,
                      None if store is None else (store.gathers, store.late))
     return res
@@ -230,7 +230,7 @@ def _pp_body(rank, schedule, recompute, plan=None):
         ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx,
                                                                  cfg.pipeline_batch // ctx.dp)
         losses = [train_step(ts, batches, lr_at(s, cfg.train)) for s in range(STEPS)]
-        with reducer.unsharded(opt, model):
+        with reducer.shards.unsharded(opt, model):
             params = {k: p.detach().clone() for k, p in model.named_parameters()}
         res[name] = (losses, params)
     for name in ("3",):
@@ -284,14 +284,14 @@ def _nonfinite_body(ctx):
         cfg = _cfg(ctx.world_size, 1, zero, "oases", "fine")
         ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
         train_step(ts, batches, 1e-3)
-        with reducer.unsharded(opt, model) as o:
+        with reducer.shards.unsharded(opt, model) as o:
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
             moments = {id(p): o.state[p]["exp_avg"].clone() for p in model.parameters()}
         h = (model.layers[1].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
              if ctx.rank == 0 else None)
         loss, norm = train_step(ts, batches, 1e-3)
         assert math.isfinite(loss) and math.isnan(norm), (ctx.rank, zero, loss, norm)
-        with reducer.unsharded(opt, model) as o:
+        with reducer.shards.unsharded(opt, model) as o:
             for k, p in model.named_parameters():
                 assert torch.equal(p, before[k]), f"zero={zero}: {k} moved in a skipped step"
                 assert torch.equal(o.state[p]["exp_avg"], moments[id(p)]), k

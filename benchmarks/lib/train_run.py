@@ -137,12 +137,27 @@ def timed_run(cluster: EmulatedCluster, mode: str, overrides: Optional[list[str]
             times = [r["step_time_s"] for r in metrics(out_dir)
                      if "step_time_s" in r and r["step"] > args.warmup]
             tokens = model["micro_batch_size"] * model["grad_accum"] * model["seq_len"] * dp
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        rec["error"] = f"could not read the step times: {type(e).__name__}: {e}"
-        return rec
+    except READ_ERRORS as e:
+        return unreadable(rec, e)
+    return timed(rec, times, tokens)
+
+
+# what reading a finished run's step times can raise (a missing or malformed file)
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+
+def unreadable(rec: dict, e: BaseException) -> dict:
+    """``rec`` of a run whose step times could not be read."""
+    rec["error"] = f"could not read the step times: {type(e).__name__}: {e}"
+    return rec
+
+
+def timed(rec: dict, times: list[float], tokens: int, **extra) -> dict:
+    """``rec`` of a run with its timed steps (their median is the run's step time), or
+    an error when it has none."""
     if not times:
         rec["error"] = "no timed steps (is --steps larger than --warmup?)"
         return rec
     rec.update(ok=True, step_times_s=times, step_time_s=statistics.median(times),
-               tokens_per_step=tokens)
+               tokens_per_step=tokens, **extra)
     return rec

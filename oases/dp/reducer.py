@@ -22,7 +22,7 @@ reduce-scattered instead of all-reduced, into the range of the flat bucket this
 rank owns, and its full gradient buffer exists only from the first gradient of
 the armed backward (a pre-accumulation hook gives it storage) to the end of the
 reduction. Levels 1-3 give the optimizer segments of the owned range
-(:meth:`GradReducer.optimizer_params`); :meth:`after_step` all-gathers the
+(:meth:`ZeroOwnership.optimizer_params`); ``after_step`` all-gathers the
 updated parameters (levels 1, 2), and at level 3 a
 :class:`~oases.dp.store.ParamStore` gathers each block's parameters before use. The
 tied embedding of a pipeline's first and last stage stays at level 0 (its group spans
@@ -255,30 +255,6 @@ class GradReducer:
                 b.work = None
             if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)
-
-    # -- ZeRO: what the optimizer, clipping and checkpoints see (``self.shards``) -------
-    @property
-    def store(self):
-        return self.shards.store
-
-    @property
-    def sharded(self) -> bool:
-        return self.shards.sharded
-
-    def optimizer_params(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        return self.shards.optimizer_params(model)
-
-    def seed_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        self.shards.seed_optimizer(opt)
-
-    def after_step(self) -> None:
-        self.shards.after_step()
-
-    def grad_terms(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
-        return self.shards.grad_terms(model)
-
-    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module, load: bool = False):
-        return self.shards.unsharded(opt, model, load)
 
     def memory(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes held for parameters, gradients and optimizer state

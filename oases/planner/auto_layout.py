@@ -36,7 +36,7 @@ from oases.errors import ConfigError, UserError
 from oases.parallel.groups import (ParallelContext, build_context, build_pipeline_context,
                                    pick_device)
 from oases.planner import report as rep
-from oases.planner.calibrate import time_steps
+from oases.planner.calibrate import time_throwaway
 from oases.planner.cluster import load_cluster
 from oases.planner.online import measure_profile, resolve_layout, resolve_plan, stage_logger
 from oases.planner.search import search
@@ -47,14 +47,6 @@ TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
 # The runtime's throwaway training step: (config, context, degrees) -> one step to time,
 # with close() to free its model. Passed in by the runtime, which sits above the planner.
 StepOf = Callable[[Config, ParallelContext, Optional[list[int]]], Callable[[], None]]
-
-
-def _timed(step, device: torch.device, n: int) -> float:
-    """The median of ``n`` calls of a throwaway ``step``, which is closed after."""
-    try:
-        return time_steps(step, device, n)
-    finally:
-        step.close()
 
 
 def wanted(cfg: Config) -> bool:
@@ -131,7 +123,7 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
         f"{base.micro_batch_size}")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         return measure_profile(cal, ctx, run, cluster,
-                               lambda n: _timed(step_of(cal, ctx, None), device, n),
+                               lambda n: time_throwaway(step_of(cal, ctx, None), device, n),
                                stage_logger(log, 3))
 
 
@@ -193,9 +185,7 @@ def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,
     else:
         ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads)
         trial, degrees = resolve_plan(trial, ctx)
-    t = _timed(step_of(trial, ctx, degrees), device, TRIAL_STEPS)
+    t = time_throwaway(step_of(trial, ctx, degrees), device, TRIAL_STEPS)
     log(f"plan=auto: trial {k + 1}/{n}: {' '.join(_overrides(trial))}: "
         f"{1e3 * t:.1f} ms per step ({path})")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return t

@@ -35,3 +35,15 @@ def time_steps(step: Callable[[], None], device: torch.device, steps: int,
     if dist.is_initialized():
         dist.all_reduce(res, op=dist.ReduceOp.MAX)
     return float(res)
+
+
+def time_throwaway(step, device: torch.device, steps: int) -> float:
+    """:func:`time_steps` of a throwaway ``step`` (one with ``close()``, as the runtime's),
+    which is closed after: its model is freed, and on CUDA its cached blocks go back
+    before the next one is built. Collective."""
+    try:
+        return time_steps(step, device, steps)
+    finally:
+        step.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

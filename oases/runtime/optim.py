@@ -20,7 +20,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
     """AdamW; weight decay on matrices only (not on biases, norms or 1-d tensors).
     Fused on CUDA; the default (foreach) implementation elsewhere. ``params``: (tensor
     to step, model parameter it belongs to) pairs, when the optimizer steps ZeRO
-    segments rather than parameters (``GradReducer.optimizer_params``)."""
+    segments rather than parameters (``ZeroOwnership.optimizer_params``)."""
     decay, no_decay = [], []
     if params is None:
         params = [(p, p) for p in model.parameters() if p.requires_grad]
@@ -93,7 +93,7 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
 def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: int, dp: int,
                       pp: bool) -> torch.Tensor:
     """:func:`grad_norm` when ZeRO splits gradients over ranks (``terms`` from
-    ``GradReducer.grad_terms``: gradient held, its parameter, G = ranks splitting it).
+    ``ZeroOwnership.grad_terms``: gradient held, its parameter, G = ranks splitting it).
 
     Written as one sum over every rank of the stage: a TP shard of a degree-t block
     is held by dp T / t ranks and weighs t / T per rank, a replicated parameter by
@@ -120,7 +120,7 @@ def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0,
     ``reducer`` whose buckets are sharded (ZeRO), the gradients it holds are the ones
     measured and scaled (:func:`sharded_grad_norm`)."""
     if reducer is not None and getattr(reducer, "norm_by_terms", False):
-        terms = reducer.grad_terms(model)
+        terms = reducer.shards.grad_terms(model)
         T = 1 if tp_group is None else dist.get_world_size(tp_group)
         norm = sharded_grad_norm(terms, T, dp, stage_size > 0)
         grads = [g for g, _, _ in terms]

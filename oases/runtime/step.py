@@ -112,7 +112,7 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
         loss = float(total)
     if math.isfinite(loss) and math.isfinite(norm):
         opt.step()
-        reducer.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
+        reducer.shards.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
     else:
         reducer.zero_grad()
     return loss, norm

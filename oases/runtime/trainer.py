@@ -27,7 +27,7 @@ from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, join_world,
                                    pick_device)
 from oases.planner import auto_layout
-from oases.planner.calibrate import time_steps
+from oases.planner.calibrate import time_throwaway
 from oases.planner.online import resolve_layout, resolve_plan
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
@@ -133,17 +133,6 @@ def _collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
 
 
-def _time_throwaway(cfg: Config, ctx: ParallelContext, degrees, n: int) -> float:
-    step = throwaway_step(cfg, ctx, degrees)
-    try:
-        t = time_steps(step, ctx.device, n)
-    finally:
-        step.close()
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return t
-
-
 def _run(cfg: Config, ctx: ParallelContext) -> None:
     # CPU kernels used here are deterministic already (the resume test checks bit-exact
     # curves); torch.use_deterministic_algorithms would cost an inductor import per process.
@@ -162,7 +151,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     if ctx.layout is None:  # per-block TP degrees, or None: all at tp
         planned = cfg
         cfg, degrees = resolve_plan(planned, ctx,
-                                    lambda d, n: _time_throwaway(planned, ctx, d, n))
+                                    lambda d, n: time_throwaway(
+                                        throwaway_step(planned, ctx, d), ctx.device, n))
         if degrees is not None and ctx.is_main:
             print(f"plan: per-block TP degrees {degrees}", flush=True)
     par = cfg.parallel
@@ -177,7 +167,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     state = training_for(cfg, ctx, model, tracker, tracer)
     opt, reducer, schedule = state.opt, state.reducer, state.engine
 
-    if reducer.sharded is False and (par.zero or reducer.norm_by_terms) and ctx.is_main:
+    if not reducer.shards.sharded and (par.zero or reducer.norm_by_terms) and ctx.is_main:
         print("parallel.zero: no gradient group of this layout has more than one rank "
               "(dp = 1, no replicated blocks): nothing is sharded", flush=True)
 
@@ -185,13 +175,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         return evaluate(model, val, cfg, ctx, state.pipe)
 
     if cfg.eval.only:
-        with reducer.unsharded(opt, model, load=True) as o:
+        with reducer.shards.unsharded(opt, model, load=True) as o:
             eval_only(cfg, ctx, model, o, val, run_eval)
         return
 
     start, skipped, resumed = 0, 0, False  # skipped: non-finite steps left out
     if cfg.resume == "auto":
-        with reducer.unsharded(opt, model, load=True) as o:
+        with reducer.shards.unsharded(opt, model, load=True) as o:
             meta = resume(cfg, ctx, model, o, batches, tracker)
         if meta is not None:
             start, skipped, resumed = meta["step"], int(meta.get("skipped_steps", 0)), True
@@ -212,7 +202,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
     def save(step: int):
-        with reducer.unsharded(opt, model) as o:  # ZeRO: whole parameters and Adam state
+        with reducer.shards.unsharded(opt, model) as o:  # ZeRO: whole parameters and Adam state
             return _save(step, o)
 
     def _save(step: int, opt):
@@ -284,8 +274,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 extra = {"skipped_steps": skipped}
                 if ctx.pp > 1:
                     extra["pipeline_bubble"] = state.stats.bubble
-                if reducer.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
-                    extra["zero_gather_wait_s"] = reducer.store.take_wait() / max(
+                if reducer.shards.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
+                    extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / max(
                         1, cfg.train.log_interval)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
                            extra=extra)
