@@ -75,15 +75,14 @@ def worker(args) -> int:
     B, S, H = args.shape
     dtype = getattr(torch, args.dtype)
     host_of = lambda r: r // per_node  # noqa: E731
-    transfers, tag = {}, 0
+    transfers = {}
     for case in args.cases:            # collective: every rank, same order
         (sdp, stp), (ddp, dtp) = CASES[case]
         src, dst = Mesh(0, sdp, stp), Mesh(per_node, ddp, dtp)
         for m in METHODS:
-            t = CrossMeshTransfer(src, dst, B, S, method=m, tag=tag, host_of=host_of,
+            t = CrossMeshTransfer(src, dst, B, S, method=m, host_of=host_of,
                                   split=args.split if m == "broadcast" else None)
             transfers[case, m] = t
-            tag += t.n_tags
     full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(0)).to(dtype)
     elsize = full.element_size()
     times = {f"{c}/{m}": [] for c, m in transfers}
@@ -176,7 +175,7 @@ def write_markdown(path: Path, meta: dict, summary: dict) -> None:
                   "allgather": f"{s['allgather_over_broadcast']:.2f}x"}[m]
             L.append(f"| {c} (dp{sdp},tp{stp})->(dp{ddp},tp{dtp}) | {m} | "
                      f"{1e3 * r['median_s']:.0f} | {reps} | {mb:.2f} | {ideal:.0f} | {sp} |")
-    L += ["", f"| target | case | send / broadcast | result |", "|---|---|---|---|"]
+    L += ["", "| target | case | send / broadcast | result |", "|---|---|---|---|"]
     for c, s in summary.items():
         if s["target"]:
             L.append(f"| broadcast >= {TARGET}x naive send (1-to-many) | {c} | "

@@ -69,7 +69,7 @@ def bench_one(name: str, args, ctx) -> dict:
     tokens = cfg.train.micro_batch_size * cfg.model.seq_len
     step_s = statistics.median(times)
     tps = tokens / step_s
-    peak = peak_flops(ctx.device)
+    peak = peak_flops(ctx.device, args.precision)
     res = {"model": name, "params": n_params, "micro_batch_size": args.mbs,
            "seq_len": cfg.model.seq_len, "precision": args.precision,
            "recompute": args.recompute, "step_time_s_median": step_s,

@@ -170,12 +170,32 @@ class ParallelAttention(ResidualBlock):
         (its saved tensors grow with T^2 where the math kernel keeps the probabilities)."""
         p = self.attn_dropout if self.training else 0.0
         gqa = self.n_kv != self.n_head
+        if gqa and not _fused_gqa(q, k, v, p):
+            # no fused kernel takes unequal head counts here (CUDA's memory-efficient one
+            # in fp32, on many versions; flash wants bf16/fp16), and SDPA would fall back
+            # to the math kernel, which keeps the T^2 probabilities: give each query head
+            # its kv head instead (the same values; backward sums the copies' gradients)
+            r = self.n_head // self.n_kv
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # (B, nh, T, hd)
+            gqa = False
         if p > 0.0 and self.tracker is not None:
             with self.tracker.fork():  # sharded region: each rank's heads get their own masks
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                       enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                               enable_gqa=gqa)
+
+
+def _fused_gqa(q, k, v, dropout: float) -> bool:
+    """Whether a fused CUDA kernel (flash, memory-efficient or cuDNN) takes this
+    grouped-query call as it is (``enable_gqa``); torch's own dispatch checks answer.
+    Off CUDA: True (the CPU flash kernel takes grouped heads)."""
+    if q.device.type != "cuda":
+        return True
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout, True, True)
+    return any(can(params, False) for can in (torch.backends.cuda.can_use_flash_attention,
+                                              torch.backends.cuda.can_use_efficient_attention,
+                                              torch.backends.cuda.can_use_cudnn_attention))
 
 
 class GeluMLP(ResidualBlock):

@@ -9,6 +9,9 @@
   torchrun (a world of one), for the error-exit tests: ``train.py`` itself returns
   status 2 there, whereas torchrun would turn a worker's status into its own.
 
+Tests marked ``@pytest.mark.cuda`` (``gpus=N`` for N devices, default 1) skip with a
+reason where there are fewer CUDA devices, so the CPU suite's time stays the same.
+
 The subprocesses run with one OMP thread each (the CI machine has 2 cores) and
 without any torchrun variables inherited from the caller.
 """
@@ -21,11 +24,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        mark = item.get_closest_marker("cuda")
+        if mark is None:
+            continue
+        need = mark.kwargs.get("gpus", 1)
+        if have < need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} CUDA device{'s' if need > 1 else ''}, found {have}"))
 
 
 def subprocess_env() -> dict:

@@ -1,4 +1,4 @@
-"""Run a test body in several gloo processes on CPU.
+"""Run a test body in several processes: gloo on CPU, or NCCL on GPUs.
 
     def body(ctx, arg):            # ctx: ParallelContext for (dp, tp)
         ...                        # asserts raise in the worker
@@ -7,6 +7,18 @@
 Workers rendezvous through a FileStore in a temp dir (no ports), use a short
 collective timeout so a bug fails instead of hanging, and a failure in any
 worker fails the test with that worker's traceback.
+
+What gloo forgives must not pass, so on gloo every worker runs with
+
+* NCCL's point-to-point semantics (:mod:`tests.nccl_semantics`): one FIFO channel
+  per process group, tags ignored, a send done only when its receive runs; a
+  schedule that would hang on GPUs raises ``NcclDeadlock`` naming rank, peer and op;
+* the collective-order recorder (:mod:`tests.collective_order`): after the body,
+  every group's members must have issued the same collectives in the same order,
+  hooks and other threads included.
+
+``device="cuda"`` runs the body on NCCL, one GPU per rank (the caller skips when
+there are fewer GPUs: see :func:`cuda_world`); there the real NCCL semantics apply.
 """
 
 from __future__ import annotations
@@ -16,46 +28,76 @@ import os
 import tempfile
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from oases.parallel.groups import build_context
+from tests import collective_order, nccl_semantics
+
 TIMEOUT_S = 60
 
 
-def _worker(rank, world, tp, store_path, fn, args, err_dir):
+def cuda_world(world: int) -> None:
+    """Skip the calling test unless ``world`` GPUs are present (NCCL puts one rank per GPU)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < world:
+        pytest.skip(f"needs {world} CUDA devices for NCCL, found {n}")
+
+
+def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
     """``tp=None``: no context is built; ``fn(rank, *args)`` builds its own groups."""
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        kw = {}
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                                **kw)
+        if device == "cpu":
+            collective_order.install()
+            if nccl_p2p:
+                nccl_semantics.install()
         if tp is None:
             fn(rank, *args)
         else:
-            from oases.parallel.groups import build_context
-
-            fn(build_context(tp, torch.device("cpu")), *args)
+            dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+            fn(build_context(tp, dev), *args)
+        if device == "cpu":
+            collective_order.dump(os.path.join(err_dir, f"order{rank}.json"))
         dist.barrier()
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
+        nccl_semantics.uninstall()
+        collective_order.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = ()) -> None:
+def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
+                    device: str = "cpu", nccl_p2p: bool = True) -> None:
     """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level).
     ``tp=None`` runs ``fn(rank, *args)`` on the bare default group (pipeline layouts build
-    their own groups)."""
+    their own groups). ``nccl_p2p=False`` keeps gloo's own point-to-point matching."""
+    if device == "cuda":
+        cuda_world(world)
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")
         try:
-            mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d), nprocs=world,
-                               join=True, start_method="fork")
+            mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d, device,
+                                              nccl_p2p),
+                               nprocs=world, join=True,
+                               start_method="spawn" if device == "cuda" else "fork")
         except Exception as e:
             msgs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))
                     if f.startswith("rank")]
             raise AssertionError("distributed worker failed:\n" + "\n".join(msgs)) from e
+        if device == "cpu":
+            collective_order.compare([os.path.join(d, f"order{r}.json") for r in range(world)])

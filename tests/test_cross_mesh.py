@@ -153,10 +153,9 @@ def _transfers_body(ctx):
     for c, (src, dst, batch, seq, tail) in enumerate(CASES):
         for m, method in enumerate(METHODS):
             # every rank builds both transfers (collective); the second one moves other
-            # data between the same ranks at the same time, on its own tag range
-            t1 = CrossMeshTransfer(src, dst, batch, seq, method=method, tag=0)
-            t2 = CrossMeshTransfer(src, dst, batch, seq, method=METHODS[(m + 1) % 3],
-                                   tag=t1.n_tags)
+            # data between the same ranks at the same time, on its own process group
+            t1 = CrossMeshTransfer(src, dst, batch, seq, method=method)
+            t2 = CrossMeshTransfer(src, dst, batch, seq, method=METHODS[(m + 1) % 3])
             assert (t1.is_src, t1.is_dst) == (rank in src.ranks, rank in dst.ranks)
             # slow-link traffic: broadcast and allgather move the batch once, send dst.tp times
             tail_n = int(torch.tensor(tail).prod())
@@ -181,3 +180,33 @@ def _transfers_body(ctx):
 
 def test_transfers_all_layouts_and_methods():
     run_distributed(_transfers_body, world=WORLD)
+
+
+def _early_receives_body(ctx):
+    """pp=2 1f1b's first ops through the two directions' transfers: stage 0 sends F0,
+    posts the receive of B0, sends F1; stage 1 posts both receives, then sends B0. On
+    one group for both directions NCCL (and tests/nccl_semantics.py) would hang."""
+    a, b = Mesh(0, 1, 1), Mesh(1, 1, 1)
+    fwd, bwd = CrossMeshTransfer(a, b, 2, 3), CrossMeshTransfer(b, a, 2, 3)
+    dev = ctx.device
+    x = [torch.full((2, 3, 4), float(i + 1), device=dev) for i in range(3)]
+    if ctx.rank == 0:
+        sent = [fwd.send(x[0])]
+        grad = bwd.recv((4,), torch.float32, dev)
+        sent.append(fwd.send(x[1]))
+        assert torch.equal(grad.wait(), x[2])
+    else:
+        got = [fwd.recv((4,), torch.float32, dev) for _ in range(2)]
+        sent = [bwd.send(x[2])]
+        assert [float(g.wait()[0, 0, 0]) for g in got] == [1.0, 2.0]
+    for s in sent:
+        s.wait()
+
+
+def test_early_receives_run_under_nccl_rules():
+    run_distributed(_early_receives_body, world=2)
+
+
+@pytest.mark.cuda(gpus=2)
+def test_early_receives_run_on_nccl():
+    run_distributed(_early_receives_body, world=2, device="cuda")

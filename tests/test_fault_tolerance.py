@@ -11,8 +11,7 @@
   the step out (no update, zeroed gradients, counted in ``skipped_steps``), with
   every rank agreeing even when only one rank's gradient shard is NaN.
 
-The worker processes are found as children of the torchrun process by scanning
-/proc (their RANK comes from /proc/<pid>/environ): no hook in production code.
+The worker processes are found through /proc (:mod:`tests.torchrun_procs`).
 """
 
 from __future__ import annotations
@@ -22,90 +21,18 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_single, subprocess_env
+from tests.conftest import run_single
 from tests.distributed import run_distributed
+from tests.torchrun_procs import metrics, run_with_hung_rank, start_torchrun, wait_for, worker_pid
 
 pytestmark = pytest.mark.slow
 
 TINY = ["model.name=gpt-tiny", "model.seq_len=64", "data.kind=synthetic", "eval.interval=0",
         "wandb.mode=disabled", "train.log_interval=1", "train.micro_batch_size=2"]
-
-
-# ---------------------------------------------------------------------------
-# helpers: torchrun in the background, its workers via /proc
-
-
-def start_torchrun(args: list[str], log: Path, *extra_torchrun: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *extra_torchrun, "train.py", *args]
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=f,
-                                stderr=subprocess.STDOUT, text=True)
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc/<p>/stat: field 4 is the parent pid)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
-        if int(fields[1]) == pid:
-            out.append(int(d))
-    return out
-
-
-def worker_pid(torchrun_pid: int, rank: int) -> int | None:
-    """The live train.py worker of ``rank`` started by this torchrun."""
-    for pid in children(torchrun_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = dict(kv.split(b"=", 1) for kv in
-                       Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if b"train.py" in cmdline and env.get(b"RANK") == str(rank).encode():
-            return pid
-    return None
-
-
-def wait_for(cond, proc: subprocess.Popen, log: Path, timeout: float, what: str):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        value = cond()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"torchrun exited ({proc.returncode}) before {what}:\n"
-                                 f"{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
-
-
-def metrics(out: Path) -> list[dict]:
-    p = out / "metrics.jsonl"
-    if not p.exists():
-        return []
-    recs = []
-    for ln in p.read_text().splitlines():
-        try:
-            recs.append(json.loads(ln))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return recs
 
 
 # ---------------------------------------------------------------------------
@@ -161,27 +88,7 @@ def test_hung_peer_times_out_with_a_clear_error(tmp_path):
     timeout_s = 5
     args = [*TINY, f"out_dir={out}", "parallel.tp=2", "train.steps=100000",
             f"parallel.timeout_s={timeout_s}", "resume=none"]
-    proc = start_torchrun(args, log, "--max-restarts=0", "--monitor-interval=0.1")
-    victim = None
-    try:
-        wait_for(lambda: any("loss" in r for r in metrics(out)), proc, log, 180, "a first step")
-        victim = wait_for(lambda: worker_pid(proc.pid, 1), proc, log, 10, "rank 1's pid")
-        os.kill(victim, signal.SIGSTOP)  # alive but never joins the next collective
-        t0 = time.monotonic()
-        wait_for(lambda: "parallel.timeout_s" in log.read_text() or None, proc, log,
-                 timeout_s + 25, "the timeout error")
-        elapsed = time.monotonic() - t0
-        os.kill(victim, signal.SIGCONT)  # let torchrun's SIGTERM reach it
-        rc = proc.wait(timeout=60)
-    finally:
-        if victim is not None:
-            try:
-                os.kill(victim, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+    rc, text, elapsed = run_with_hung_rank(args, out, log, 180, timeout_s + 25)
     assert rc != 0
     assert elapsed < timeout_s + 20, elapsed
     errs = [ln for ln in text.splitlines() if ln.startswith("error: ")]

@@ -56,7 +56,9 @@ def _args(argv):
     ap.add_argument("--trials", type=int, default=1,
                     help="write the K best plans (plan.yaml, plan-2.yaml, ...)")
     ap.add_argument("--profile", help="profile DB (JSON); default ~/.cache/oases/profile_db.json")
-    ap.add_argument("--memory-gib", type=float, help="memory per device (default: cluster file)")
+    ap.add_argument("--memory-gib", type=float,
+                    help="memory a plan may use per device (default: the cluster file's, "
+                         "less a headroom)")
     ap.add_argument("--time-budget", type=float, default=6.0,
                     help="seconds of MILP solving for the whole uniap search (default 6)")
     ap.add_argument("--gap", type=float, default=0.01,
@@ -102,8 +104,8 @@ def _tp_only(args, cfg, cluster, device, db, out: Path) -> None:
         raise ConfigError(f"--search tp-only plans per-block degrees at pp = 1; this config has "
                           f"parallel.pp={cfg.parallel.pp} (use --search uniap or amp)")
     prof = get_profile(cfg, run_shape(cfg), device, db, force=args.reprofile)
-    limit = (args.memory_gib * 2**30 if args.memory_gib else  # the run's smallest device
-             cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)))
+    limit = (args.memory_gib * 2**30 if args.memory_gib else  # the run's smallest device,
+             cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)))  # less the headroom
     plan, cm, uni = make_plan(cfg, cluster, prof, limit)
     report(plan, cm, uni)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,13 @@ continues). (Under torchrun the workers
 exit with these and torchrun reports their failure with its own status 1, or
 restarts them with ``--max-restarts``; ``python -m oases.config`` checks a config
 with status 2 before launching.)
+
+An error every rank meets alike (config, data, a non-finite step) is printed by rank 0.
+Under torchrun the agent stops all workers as soon as one exits with a failure, so a
+rank that exited at once could have a rank 0 that is a little behind killed before it
+prints: no line at all. The other ranks therefore stay until the agent stops them (rank
+0's exit makes it do so), and print the line themselves, with their rank, only if that
+has not happened within ``PEER_REPORT_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -19,9 +26,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
-from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError, Preempted,
-                          TrainingError, UserError)
+from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError, NonFiniteError,
+                          Preempted, TrainingError, UserError)
+
+# How long a rank other than 0 waits, after an error every rank meets, for the agent to
+# stop it once rank 0 has reported: longer than ranks drift apart at start-up (imports,
+# data files on a slow disk; 8 s has been seen), short enough for a rank 0 that does not
+# meet the error (a data file one node lacks) to be told about promptly.
+PEER_REPORT_GRACE_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,18 +59,35 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if debug:
             raise
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        elif not isinstance(e, (ConfigError, DataError)):  # those are the same on every rank
-            print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        report("error", e, alike=isinstance(e, (ConfigError, DataError)))
         return EXIT_USER_ERROR
     except TrainingError as e:
         if debug:
             raise
-        # a non-finite step is seen alike by every rank; a collective failure names its rank
-        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, CollectiveError):
-            label = "stopped" if isinstance(e, Preempted) else "error"
-            print(f"{label}: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, CollectiveError):  # its message names its rank
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        elif isinstance(e, Preempted):  # every rank stops on the same step; rank 0 says so
+            if _rank() == 0:
+                print(f"stopped: {e}", file=sys.stderr, flush=True)
+        else:
+            report("error", e, alike=isinstance(e, NonFiniteError))
         return e.exit_code
     return 0
+
+
+def report(label: str, e: BaseException, alike: bool) -> None:
+    """Print ``label: e`` as this rank's one line: rank 0 at once; another rank with its
+    rank named, at once when the error is its own, and when ``alike`` (every rank meets
+    it) only under torchrun and only if the agent has not stopped it after
+    :data:`PEER_REPORT_GRACE_S` (rank 0 has then not reported; see the module doc)."""
+    rank = _rank()
+    if rank != 0 and alike:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return  # no agent stops rank 0 when this rank exits: it prints the line
+        time.sleep(PEER_REPORT_GRACE_S)
+    where = f"[rank {rank}] " if rank != 0 else ""
+    print(f"{label}: {where}{e}", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -35,6 +35,18 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """``train.precision`` as a run on a ``device_type`` device ("cuda", "cpu") uses it:
+    ``auto`` is bf16 on CUDA (autocast, fp32 master weights; tensor cores) and fp32
+    elsewhere (bf16 autocast on a CPU is slower than fp32); fp32 and bf16 stay."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0  # False for NaN too
     if not ok:
@@ -169,6 +181,9 @@ class ParallelConfig(_Section):
     backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
     device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
     timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
+    # NCCL only: the TP groups' collectives on high-priority CUDA streams, so that they
+    # start ahead of DP/ZeRO traffic queued on the GPU (docs/overlap.md)
+    nccl_high_priority_tp: bool = False
     dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
     # Sharded data parallelism over the dp ranks (and the replicas of a block below the
     # full TP degree): 0 replicated; 1 Adam state sharded; 2 + gradients (reduce-scatter
@@ -216,6 +231,9 @@ class ParallelConfig(_Section):
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _positive("parallel.timeout_s", self.timeout_s)
+        if self.nccl_high_priority_tp and (self.backend == "gloo" or self.device == "cpu"):
+            raise ConfigError("parallel.nccl_high_priority_tp needs NCCL on CUDA (parallel."
+                              f"backend={self.backend}, parallel.device={self.device})")
         _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
         _positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
         _choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
@@ -238,7 +256,7 @@ class TrainConfig(_Section):
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
-    precision: str = "fp32"         # "fp32" | "bf16" (autocast; master weights fp32)
+    precision: str = "auto"         # "auto" (resolve_precision) | "fp32" | "bf16" (autocast)
     log_interval: int = 1
     on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (clear message) | "skip" the step
 
@@ -256,7 +274,7 @@ class TrainConfig(_Section):
         for k in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 raise ConfigError(f"train.{k}={getattr(self, k)} must be in [0, 1)")
-        _choice("train.precision", self.precision, ("fp32", "bf16"))
+        _choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass

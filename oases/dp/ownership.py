@@ -12,6 +12,7 @@ terms of the norm, the whole optimizer state for a checkpoint and back.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,8 @@ class ZeroOwnership:
         self.handles: list = []
         for fl in flats:
             if fl.level >= 2:  # the full gradient buffer gets storage before the first grad
-                for p in fl.params:
-                    self.handles.append(p.register_hook(lambda g, z=fl: z.ensure_grads()))
+                hook = _ensure_grads_hook(fl)
+                self.handles += [p.register_hook(hook) for p in fl.params]
         units: dict[int, list[ShardedFlat]] = {}    # level 3: gathered for each use
         pending: dict[int, list[ShardedFlat]] = {}  # levels 1, 2: gathered after the step
         head = len(model.blocks())
@@ -147,6 +148,20 @@ class ZeroOwnership:
                 self.load_optimizer_state(opt, view.state)
         finally:
             self.release()
+
+
+def _ensure_grads_hook(fl: ShardedFlat):
+    """A gradient hook that gives ``fl``'s full gradient buffer storage. It lives in the
+    parameters' C++ autograd metadata and ``fl`` holds the parameters: it holds ``fl``
+    weakly, or the cycle through C++ would never be collected."""
+    ref = weakref.ref(fl)
+
+    def hook(g: torch.Tensor) -> None:
+        z = ref()
+        if z is not None:
+            z.ensure_grads()
+
+    return hook
 
 
 class _OptimizerView:

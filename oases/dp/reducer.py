@@ -39,13 +39,21 @@ seed the plain mean's.
 
 Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
 launch, in the same order on every rank (gloo and NCCL need that).
-On CUDA, the all-reduce is enqueued on the default stream's NCCL work stream;
-``work.wait()`` in ``finish()`` makes the current (default) stream, which the
-optimizer then runs on, wait for it.
+On CUDA, the hooks run on autograd's device thread: a bucket launched there goes out in
+the comm scope ``arm()`` captured (:class:`~oases.parallel.comm.CommScope`), so the
+step's counters and tracer see it. Its all-reduce waits for the default stream (which
+produced the gradients) on NCCL's stream; ``work.wait()`` in ``finish()`` makes the
+current stream, which the optimizer then runs on, wait for it. Both hold only while
+the whole step runs on the default stream, which ``arm()`` checks.
+
+The hooks live in the parameters' C++ autograd metadata, out of the cycle collector's
+sight: they reach the reducer through a weak reference, so a reducer dropped without
+:meth:`GradReducer.close` does not keep itself, nor its model, alive.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -55,7 +63,8 @@ import torch.nn as nn
 from oases.dp.accounting import held_memory
 from oases.dp.ownership import ZeroOwnership
 from oases.dp.zero import ShardedFlat
-from oases.parallel.comm import all_reduce, group_size
+from oases.parallel.comm import (all_reduce, comm_scope, current_scope, group_size,
+                                 require_default_stream)
 
 
 class _Bucket:
@@ -92,6 +101,20 @@ class _Bucket:
         return None
 
 
+def _weak_hook(reducer: "GradReducer") -> Callable[[nn.Parameter], None]:
+    """The post-accumulate hook of ``reducer``'s parameters, holding it weakly (a hook
+    holding it strongly would make a cycle through C++ that is never collected); once
+    the reducer is gone the hook does nothing."""
+    ref = weakref.ref(reducer)
+
+    def on_grad_ready(p: nn.Parameter) -> None:
+        red = ref()
+        if red is not None:
+            red._on_grad_ready(p)
+
+    return on_grad_ready
+
+
 class GradReducer:
     """``group_of(param)`` gives the group a parameter's gradient is summed over
     (default: the DP group); the sum is divided by dp. With per-block TP degrees
@@ -118,6 +141,7 @@ class GradReducer:
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.armed = False
+        self._scope = None  # the comm scope of the armed backward (arm to finish)
         self._hits: dict[int, int] = {}
         self._expected: dict[int, int] | None = None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -153,9 +177,9 @@ class GradReducer:
                 self._add(cur, grp)
         self.active = any(b.group is not None and dist.get_world_size(b.group) > 1
                           for b in self.buckets)
-        # the hooks hold the reducer, and through it every parameter: close() drops them
-        self._handles = ([p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                          for p in params] if self.active else [])
+        hook = _weak_hook(self)
+        self._handles = ([p.register_post_accumulate_grad_hook(hook) for p in params]
+                         if self.active else [])
         self.shards = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],
                                     block_of, tied_head, prefetch)
 
@@ -194,8 +218,12 @@ class GradReducer:
         self._hits = {}
 
     def arm(self) -> None:
-        """The next backward is the last of this step: reduce while it runs."""
+        """The next backward is the last of this step: reduce while it runs, in the comm
+        scope of the caller (the hooks may run on another thread)."""
+        if self.buckets:
+            require_default_stream(self.buckets[0].buffer.device, "the DP gradient reducer")
         self.armed = True
+        self._scope = current_scope()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self.armed:
@@ -207,7 +235,8 @@ class GradReducer:
         b = self._bucket_of[k]
         b.ready += 1
         if b.ready == b.need and b.work is None and not self._trivial(b):
-            self._launch(b)
+            with comm_scope(self._scope):
+                self._launch(b)
 
     @staticmethod
     def _launch(b: _Bucket) -> None:
@@ -222,6 +251,7 @@ class GradReducer:
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and average over dp (then run ``then``)."""
         self.armed = False
+        self._scope = None
         if self.active:
             self._reduce()
         self.shards.release()
@@ -251,7 +281,7 @@ class GradReducer:
                 b.work = None
                 continue
             if b.work is not None:
-                b.work.wait()
+                b.work.wait()  # the current (default) stream: the optimizer's
                 b.work = None
             if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)

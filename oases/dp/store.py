@@ -9,14 +9,15 @@ model call it (:meth:`ParamStore.install_hooks`).
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from oases.dp.zero import ShardedFlat, free_, is_freed
+from oases.parallel.comm import comm_scope, current_scope
 from oases.parallel.engine import HEAD
+from oases.parallel.timing import IntervalTimer
 
 
 class ParamStore:
@@ -38,6 +39,11 @@ class ParamStore:
     Every rank of a unit's group makes the same calls in the same order (they run
     the same schedule), so the all-gathers match. ``release()`` (end of every
     backward pass of a step, before the optimizer changes the owned ranges) frees all.
+
+    Streams: ``use`` waits for a gather on the current stream, and a freed unit's
+    storage goes back to the caching allocator for reuse at once; both are safe because
+    every kernel reading the parameters runs on the default stream (the engines and the
+    reducer refuse another, :func:`~oases.parallel.comm.require_default_stream`).
     """
 
     def __init__(self, units: dict[int, list[ShardedFlat]], head: int, tied: bool,
@@ -47,7 +53,10 @@ class ParamStore:
         self.pending = {u: fl for u, fl in (pending or {}).items() if fl}  # levels 1, 2
         self.head, self.tied, self.keep, self.prefetch = head, tied, keep, prefetch
         self.depth = 2          # units gathered ahead (queued in order on the group)
-        self.wait_s = 0.0       # time spent waiting for all-gathers (exposed), since take_wait
+        # time waiting for all-gathers (exposed), since take_wait: on CUDA the wait holds
+        # the stream, not the host, so it is timed on the device's timeline
+        flats = [fl for fls in (*self.units.values(), *self.pending.values()) for fl in fls]
+        self.wait = IntervalTimer(flats[0].flat.device if flats else None)
         self._gathered: dict[int, int] = {}   # unit -> last use (a counter)
         self._clock = 0
         self.gathers = 0        # all-gathers issued (tests, the benchmark)
@@ -58,10 +67,10 @@ class ParamStore:
             self.use_head()
             return
         if block in self.pending:
-            t0 = time.perf_counter()
+            t0 = self.wait.start()
             for fl in self.pending[block]:
                 fl.settle()
-            self.wait_s += time.perf_counter() - t0
+            self.wait.stop(t0)
         if block not in self.units:
             self._prefetch(block, prefetch)
             return
@@ -70,12 +79,12 @@ class ParamStore:
             self.late += 1
             self._launch(block)
         self._gathered[block] = self._clock
-        t0 = time.perf_counter()
+        t0 = self.wait.start()
         for fl in self.units[block]:
             if fl.work is not None:
                 fl.work.wait()
                 fl.work = None
-        self.wait_s += time.perf_counter() - t0
+        self.wait.stop(t0)
         self._prefetch(block, prefetch)
         self._evict(block, prefetch)
 
@@ -134,9 +143,9 @@ class ParamStore:
             self.keep -= 1 + self.depth
 
     def take_wait(self) -> float:
-        """Seconds spent waiting for all-gathers since the last call."""
-        w, self.wait_s = self.wait_s, 0.0
-        return w
+        """Seconds spent waiting for all-gathers since the last call (on CUDA: once
+        they have run)."""
+        return self.wait.take()
 
     def release(self) -> None:
         for fls in self.pending.values():
@@ -189,8 +198,13 @@ class ParamStore:
 
     def _on_output(self, out, u: int, nxt: int) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
+            # on CUDA the hook runs on autograd's device thread: its gathers belong to the
+            # forward's comm scope (counters, tracer)
+            scope = current_scope()
+
             def hook(g):
-                if u == self.head and self.tied:
-                    self.use(0)
-                self.use(u, nxt)
+                with comm_scope(scope):
+                    if u == self.head and self.tied:
+                        self.use(0)
+                    self.use(u, nxt)
             out.register_hook(hook)

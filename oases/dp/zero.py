@@ -163,6 +163,8 @@ class ShardedFlat:
 
     def finish_reduce(self, dp: int) -> None:
         if self.rs_work is not None:
+            # orders the current stream only: the step's kernels, which read grad_shard
+            # and reuse the freed buffer, all run on the default stream
             self.rs_work.wait()
             self.rs_work = None
             if dist.get_backend(self.group) == "gloo":  # an all-reduce: keep the owned range

@@ -48,6 +48,12 @@ micro-batch (:func:`sub_batch_rng_streams`), and every segment of a sub-batch
 runs with its streams swapped in. Its dropout masks are therefore exactly those
 of plain autograd run on that sub-batch alone from the same streams, whatever
 the interleaving (the parity tests rely on it).
+A model that draws nothing (dropout 0: :func:`~oases.overlap.rng_streams.draws_random`)
+gets no streams: no generator state is snapshot, swapped or replayed.
+
+Degree 1: a sub-batch does not yield at a collective over one rank
+(:func:`~oases.overlap.runner.collect`), and a run whose every collective is (tp = 1)
+and that draws nothing takes the micro-batch whole (``whole_when_alone``).
 
 Collective discipline: every rank runs the same programs in the same
 round-robin order, so all ranks issue the same collectives in the same order.
@@ -57,6 +63,8 @@ result is handed back to the program that asked for it; no handle outlives
 one every segment computes on) wait for the collective; the buffers stay
 referenced by the runner until that wait, so the caching allocator cannot hand
 their memory to another kernel while the communication stream still reads them.
+Both hold only while every segment runs on the default stream: a run refuses to
+start on another (:func:`~oases.parallel.comm.require_default_stream`).
 
 ZeRO-3: the engine reaches parameters only through its ``params`` hook
 (:class:`~oases.parallel.engine.BlockParams`), in :meth:`OasesSchedule._enter`.
@@ -83,7 +91,9 @@ from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
-from oases.overlap.runner import Launch, OasesRun, Program, Stashed, Wait, run_joint, run_programs
+from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Stashed, Wait, collect,
+                                  run_joint, run_programs)
+from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.region import Cut, CutRecorder
@@ -147,11 +157,14 @@ class OasesSchedule:
 
     def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
                  tracker: Optional[TPRNGTracker] = None, tracer=None,
-                 params: Optional[BlockParams] = None) -> None:
+                 params: Optional[BlockParams] = None, whole_when_alone: bool = False) -> None:
         if recompute not in ("none", "full", "fine"):
             raise ValueError(f"recompute={recompute!r}")
         self.tp_group = tp_group
         self.n = sub_batches
+        # True (build_schedule's): a run with nothing to hide (tp = 1) nor to draw takes
+        # the micro-batch whole; False lets a one-process test drive the sub-batches
+        self.whole_when_alone = whole_when_alone
         self.recompute = recompute
         self.tracker = tracker
         self.tracer = tracer
@@ -161,6 +174,7 @@ class OasesSchedule:
         # all-reduces, which would queue on the link behind the pending one (measured
         # slower); there the recompute follows the wait.
         self._early_prepare = recompute != "full"
+        self._facts = ModelFacts()  # per model: whether it draws, whether it communicates
 
     # ------------------------------------------------------------------ API
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
@@ -168,7 +182,7 @@ class OasesSchedule:
         """Forward and backward of one micro-batch; returns its (detached) token-mean loss
         (:mod:`~oases.overlap.loss_weights`). Gradients accumulate scaled by ``scale``."""
         run = self._start(model, ids, targets, amp)
-        run.forwards_left = self.n
+        run.forwards_left = len(run.subs)
         # One program per sub-batch, forward then backward: no barrier between the two
         # passes either (a's backward starts while b's last forward collectives run).
         run_programs(run, [self._program(run, sb, scale * sb.share) for sb in run.subs])
@@ -221,9 +235,10 @@ class OasesSchedule:
     def _resume(self, srun: StageRun, grad: Optional[torch.Tensor], amp: AmpFactory) -> OasesRun:
         """A forward's run, taken from its StageRun, with the output's gradient per sub-batch."""
         run, srun.state = srun.state, None
+        require_default_stream(run.device, "the oases engine")
         run.amp = amp  # recompute runs under it
         if grad is not None:
-            for sb, g in zip(run.subs, grad.chunk(self.n)):
+            for sb, g in zip(run.subs, grad.chunk(len(run.subs))):
                 sb.grad_out = g
         return run
 
@@ -232,6 +247,7 @@ class OasesSchedule:
         return torch.cat([sb.grad_in for sb in run.subs]) if run.input_grad else None
 
     def _start(self, model, ids, targets, amp, input_grad: bool = False) -> OasesRun:
+        require_default_stream(ids.device, "the oases engine")
         if ids.shape[0] % self.n:
             raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
                              f"sub-batches")
@@ -240,13 +256,18 @@ class OasesSchedule:
         # a user's model needs only blocks() and loss_from_hidden(); the rest is optional
         groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
                   else [(i, i + 1) for i in range(first, len(blocks))])
-        tgts = targets.chunk(self.n) if targets is not None else [None] * self.n
+        rng, alone = self._facts(model, blocks)
+        # Nothing to hide nor drawn: the micro-batch whole (a split would cost smaller
+        # matmuls). With dropout the split stays, as the masks are the sub-batch streams';
+        # its programs then run in turn (none yields at a one-rank collective: collect).
+        n = 1 if self.whole_when_alone and alone and not rng else self.n
+        tgts = targets.chunk(n) if targets is not None else [None] * n
         subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
-                in enumerate(zip(ids.chunk(self.n), tgts, piece_shares(model, tgts)))]
-        streams = sub_batch_rng_streams(self.tracker, ids.device, self.n)
+                in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
+        streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home = getattr(model, "home_degree", blocks[0].degree)
         return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
-                        input_grad, home)
+                        input_grad, home, rng=rng)
 
     def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
@@ -320,7 +341,7 @@ class OasesSchedule:
                     run.amp(), CutRecorder() as rec:
                 p = blk.partial(x_in)
             buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
-            (reduced,) = yield [("ar", buf, blk.tp_group)]   # all-reduce of the partial sum
+            (reduced,) = yield from collect([("ar", buf, blk.tp_group)])  # of the partial sum
             if not keep:
                 st.rng_combine = run.snap()
                 if self.recompute == "fine":
@@ -343,7 +364,7 @@ class OasesSchedule:
         if hasattr(model, "loss_partial"):  # optional: then the loss's collective is scheduled too
             with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 state, stats = model.loss_partial(x_last, sb.targets)
-            (stats,) = yield [("ar", stats, model.tp_group)]
+            (stats,) = yield from collect([("ar", stats, model.tp_group)])
             with self._span(f"F{sb.name} loss"), run.amp():
                 loss = model.loss_combine(state, stats)
         else:
@@ -404,7 +425,7 @@ class OasesSchedule:
                     torch.enable_grad(), run.amp(), CutRecorder() as rec:
                 p = blocks[i].partial(x_in)
             buf = p.detach().clone(memory_format=torch.contiguous_format)
-            (reduced,) = yield [("ar", buf, blocks[i].tp_group)]  # forward all-reduce, re-issued
+            (reduced,) = yield from collect([("ar", buf, blocks[i].tp_group)])  # re-issued
             st.cuts = rec.cuts
             with self._span(f"{name} C{i}"):
                 self._rebuild(run, blocks[i], st, reduced, x_in, p)
@@ -465,5 +486,5 @@ def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "
         return MegatronSchedule(tracer)
     if name == "oases":  # selective recompute is the model's (its attention cores)
         return OasesSchedule(tp_group, sub_batches, "none" if recompute == "selective" else
-                             recompute, tracker, tracer, params)
+                             recompute, tracker, tracer, params, whole_when_alone=True)
     raise ValueError(f"unknown schedule {name!r}")

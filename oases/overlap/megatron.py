@@ -5,6 +5,12 @@ forward and backward actions). It and the ``oases`` engine are
 Every row-parallel output is all-reduced in place and waited for (blocking); in
 backward the column-parallel input gradient is all-reduced while the weight
 gradient is computed (as Megatron-LM does). Recompute (``full``) lives in the model.
+
+The backward is autograd's: on CUDA it runs on autograd's device thread, and what it
+communicates goes out in the comm scope of the forward (the TP functions, the recompute
+re-run, the DP reducer's and ZeRO-3 store's hooks each carry theirs,
+:class:`~oases.parallel.comm.CommScope`). Each wait orders the current stream: the step
+runs on the default stream (:func:`~oases.parallel.comm.require_default_stream`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from oases.overlap.memory import SavedTensorMeter
+from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import AmpFactory, StageRun
 
 __all__ = ["AmpFactory", "MegatronSchedule", "StageRun"]
@@ -35,6 +42,7 @@ class MegatronSchedule:
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+        require_default_stream(ids.device, "the megatron engine")
         with self._span("forward"), amp():
             loss = model(ids, targets)
         SavedTensorMeter.end_of_forward()
@@ -48,6 +56,7 @@ class MegatronSchedule:
         """Forward of one micro-batch on a pipeline stage: ``inp`` is token ids (first
         stage) or the previous stage's activation; the run holds the loss (last stage)
         or the output activation, and the graph until :meth:`backward`."""
+        require_default_stream(inp.device, "the megatron engine")
         x = _stage_input(inp)
         with self._span("forward"), amp():
             out = model(x, targets)

@@ -1,11 +1,21 @@
 """RNG streams of the oases engine: one per sub-batch, so that the dropout masks of a
-sub-batch are those of plain autograd on it alone, whatever the interleaving."""
+sub-batch are those of plain autograd on it alone, whatever the interleaving.
+
+They cost a snapshot and a restore of every generator (CPU, CUDA, the TP stream) each
+time the runner switches sub-batches, and each block stashes two more under
+recompute. A run whose model draws nothing (:func:`draws_random`: dropout 0, the
+configs' default, or evaluation) needs none of it; the runner then only reads the
+generators once before and once after the run (:func:`rng_fingerprint`), to refuse a
+model that drew random numbers where the scan found no dropout.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn as nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from oases.parallel.random import TPRNGTracker
 
@@ -47,3 +57,45 @@ def sub_batch_rng_streams(tracker: Optional[TPRNGTracker], device: torch.device,
         streams.append(_rng_snapshot(tracker, device))
     _rng_restore(tracker, device, live)
     return streams
+
+
+def _module_draws(m: nn.Module) -> bool:
+    if not m.training:  # dropout is the identity in eval mode
+        return False
+    if getattr(m, "draws_random", False):  # the block says so (see draws_random)
+        return True
+    if isinstance(m, _DropoutNd):
+        return m.p > 0
+    # a rate kept as a number and passed to a functional call, as the attention's
+    # ``attn_dropout`` (F.scaled_dot_product_attention(dropout_p=...))
+    return any("dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v > 0 for k, v in vars(m).items())
+
+
+def draws_random(model: nn.Module) -> bool:
+    """Whether running ``model`` draws random numbers: some module in training mode is
+    an ``nn.Dropout`` (or another ``_DropoutNd``) with p > 0, holds a number > 0 under a
+    name with ``dropout`` in it (a rate handed to a functional call), or sets
+    ``draws_random = True`` (a block that draws in another way: ``F.dropout`` with a
+    literal rate, ``torch.rand``). A module that draws and is found by none of these is
+    refused by the runner's check (:func:`rng_fingerprint`), not silently mis-replayed.
+    Costs a walk over the modules (~1 ms for 32 layers): the engine keeps the answer per
+    model and mode."""
+    return any(_module_draws(m) for m in model.modules())
+
+
+def rng_fingerprint(tracker: Optional[TPRNGTracker], device: torch.device) -> list[torch.Tensor]:
+    """The generators' states, to compare (not to restore): equal before and after a
+    stretch of work = nothing in it drew a random number."""
+    if tracker is not None:
+        return list(tracker.get_states().values())
+    out = [torch.get_rng_state()]
+    if device.type == "cuda":
+        out.append(torch.cuda.get_rng_state(device))
+    return out
+
+
+def same_rng(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b))

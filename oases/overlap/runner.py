@@ -14,6 +14,7 @@ results of what they asked for (the timelines are in :mod:`oases.overlap.engines
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Generator, Optional
 
@@ -22,7 +23,8 @@ import torch.nn as nn
 
 from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
-from oases.overlap.rng_streams import _rng_restore, _rng_snapshot
+from oases.overlap.rng_streams import (_rng_restore, _rng_snapshot, draws_random, rng_fingerprint,
+                                       same_rng)
 from oases.parallel.comm import _trivial, all_gather_async, all_reduce
 from oases.parallel.random import TPRNGTracker
 
@@ -42,6 +44,10 @@ class Wait:
     """Yielded by a program: switch to the others, then hand me the results of the
     collectives of this ticket (from :class:`Launch`)."""
     launched: list
+
+
+class UndeclaredRandomError(RuntimeError):
+    """A model the engine found no dropout in drew random numbers during a run."""
 
 
 class StashModifiedError(RuntimeError):
@@ -78,7 +84,9 @@ class Stashed:
 @dataclass
 class OasesRun:
     """One call's state: the model's blocks, the sub-batches, their RNG streams, the
-    device and autocast of the run, and what the forward stashed."""
+    device and autocast of the run, and what the forward stashed. ``rng`` False: the
+    model draws no random numbers (:func:`~oases.overlap.rng_streams.draws_random`), so
+    the sub-batches have no streams and nothing is snapshot, swapped or replayed."""
     model: nn.Module
     blocks: list
     groups: list
@@ -91,13 +99,16 @@ class OasesRun:
     home: int = 1                             # degree of the input and output (embedding's)
     forwards_left: int = 0                    # sub-batches whose forward is still running
     stash_bytes: int = 0                      # bytes stashed for recompute (memory tests)
+    rng: bool = True                          # the sub-batches draw from their own streams
 
     # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
-    def snap(self) -> dict:
-        return _rng_snapshot(self.tracker, self.device)
+    def snap(self) -> Optional[dict]:
+        """The generators' states (None when the run draws nothing: replay is a no-op)."""
+        return _rng_snapshot(self.tracker, self.device) if self.rng else None
 
-    def restore(self, st: dict) -> None:
-        _rng_restore(self.tracker, self.device, st)
+    def restore(self, st: Optional[dict]) -> None:
+        if st is not None:
+            _rng_restore(self.tracker, self.device, st)
 
     @contextlib.contextmanager
     def replay(self, st: Optional[dict]):
@@ -136,6 +147,36 @@ class OasesRun:
         until the run ends): the graph cuts hand views to the layers for that reason
         (:class:`oases.parallel.region.CutRecorder`)."""
         return torch.autocast(self.device.type, enabled=False)
+
+
+class ModelFacts:
+    """What an engine decides once per model (held weakly), not per run: whether running
+    it draws random numbers (:func:`~oases.overlap.rng_streams.draws_random`, per training
+    mode: a walk over the modules) and whether its every collective, each block's and
+    the loss's, is over one rank. Called with the model and its blocks: (draws, alone)."""
+
+    def __init__(self) -> None:
+        self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, model: nn.Module, blocks: list) -> tuple[bool, bool]:
+        facts = self._of.get(model)
+        if facts is None:
+            facts = {"alone": all(_trivial(b.tp_group) for b in blocks)
+                     and _trivial(getattr(model, "tp_group", None))}
+            self._of[model] = facts
+        if model.training not in facts:
+            facts[model.training] = draws_random(model)
+        return facts[model.training], facts["alone"]
+
+
+def collect(reqs: list[tuple]) -> Program:
+    """The results of the collectives ``reqs`` (("ar" | "ag", tensor, group), as a program
+    yields them), through ``yield from``: asked of the runner, which runs the other
+    sub-batches meanwhile, when one of them communicates; else at once. A collective
+    over one rank (a block of degree 1) has nothing to hide: a switch there only costs."""
+    if all(_trivial(group) for _, _, group in reqs):
+        return [t for _, t, _ in reqs]  # what _launch and _wait give for a one-rank group
+    return (yield reqs)
 
 
 def _launch(reqs: list[tuple]) -> list:
@@ -195,12 +236,17 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
             alive[k] = False
             pending[k] = None
             return
-        finally:  # sub-batch s's streams advance only by its own draws
+        finally:  # sub-batch s's streams advance only by its own draws (none: no-ops)
             run.streams[s] = run.snap()
             run.restore(live)
         # a Wait hands back collectives launched earlier; a list is launched now
         pending[k] = req.launched if isinstance(req, Wait) else _launch(req)
 
+    # The runs that swap no streams rely on their model drawing nothing: check it, for
+    # the price of reading the generators twice. (Another thread drawing meanwhile would
+    # trip it too; such runs take each other's draws anyway, see OasesSchedule.)
+    quiet = next((run for run, _ in parts if not run.rng), None)
+    before = rng_fingerprint(quiet.tracker, quiet.device) if quiet is not None else None
     # one autocast region around all of them: the runs share the weights' casts
     with parts[0][0].cast_cache():
         for k in range(len(programs)):
@@ -209,3 +255,10 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
             for k in range(len(programs)):
                 if alive[k]:
                     advance(k, _wait(pending[k]))
+    if quiet is not None and not same_rng(before, rng_fingerprint(quiet.tracker, quiet.device)):
+        raise UndeclaredRandomError(
+            f"{type(quiet.model).__name__} drew random numbers in the oases engine, which "
+            "found no dropout in it (oases.overlap.rng_streams.draws_random) and so did "
+            "not give its sub-batches their own RNG streams: recompute would replay other "
+            "masks. Set `draws_random = True` on the block that draws (F.dropout with a "
+            "literal rate, torch.rand, ...) or use an nn.Dropout module")

@@ -1,10 +1,12 @@
 """A per-rank event trace: compute spans and collective lifetimes, as Chrome trace JSON.
 
-Compute spans are timed on the host around each schedule segment. A collective
-is recorded from its launch to its completion, taken from the work's future
-callback (which fires on the communication thread when the collective ends), so
-the trace shows exactly which collectives ran while which compute did.
-On CUDA the host times only bound the device work; use the PyTorch profiler there.
+Spans and collectives are stamped on the device's timeline (:mod:`oases.parallel.timing`):
+the host clock on the CPU, CUDA events on the current stream on CUDA, where a host
+clock would only see the launches. A collective lasts from its launch to its
+completion, the end stamped by the work's future callback: on the CPU it fires on the
+communication thread when the collective ends; on CUDA it runs on a stream that waits
+for the collective, so its event completes when the collective does. The trace shows
+which collectives ran while which compute did; the stamps are read when it is saved.
 """
 
 from __future__ import annotations
@@ -12,47 +14,50 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from pathlib import Path
 
 from oases.parallel.comm import CommObserver
+from oases.parallel.timing import DeviceLike, Stamp, between, on_cuda, stamp
 
 
 class Tracer(CommObserver):
     """``with tracer:`` also records the collectives issued through
-    :func:`oases.parallel.comm.all_reduce` (e.g. inside autograd under ``megatron``)."""
+    :func:`oases.parallel.comm.all_reduce` (e.g. inside autograd under ``megatron``).
+    ``device``: whose timeline the stamps are on (None: the host clock)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: DeviceLike = None) -> None:
         self.rank = rank
-        self.t0 = time.perf_counter()
-        self.events: list[dict] = []
+        self.device = device
         self._lock = threading.Lock()
+        self.restart()
 
-    def _us(self, t: float) -> float:
-        return (t - self.t0) * 1e6
-
-    def _add(self, ev: dict) -> None:
+    def restart(self) -> None:
+        """Drop what was recorded; the trace's time 0 is now."""
         with self._lock:
-            self.events.append(ev)
+            self.events: list[tuple[str, str, str, Stamp, Stamp]] = []
+            self.t0 = stamp(self.device)
+
+    def _add(self, name: str, cat: str, lane: str, start: Stamp, end: Stamp) -> None:
+        with self._lock:
+            self.events.append((name, cat, lane, start, end))
 
     @contextlib.contextmanager
     def span(self, name: str, lane: str):
-        start = time.perf_counter()
+        start = stamp(self.device)
         try:
             yield
         finally:
-            end = time.perf_counter()
-            self._add({"name": name, "cat": "compute", "ph": "X", "pid": self.rank,
-                       "tid": lane, "ts": self._us(start), "dur": self._us(end) - self._us(start)})
+            self._add(name, "compute", lane, start, stamp(self.device))
 
-    def collective(self, name: str, lane: str, work, start: float | None = None) -> None:
+    def collective(self, name: str, lane: str, work, start: Stamp | None = None) -> None:
         """Record a collective from ``start`` (default: now) until ``work`` completes."""
-        start = time.perf_counter() if start is None else start
+        if start is None or (on_cuda(self.device) and isinstance(start, float)):
+            # a host time is on no device timeline; an event recorded now on the current
+            # stream marks the same point there (the launch queued nothing on it)
+            start = stamp(self.device)
 
         def done(_fut):
-            end = time.perf_counter()
-            self._add({"name": name, "cat": "comm", "ph": "X", "pid": self.rank, "tid": lane,
-                       "ts": self._us(start), "dur": self._us(end) - self._us(start)})
+            self._add(name, "comm", lane, start, stamp(self.device))
             return None
 
         fut = getattr(work, "get_future", None)
@@ -63,5 +68,9 @@ class Tracer(CommObserver):
 
     def save(self, path: Path) -> None:
         with self._lock:
-            events = sorted(self.events, key=lambda e: e["ts"])
+            raw = list(self.events)
+        events = [{"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": lane,
+                   "ts": between(self.t0, a) * 1e6, "dur": between(a, b) * 1e6}
+                  for name, cat, lane, a, b in raw]
+        events.sort(key=lambda e: e["ts"])
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections import Counter
 from typing import NamedTuple, Optional
 
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 # Cut and CutRecorder belong to this module's API: copy_to_tp defers to the entry
 from oases.parallel.region import Cut, CutRecorder, entered_region  # noqa: F401
+from oases.parallel.timing import Stamp, stamp
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -157,7 +157,9 @@ class CommObserver(_Watcher):
 
     _field = "observers"
 
-    def collective(self, name: str, lane: str, work, start: Optional[float] = None) -> None:
+    def collective(self, name: str, lane: str, work, start: Optional[Stamp] = None) -> None:
+        """``start``: the launch, a :func:`~oases.parallel.timing.stamp` (host clock on
+        the CPU, a CUDA event on CUDA)."""
         raise NotImplementedError
 
 
@@ -192,6 +194,21 @@ class _DoneWork:
         return True
 
 
+def require_default_stream(device: torch.device, who: str) -> None:
+    """Refuse a side CUDA stream: ``who`` orders its collectives with ``work.wait()``,
+    which makes only the *current* stream wait, and frees or reuses the buffers they
+    read as soon as that stream is past them. Both are correct while every kernel of
+    the step runs on the device's default stream, and neither once some do not."""
+    if device.type != "cuda":
+        return
+    cur, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if cur != default:
+        raise RuntimeError(f"{who} runs on the default CUDA stream only (current: {cur}, "
+                           f"default: {default}): work.wait() orders the current stream "
+                           f"alone, and buffers freed after a wait are reused on the stream "
+                           f"that allocated them while another stream may still read them")
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -215,7 +232,7 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
     observers = active_observers()
     if not observers:
         return dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    start = time.perf_counter()
+    start = stamp(t.device)  # on the device's timeline: a CUDA launch returns at once
     work = dist.all_reduce(t, op=op, group=group, async_op=True)
     for obs in observers:
         obs.collective("all-reduce", "comm", work, start)
@@ -234,9 +251,10 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     if NoopCollectives.active(group):
         return torch.cat([src] * n), _DoneWork()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    start = time.perf_counter()
+    observers = active_observers()
+    start = stamp(t.device) if observers else None
     work = _all_gather_single(out, src, group=group, async_op=True)
-    for obs in active_observers():
+    for obs in observers:
         obs.collective("all-gather", "comm", work, start)
     return out, work
 
@@ -288,6 +306,8 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    # no comm scope to capture: the backward issues no collective (a recomputed
+    # forward runs in its forward's scope, oases.parallel.recompute)
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()

@@ -11,7 +11,14 @@ ranks (oases.config.heads); their *kv replica groups* sum the kv gradients:
     world 4, tp 4, n_kv_heads 2:   kv replica groups {0,1} {2,3}
 
 Layers receive the :class:`ParallelContext` (or its ``tp_group``) explicitly;
-nothing in oases reads process groups from module globals.
+nothing in oases reads process groups from module globals. A context lists the groups
+it created (``groups``); :meth:`ParallelContext.close` destroys them, which is how the
+planner's trials give back a layout's communicators before the next one is built.
+
+On NCCL, ``work.wait()`` neither blocks the host nor raises: a hung peer is found by
+the process group's watchdog, which by default takes the process down (SIGABRT) before
+oases can say why. :func:`nccl_error_env` makes the wait block and raise instead, so a
+timeout ends as every other collective failure does (exit status 4, one line).
 """
 
 from __future__ import annotations
@@ -19,15 +26,16 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from oases.errors import UserError
-from oases.parallel.ranks import kv_replica_ranks, new_groups
+from oases.parallel.ranks import (destroy_groups, kv_replica_ranks, new_group, new_groups,
+                                  recording_groups, world_timeout)
 from oases.parallel.reshard import DegreeGroups
 
 
@@ -56,6 +64,9 @@ class ParallelContext:
     # this one (None: kv heads are not replicated at this tp).
     kv_heads: Optional[int] = None
     kv_group: Optional[dist.ProcessGroup] = None
+    # The groups this context created and this rank belongs to, in creation order
+    # (the default group is never among them): what close() destroys.
+    groups: list = field(default_factory=list)
 
     @property
     def is_first_stage(self) -> bool:
@@ -73,10 +84,19 @@ class ParallelContext:
         """Groups for per-block TP degrees (built on first use; collective: every rank
         must call it at the same point)."""
         if self._degree_groups is None:
-            self._degree_groups = DegreeGroups(self.rank, self.world_size, self.tp, self.dp,
-                                               self.tp_group, self.dp_group,
-                                               kv_heads=self.kv_heads, kv_group=self.kv_group)
+            with recording_groups(self.groups):
+                self._degree_groups = DegreeGroups(self.rank, self.world_size, self.tp,
+                                                   self.dp, self.tp_group, self.dp_group,
+                                                   kv_heads=self.kv_heads,
+                                                   kv_group=self.kv_group)
         return self._degree_groups
+
+    def close(self) -> None:
+        """Destroy the groups this context created; the context is unusable after.
+        Collective: every rank closes its context at the same point of the program
+        (a layout's trial, a throwaway profile)."""
+        destroy_groups(self.groups)
+        self._degree_groups = None
 
     @property
     def is_main(self) -> bool:
@@ -122,42 +142,104 @@ def join_world(device: str = "auto", backend: str = "auto",
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        prepare_backend(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                **init_kwargs(backend, dev))
     return dev
+
+
+# TORCH_NCCL_BLOCKING_WAIT (and its old name) makes ProcessGroupNCCL's wait() block the
+# host until the collective ends or its timeout passes, then abort the communicator and
+# raise a DistBackendError in the caller's thread; no watchdog thread is started. The
+# default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, SkipCleanUp, in torch 2.13) leaves waits
+# non-blocking and lets the watchdog rethrow the timeout on its own thread, which ends
+# the process with SIGABRT and no oases line. A user who set either variable chose.
+_NCCL_ERROR_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set before an NCCL process group is created so that a collective
+    that times out raises (then exit status 4 with one line): blocking waits, unless
+    ``environ`` already chooses how NCCL handles errors."""
+    if any(k in environ for k in _NCCL_ERROR_VARS):
+        return {}
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def prepare_backend(backend: str) -> None:
+    """Before ``init_process_group``: NCCL reads its error handling from the environment
+    when each process group is constructed (:func:`nccl_error_env`)."""
+    if backend == "nccl":
+        os.environ.update(nccl_error_env(os.environ))
+
+
+def init_kwargs(backend: str, device: torch.device) -> dict:
+    """``init_process_group``'s extra arguments: on NCCL the rank's GPU (``device_id``),
+    so the world communicator is made at once, subgroups are split from it, and barriers
+    run on that GPU rather than a guessed one. gloo gets none."""
+    return {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+
+
+def high_priority_tp(backend: str, wanted: bool) -> bool:
+    """Whether the TP groups get NCCL's high-priority streams
+    (``parallel.nccl_high_priority_tp``): on NCCL only; gloo has no streams."""
+    return wanted and backend == "nccl"
+
+
+def tp_options(high_priority: bool):
+    """``pg_options`` of a TP group: NCCL Options with high-priority streams, or None.
+    The TP collectives sit on the critical path between a layer's matmuls; a
+    high-priority stream lets their kernels start ahead of queued DP/ZeRO traffic."""
+    if not high_priority:
+        return None
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    timeout = world_timeout()
+    if timeout is not None:  # DeviceMesh takes the group's timeout from the options
+        opts._timeout = timeout
+    return opts
 
 
 def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
                      timeout_s: float = 600.0, layout=None,
                      tie_embeddings: bool = False,
-                     kv_heads: Optional[int] = None) -> ParallelContext:
+                     kv_heads: Optional[int] = None,
+                     nccl_high_priority_tp: bool = False) -> ParallelContext:
     """Join (or create, for a plain ``python train.py``) the default process group
     and build the dp x tp groups, or a pipelined ``layout``'s groups
     (:func:`build_pipeline_context`); with ``kv_heads`` (the model's), the kv replica
     groups too. Works with torchrun's environment variables."""
     dev = join_world(device, backend, timeout_s)
     if layout is not None and layout.pp > 1:
-        return build_pipeline_context(layout, dev, tie_embeddings, kv_heads)
-    return build_context(tp, dev, kv_heads)
+        return build_pipeline_context(layout, dev, tie_embeddings, kv_heads,
+                                      nccl_high_priority_tp)
+    return build_context(tp, dev, kv_heads, nccl_high_priority_tp)
 
 
-def build_context(tp: int, device: torch.device,
-                  kv_heads: Optional[int] = None) -> ParallelContext:
+def build_context(tp: int, device: torch.device, kv_heads: Optional[int] = None,
+                  nccl_high_priority_tp: bool = False) -> ParallelContext:
     """dp x tp groups (and the kv replica groups of a model with ``kv_heads``) over an
-    initialised default process group."""
+    initialised default process group. Collective."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
     dp = world // tp
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    kv_group = new_groups(rank, kv_replica_ranks(0, dp, tp, tp, kv_heads))
+    made: list = []
+    with recording_groups(made):
+        opts = tp_options(high_priority_tp(dist.get_backend(), nccl_high_priority_tp))
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"),
+                                backend_override={"tp": opts} if opts is not None else None)
+        kv_group = new_groups(rank, kv_replica_ranks(0, dp, tp, tp, kv_heads))
     return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
                            tp_rank=rank % tp, dp_rank=rank // tp,
                            tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
-                           device=device, mesh=mesh, kv_heads=kv_heads, kv_group=kv_group)
+                           device=device, mesh=mesh, kv_heads=kv_heads, kv_group=kv_group,
+                           groups=made)
 
 
 def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
-                           kv_heads: Optional[int] = None) -> ParallelContext:
+                           kv_heads: Optional[int] = None,
+                           nccl_high_priority_tp: bool = False) -> ParallelContext:
     """The groups of a pipelined layout (oases.parallel.layout.PipelineLayout) over an initialised
     default process group; returns this rank's stage's context. Collective: every rank
     creates every group of every stage in the same order (``new_group`` requires it).
@@ -169,17 +251,35 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.world != world:
         raise UserError(f"the layout has {layout.world} ranks but the world size is {world}")
+    made: list = []
+    with recording_groups(made):
+        parts = _pipeline_groups(layout, rank, world, tie_embeddings, kv_heads,
+                                 high_priority_tp(dist.get_backend(), nccl_high_priority_tp))
+    me, tp_group, dp_group, tie_group, degree_groups, kv_group = parts
+    st = layout.stages[me]
+    dp_rank, tp_rank = st.coords(rank)
+    return ParallelContext(rank=rank, world_size=world, tp=st.tp, dp=st.dp, tp_rank=tp_rank,
+                           dp_rank=dp_rank, tp_group=tp_group, dp_group=dp_group,
+                           device=device, _degree_groups=degree_groups, pp=layout.pp,
+                           stage=me, layout=layout, tie_group=tie_group, kv_heads=kv_heads,
+                           kv_group=kv_group, groups=made)
+
+
+def _pipeline_groups(layout, rank: int, world: int, tie_embeddings: bool,
+                     kv_heads: Optional[int], high_priority: bool) -> tuple:
+    """(this rank's stage, its tp, dp, tie groups, degree groups, kv group) of
+    :func:`build_pipeline_context`, every group of every stage created in one order."""
     me = layout.stage_of(rank)
     tp_group = dp_group = tie_group = degree_groups = kv_group = None
     for s, st in enumerate(layout.stages):
         for d in range(st.dp):
             ranks = [st.first + d * st.tp + t for t in range(st.tp)]
-            g = dist.new_group(ranks)
+            g = new_group(ranks, tp_options(high_priority))
             if rank in ranks:
                 tp_group = g
         for t in range(st.tp):
             ranks = [st.first + d * st.tp + t for d in range(st.dp)]
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if rank in ranks:
                 dp_group = g
     for s, st in enumerate(layout.stages):  # each stage's kv replicas at its own tp
@@ -199,21 +299,15 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
         for t in range(first.tp):  # the same vocabulary shard on both stages
             ranks = ([first.first + d * first.tp + t for d in range(first.dp)] +
                      [last.first + d * last.tp + t for d in range(last.dp)])
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if rank in ranks:
                 tie_group = g
     elif tie_embeddings and layout.pp > 1:  # different shards: sum whole tables
         ranks = list(first.ranks) + list(last.ranks)
-        g = dist.new_group(ranks)
+        g = new_group(ranks)
         if rank in ranks:
             tie_group = g
-    st = layout.stages[me]
-    dp_rank, tp_rank = st.coords(rank)
-    return ParallelContext(rank=rank, world_size=world, tp=st.tp, dp=st.dp, tp_rank=tp_rank,
-                           dp_rank=dp_rank, tp_group=tp_group, dp_group=dp_group,
-                           device=device, _degree_groups=degree_groups, pp=layout.pp,
-                           stage=me, layout=layout, tie_group=tie_group, kv_heads=kv_heads,
-                           kv_group=kv_group)
+    return me, tp_group, dp_group, tie_group, degree_groups, kv_group
 
 
 def _free_port() -> int:

@@ -5,6 +5,11 @@ before re-running a function; the TP stream of :class:`TPRNGTracker` lives
 outside it, so we snapshot it at forward time and swap the snapshot in while
 the recompute runs. Recomputed dropout masks then equal the forward ones in
 replicated and sharded regions alike.
+
+The re-run happens inside backward, on autograd's device thread on CUDA, whose comm
+scope is empty: it runs in the scope its forward ran in
+(:class:`~oases.parallel.comm.CommScope`), so its all-reduces are counted and traced, or
+skipped by ``NoopCollectives``, as the forward's were.
 """
 
 from __future__ import annotations
@@ -15,23 +20,28 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from oases.parallel.comm import comm_scope, current_scope
 from oases.parallel.random import TPRNGTracker
 
 
-def _tracker_contexts(tracker: Optional[TPRNGTracker]):
+def _recompute_contexts(tracker: Optional[TPRNGTracker]):
+    """(forward context, re-run context), made when the forward runs: the re-run gets
+    the forward's TP RNG state and comm scope."""
     snap = None if tracker is None or tracker._state is None else tracker._state.clone()
+    scope = current_scope()
 
     @contextlib.contextmanager
     def replay():
-        if snap is None:
-            yield
-            return
-        current = tracker._state
-        tracker._state = snap.clone()
-        try:
-            yield
-        finally:
-            tracker._state = current
+        with comm_scope(scope):
+            if snap is None:
+                yield
+                return
+            current = tracker._state
+            tracker._state = snap.clone()
+            try:
+                yield
+            finally:
+                tracker._state = current
 
     return contextlib.nullcontext(), replay()
 
@@ -39,4 +49,4 @@ def _tracker_contexts(tracker: Optional[TPRNGTracker]):
 def recompute(fn: Callable, *args, tracker: Optional[TPRNGTracker] = None) -> torch.Tensor:
     """Run ``fn(*args)`` saving only its inputs; re-run it in backward."""
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: _tracker_contexts(tracker))
+                      context_fn=lambda: _recompute_contexts(tracker))

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from oases.parallel.comm import gather_from_tp, scatter_to_tp
-from oases.parallel.ranks import kv_replica_ranks, new_groups
+from oases.parallel.ranks import kv_replica_ranks, new_group, new_groups
 
 
 def divisors_pow2(T: int) -> list[int]:
@@ -75,7 +75,7 @@ class DegreeGroups:
             for d in range(dp):
                 for g in range(T // t):
                     ranks = [base + d * T + g * t + j for j in range(t)]
-                    grp = dist.new_group(ranks)
+                    grp = new_group(ranks)
                     if rank in ranks:
                         self.sub[t] = grp
         for a in self.degrees:
@@ -86,7 +86,7 @@ class DegreeGroups:
                     for g in range(T // b):
                         for j in range(a):
                             ranks = [base + d * T + g * b + m * a + j for m in range(b // a)]
-                            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+                            grp = new_group(ranks) if len(ranks) > 1 else None
                             if rank in ranks:
                                 self._reshard[(a, b)] = grp
         for t in self.degrees:
@@ -94,7 +94,7 @@ class DegreeGroups:
                 continue
             for j in range(t):
                 ranks = [base + d * T + g * t + j for d in range(dp) for g in range(T // t)]
-                grp = dist.new_group(ranks) if len(ranks) > 1 else None
+                grp = new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.grad[t] = grp
         self.kv: dict[int, Optional[dist.ProcessGroup]] = {T: kv_group}

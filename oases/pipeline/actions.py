@@ -105,7 +105,7 @@ class Action:
         return f"{self.kind}{self.mb}"
 
 
-def _has_peer(kind: str, pp: int, stage: int) -> bool:
+def has_peer(kind: str, pp: int, stage: int) -> bool:
     return 0 <= stage + _LINKS[kind].peer < pp
 
 
@@ -178,7 +178,7 @@ def stage_actions(kind: str, pp: int, stage: int, microbatches: int,
         out = []
         for c in unit:
             kind_ = _RECV_OF[c.kind]
-            if _has_peer(kind_, pp, stage):
+            if has_peer(kind_, pp, stage):
                 out.append(Action(kind_, c.mb))
         return out
 
@@ -188,7 +188,7 @@ def stage_actions(kind: str, pp: int, stage: int, microbatches: int,
             actions += recv(units[i + 1])
         actions += unit
         actions += [Action(_SEND_OF[c.kind], c.mb) for c in unit
-                    if _has_peer(_SEND_OF[c.kind], pp, stage)]
+                    if has_peer(_SEND_OF[c.kind], pp, stage)]
     return actions
 
 
@@ -219,7 +219,7 @@ def _check_stage(row: list[Action], s: int, pp: int, mbs: list[int]) -> None:
             raise ScheduleError(f"stage {s}: B{m} comes before F{m}")
         for kind, link in _LINKS.items():
             a, c = Action(kind, m), Action(link.compute, m)
-            if not _has_peer(kind, pp, s):
+            if not has_peer(kind, pp, s):
                 if a in where:
                     raise ScheduleError(f"stage {s}: {a} but there is no stage {s + link.peer}")
             elif a not in where:
@@ -230,7 +230,7 @@ def _check_stage(row: list[Action], s: int, pp: int, mbs: list[int]) -> None:
                 raise ScheduleError(f"stage {s}: {a} comes {side} {c}")
 
 
-def _check_structure(actions: list[list[Action]]) -> None:
+def check_structure(actions: list[list[Action]]) -> None:
     """Rules (a) and (b) of :func:`check_schedule`. Every stage must hold each of
     its sends and receives for every micro-batch, so each has its partner on the
     neighbour stage without a separate look there."""
@@ -260,7 +260,7 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
     def arrival(s: int, c: Action) -> float | None:
         """When c's input is on stage s; None while the neighbour has not sent it."""
         recv = Action(_RECV_OF[c.kind], c.mb)
-        if not _has_peer(recv.kind, pp, s):
+        if not has_peer(recv.kind, pp, s):
             return 0.0
         send = (s + _LINKS[recv.kind].peer, Action(_LINKS[recv.kind].partner, c.mb))
         if send not in posted:
@@ -304,7 +304,7 @@ def check_schedule(actions: list[list[Action]], fused: bool = False) -> None:
     B(m) once for every micro-batch m, F before B, every send and receive has
     its partner on the neighbour stage and sits on the right side of its
     compute, and running the lists under the blocking rules cannot deadlock."""
-    _check_structure(actions)
+    check_structure(actions)
     _execute(actions, 1.0, 1.0, 0.0, fused)
 
 
@@ -346,7 +346,7 @@ def simulate(actions: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2
     if f_cost <= 0 or b_cost <= 0 or comm_cost < 0:
         raise ValueError(f"costs must be f > 0, b > 0, comm >= 0; got f={f_cost}, "
                          f"b={b_cost}, comm={comm_cost}")
-    _check_structure(actions)
+    check_structure(actions)
     return Timeline(_execute(actions, f_cost, b_cost, comm_cost, fused))
 
 

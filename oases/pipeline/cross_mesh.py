@@ -36,12 +36,21 @@ Methods of :class:`CrossMeshTransfer` (bit-identical results, different traffic)
     allgather   1 x its rows (Megatron's            dist.all_gather of tp pieces
                 scatter-gather)
 
-Point-to-point uses plain ``isend``/``irecv``, never ``batch_isend_irecv`` (it
-hangs on gloo: pytorch/PiPPy#1130). Message k of a transfer carries tag
-``tag + k``; gloo matches messages of one (src, dst, tag) in posting order, so
-successive calls of one transfer (several in flight) arrive in order, and two
-transfers between the same ranks stay apart when their tag ranges (``tag ..
-tag + n_tags - 1``) do not overlap. NCCL ignores tags and matches in posting order.
+Point-to-point and why it cannot deadlock on NCCL. ProcessGroupNCCL runs the
+sends and receives of a process group in issue order on one stream per rank
+(eager init: shared with every peer and the group's collectives; lazy: one per
+rank pair), ignores tags, and a send or receive holds that stream until its
+partner runs. So each transfer (one direction of one boundary) has **its own
+process group** over src + dst ranks, on which src ranks only send and dst ranks
+only receive, each in the order (call, message k): every rank's ops on the group
+follow one global order, so the earliest unfinished message always has both ends
+at it, however early the receives are posted and whatever runs on the other
+direction's group (``python -m oases.schedule --p2p`` prints these orders). gloo
+matches by (peer, tag): message k carries tag k, and successive calls of one
+transfer (several in flight) arrive in posting order. Plain ``isend``/``irecv``,
+not ``batch_isend_irecv`` (it hangs on gloo: pytorch/PiPPy#1130): with one
+direction per group nothing needs to progress together. The fan-out collectives
+run on each dst replica's own group, in task order on every rank of the replica.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from oases.parallel.ranks import new_group
 
 METHODS = ("broadcast", "send", "allgather")
 
@@ -235,7 +246,7 @@ class CrossMeshTransfer:
     """
 
     def __init__(self, src: Mesh, dst: Mesh, batch: int, seq: int, method: str = "broadcast",
-                 tag: int = 0, host_of: Optional[Callable[[int], int]] = None,
+                 host_of: Optional[Callable[[int], int]] = None,
                  split: Optional[int] = None) -> None:
         if method not in METHODS:
             raise ValueError(f"method {method!r} must be one of {', '.join(METHODS)}")
@@ -249,12 +260,15 @@ class CrossMeshTransfer:
         if top >= world:
             raise ValueError(f"src {src} / dst {dst} need rank {top} but the world has {world}")
         self.src, self.dst, self.batch, self.seq = src, dst, batch, seq
-        self.method, self.tag = method, tag
+        self.method = method
         self.rank = dist.get_rank()
         self.is_src = src.replica_of(self.rank) is not None
         self.is_dst = dst.replica_of(self.rank) is not None
         self.tasks = plan_tasks(src, dst, batch, seq, split, host_of)
         self.msgs = self._messages()
+        # this direction's own p2p group (see the module docstring); collective, like the
+        # fan-out groups below: every rank creates every group in the same order
+        self.p2p = new_group(sorted(src.ranks + dst.ranks))
         # One group per dst replica for the fan-out (broadcast / all_gather), created by
         # every rank in the same order (new_group is collective); a 1-rank replica has none.
         self.group = None
@@ -262,14 +276,9 @@ class CrossMeshTransfer:
             for j in range(dst.dp):
                 ranks = dst.replica(j)
                 if len(ranks) > 1:
-                    g = dist.new_group(ranks)
+                    g = new_group(ranks)
                     if self.rank in ranks:
                         self.group = g
-
-    @property
-    def n_tags(self) -> int:
-        """This transfer uses tags ``tag .. tag + n_tags - 1``."""
-        return len(self.msgs)
 
     def message_sizes(self, tail_numel: int) -> list[tuple[int, int, int]]:
         """(sender, receiver, elements) of every point-to-point message, for a tail of
@@ -318,7 +327,7 @@ class CrossMeshTransfer:
                 part = flat[a:b]
             buf = part.contiguous()                      # a copy only when cols are split
             keep.append(buf)
-            works.append(dist.isend(buf, dst=m.dst, tag=self.tag + k))
+            works.append(dist.isend(buf, dst=m.dst, group=self.p2p, tag=k))
 
         def finish() -> None:
             for w in works:
@@ -340,7 +349,8 @@ class CrossMeshTransfer:
         return post(j, off, out)
 
     def _recv_send(self, j: int, off: int, out: torch.Tensor) -> Pending:
-        works = [dist.irecv(out[m.rows[0] - off:m.rows[1] - off], src=m.src, tag=self.tag + k)
+        works = [dist.irecv(out[m.rows[0] - off:m.rows[1] - off], src=m.src,
+                            group=self.p2p, tag=k)
                  for k, m in enumerate(self.msgs) if m.dst == self.rank]   # full cols: contiguous
 
         def finish() -> torch.Tensor:
@@ -358,7 +368,8 @@ class CrossMeshTransfer:
             view = out[t.rows[0] - off:t.rows[1] - off, t.cols[0]:t.cols[1]]
             buf = view if view.is_contiguous() else torch.empty_like(view)
             leader = t.receivers[0] == self.rank
-            work = dist.irecv(buf, src=t.sender, tag=self.tag + k) if leader else None
+            work = (dist.irecv(buf, src=t.sender, group=self.p2p, tag=k) if leader
+                    else None)
             posted.append((t, buf, view, work))
 
         def finish() -> torch.Tensor:
@@ -395,7 +406,8 @@ class CrossMeshTransfer:
                 mine = torch.empty(c, dtype=out.dtype, device=out.device)
                 target = view if c * parts == view.numel() else torch.empty(
                     c * parts, dtype=out.dtype, device=out.device)   # padded
-            work = dist.irecv(mine[:b - a], src=m.src, tag=self.tag + k) if b > a else None
+            work = (dist.irecv(mine[:b - a], src=m.src, group=self.p2p, tag=k) if b > a
+                    else None)
             posted.append((view, mine, target, work))
 
         def finish() -> torch.Tensor:

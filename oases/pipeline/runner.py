@@ -32,8 +32,11 @@ receives are waited first and both sends follow the pair (the lists place them s
 pairs from waiting on each other across stages (``python -m oases.schedule --overlap-fb``).
 
 Ordering: all ranks of a stage run the same list, so their TP and DP collectives
-match; a transfer's sends and receives are matched by tag and posting order
-(``CrossMeshTransfer``), and each pending transfer is waited exactly once: a
+match. Each direction of each boundary has its own process group, on which a rank
+only sends or only receives, in micro-batch order; so receives posted early cannot
+deadlock under NCCL's in-order point-to-point (:mod:`oases.pipeline.cross_mesh`;
+``python -m oases.schedule --p2p`` prints each group's op order per stage pair).
+Each pending transfer is waited exactly once: a
 receive by the action that consumes it, a send at the end of the step (its buffer
 is kept alive until then). On CUDA, ``Pending.wait()`` orders the current stream,
 on which the consuming F/B runs, after the transfer.
@@ -42,13 +45,13 @@ on which the consuming F/B runs, after the transfer.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Callable, Optional
 
 import torch
 
 from oases.config import Config
 from oases.parallel.engine import AmpFactory, Engine, SpanTracer
+from oases.parallel.timing import IntervalTimer
 from oases.pipeline.actions import is_fused, stage_actions
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
@@ -70,13 +73,10 @@ class PipelineRunner:
         self.ctx, self.kind, self.n = ctx, kind, microbatches
         self.tail = (d_model,)
         self.recv_f = self.send_f = self.recv_b = self.send_b = None
-        tag = 0
-        for b in range(layout.pp - 1):
+        for b in range(layout.pp - 1):  # each direction of each boundary: its own p2p group
             src, dst = _mesh(layout.stages[b]), _mesh(layout.stages[b + 1])
-            fwd = CrossMeshTransfer(src, dst, batch, seq, method, tag=tag)
-            tag += fwd.n_tags  # each transfer uses its own range of p2p tags
-            bwd = CrossMeshTransfer(dst, src, batch, seq, method, tag=tag)
-            tag += bwd.n_tags
+            fwd = CrossMeshTransfer(src, dst, batch, seq, method)
+            bwd = CrossMeshTransfer(dst, src, batch, seq, method)
             if ctx.stage == b:
                 self.send_f, self.recv_b = fwd, bwd
             elif ctx.stage == b + 1:
@@ -99,8 +99,9 @@ class PipelineRunner:
         """Forward and backward of every micro-batch of one step (``batches``: this rank's
         ``(x, y)`` of each micro-batch; a stage reads only what it needs). Micro-batch
         ``m``'s loss gradient is seeded with ``scales[m]``. Returns (on the last stage each
-        micro-batch's mean loss over this replica's rows, in order, else None; seconds
-        spent in F/B compute, for the bubble fraction). Gradients accumulate into ``.grad``.
+        micro-batch's mean loss over this replica's rows, in order, else None; the time
+        spent in F/B compute, for the bubble fraction: an IntervalTimer on the device's
+        timeline, read once the step is done). Gradients accumulate into ``.grad``.
         With the engine's tracer active, each action and each wait for a transfer is a
         span of the trace's "pipeline" lane."""
         ctx, dev = self.ctx, self.ctx.device
@@ -112,7 +113,7 @@ class PipelineRunner:
         grads_in: dict = {}
         losses: dict = {}
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
-        busy = 0.0
+        busy = IntervalTimer(dev)  # a host clock would time the launches on CUDA
 
         def inputs_f(m):
             x, y = batches[m]
@@ -145,10 +146,10 @@ class PipelineRunner:
                 continue
             elif a.kind == "F":
                 inp, tgt = inputs_f(m)
-                t0 = time.perf_counter()
+                t0 = busy.start()
                 with _span(tracer, f"F{m}"):
                     runs[m] = engine.forward(model, inp, tgt, amp)
-                busy += time.perf_counter() - t0
+                busy.stop(t0)
                 if ctx.is_last_stage:
                     losses[m] = runs[m].loss
             elif self.overlap_fb and is_fused(self.actions, i):
@@ -156,11 +157,11 @@ class PipelineRunner:
                 k = self.actions[i + 1].mb
                 g = grad_b(m)
                 inp, tgt = inputs_f(k)
-                t0 = time.perf_counter()
+                t0 = busy.start()
                 with _span(tracer, f"B{m}+F{k}"):
                     gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
                                                            inp, tgt, amp)
-                busy += time.perf_counter() - t0
+                busy.stop(t0)
                 fused_f = i + 1
                 if ctx.is_last_stage:
                     losses[k] = runs[k].loss
@@ -170,10 +171,10 @@ class PipelineRunner:
                 g = grad_b(m)
                 if i == last_b:
                     before_last_backward()
-                t0 = time.perf_counter()
+                t0 = busy.start()
                 with _span(tracer, f"B{m}"):
                     gin = engine.backward(runs.pop(m), g, scales[m], amp)
-                busy += time.perf_counter() - t0
+                busy.stop(t0)
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
         with _span(tracer, "wait sends"):

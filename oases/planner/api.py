@@ -10,6 +10,7 @@ from __future__ import annotations
 from oases.planner import ilp
 from oases.planner.cost import CostModel, ModelShape, RunShape
 from oases.planner.plan_file import Plan, fmt_table, model_dict
+from oases.planner.profile import run_precision
 
 
 def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print):
@@ -44,7 +45,7 @@ def run_shape(cfg):
     return RunShape(tp=p.tp, dp=cfg.dp, micro_batch_size=cfg.train.micro_batch_size,
                     grad_accum=cfg.train.grad_accum, sub_batches=p.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
-                    act_bytes=2 if cfg.train.precision == "bf16" else 4,
+                    act_bytes=2 if run_precision(cfg) == "bf16" else 4,
                     overlap_fb=p.overlap_fb)
 
 

@@ -113,7 +113,8 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
     if cluster.world != world:
         raise ConfigError(f"cluster file {cfg.parallel.cluster} has {cluster.world} devices "
                           f"but this run has {world} processes")
-    ctx = build_context(base.tp, device, cfg.model.n_kv_heads)
+    ctx = build_context(base.tp, device, cfg.model.n_kv_heads,
+                        cfg.parallel.nccl_high_priority_tp)
     run = dataclasses.replace(base, dp=ctx.dp)
     cal = cfg.with_changes({  # the calibration's run: every block at degree base.tp
         "parallel.pp": 1, "parallel.tp": base.tp, "parallel.plan": None,
@@ -122,9 +123,11 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
     log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
         f"{base.micro_batch_size}")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return measure_profile(cal, ctx, run, cluster,
-                               lambda n: time_throwaway(step_of(cal, ctx, None), device, n),
-                               stage_logger(log, 3))
+        profile = measure_profile(cal, ctx, run, cluster,
+                                  lambda n: time_throwaway(step_of(cal, ctx, None), device, n),
+                                  stage_logger(log, 3))
+    ctx.close()  # its communicators are not the run's (every rank, after the same steps)
+    return profile
 
 
 def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
@@ -178,14 +181,19 @@ def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,
     _write(path, text)
     trial = _pointed_at(cfg, path, world, **{"parallel.plan_calibration_steps": 0})
     device = pick_device(cfg.parallel.device)
+    fast_tp = trial.parallel.nccl_high_priority_tp
     if trial.parallel.pp > 1:
         ctx = build_pipeline_context(resolve_layout(trial, world), device,
-                                     bool(trial.model.tie_embeddings), trial.model.n_kv_heads)
+                                     bool(trial.model.tie_embeddings), trial.model.n_kv_heads,
+                                     fast_tp)
         degrees = None
     else:
-        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads)
+        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads, fast_tp)
         trial, degrees = resolve_plan(trial, ctx)
     t = time_throwaway(step_of(trial, ctx, degrees), device, TRIAL_STEPS)
+    # every rank: a trial's groups (NCCL communicators and their buffers) would otherwise
+    # stay beside the next trial's and the run's
+    ctx.close()
     log(f"plan=auto: trial {k + 1}/{n}: {' '.join(_overrides(trial))}: "
         f"{1e3 * t:.1f} ms per step ({path})")
     return t

@@ -39,7 +39,8 @@ def time_steps(step: Callable[[], None], device: torch.device, steps: int,
 
 def time_throwaway(step, device: torch.device, steps: int) -> float:
     """:func:`time_steps` of a throwaway ``step`` (one with ``close()``, as the runtime's),
-    which is closed after: its model is freed, and on CUDA its cached blocks go back
+    which is closed after: its model is freed and the groups its build made destroyed
+    (every rank closes it here, at the same point), and on CUDA its cached blocks go back
     before the next one is built. Collective."""
     try:
         return time_steps(step, device, steps)

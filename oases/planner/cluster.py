@@ -7,7 +7,8 @@ nodes differ (``node_speed``, ``node_memory_gib``), the same devices. Pure Pytho
 A heterogeneous node's speed is relative to the device the planner profiled on;
 a synchronous group (TP, DP) computes at the pace of its slowest member and
 must fit in its smallest memory: :meth:`Cluster.speed_of`,
-:meth:`Cluster.memory_bytes_of`.
+:meth:`Cluster.memory_bytes_of`. A plan may use that memory less a headroom
+(:func:`usable_bytes`, :meth:`Cluster.plan_bytes_of`).
 
 Collective times follow the ring algorithms (alpha-beta model), over the
 slowest link of the ring:
@@ -27,6 +28,24 @@ from typing import Optional
 import yaml
 
 from oases.errors import UserError
+
+# What a plan must leave free on a device of B bytes: RESERVED_BYTES + RESERVED_FRACTION x B.
+# The fixed part is memory the caching allocator never sees: the CUDA context (some
+# hundreds of MiB) and NCCL's communicators, each with its own buffers (NCCL_BUFFSIZE,
+# 4 MiB, per channel, peer and protocol: tens to hundreds of MiB each), of which a run
+# holds several (world, TP, DP, kv replicas, per-block degrees, pipeline transfers).
+# The fraction is the allocator's: blocks rounded up and split, cached but too small for
+# the next request; a few percent of what it holds when sizes vary from step to step.
+# The cost model counts tensors only, so without it a plan that "fits" exactly fails
+# with an out-of-memory error. An explicit limit (parallel.memory_limit_gib,
+# --memory-gib) is taken as given.
+RESERVED_BYTES = 2**30
+RESERVED_FRACTION = 0.05
+
+
+def usable_bytes(device_bytes: float) -> float:
+    """Memory a plan may fill on a device of ``device_bytes``: less the headroom above."""
+    return max(0.0, device_bytes * (1 - RESERVED_FRACTION) - RESERVED_BYTES)
 
 
 @dataclass
@@ -89,6 +108,11 @@ class Cluster:
         them, since every rank of a group holds the same share (bytes)."""
         gib = self.node_memory_gib or [self.device_memory_gib] * self.nodes
         return min(float(gib[self.node_of(r)]) for r in ranks) * 2**30
+
+    def plan_bytes_of(self, ranks) -> float:
+        """The planner's limit for these ranks when none is given: their smallest
+        device's memory less the headroom (:func:`usable_bytes`)."""
+        return usable_bytes(self.memory_bytes_of(ranks))
 
     def ring_gbps(self, ranks: list[int]) -> float:
         if len(ranks) < 2:

@@ -36,7 +36,8 @@ from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
 from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
                                      check_run, check_zero, load_plan)
-from oases.planner.profile import DEFAULT_DB, get_profile, load_db, profile_key, save_profile
+from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
+                                   save_profile)
 
 StepTimer = Callable[[Optional[list[int]], int], float]
 
@@ -135,7 +136,8 @@ def measure_profile(cfg: Config, ctx: ParallelContext, run, cluster,
     log = print if ctx.is_main else (lambda *_: None)
     stage("measuring collectives")
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
-    key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
+    key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run,
+                      run_precision(cfg, ctx.device))
     cached = [ctx.is_main and key in load_db(DEFAULT_DB)]
     dist.broadcast_object_list(cached, src=0)
     stage("block compute: " + ("from the profile DB" if cached[0] else "measuring"))
@@ -195,7 +197,7 @@ def _auto(cfg: Config, ctx: ParallelContext,
     if ctx.is_main:
         try:
             limit_gib = cfg.parallel.memory_limit_gib or \
-                cluster.memory_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # smallest device
+                cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # less headroom
             plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
             fb = cfg.parallel.overlap_fb
             if _can_pair(cfg) and not fb:  # the paired schedule, if it is predicted faster

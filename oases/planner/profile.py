@@ -31,6 +31,7 @@ from models import ARCHS, build_model
 from models.common import ParallelAttention, Rotary
 from oases.config import Config, ModelConfig
 from oases.config.heads import local_kv_heads
+from oases.config.schema import resolve_precision
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.sharding import init_parameters
 from oases.planner.cost import ModelShape, Profile, RunShape
@@ -45,6 +46,16 @@ def hardware_key(device: torch.device) -> str:
     else:
         dev = f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     return f"{platform.node()} | {dev} | torch {torch.__version__}"
+
+
+def run_precision(cfg: Config, device: Optional[torch.device] = None) -> str:
+    """``train.precision`` as ``cfg``'s run uses it on ``device`` (default: the device
+    ``parallel.device`` picks on this machine). A run resolves ``auto`` before it plans;
+    the plan command and direct callers may hand it over unresolved."""
+    kind = device.type if device is not None else cfg.parallel.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_precision(cfg.train.precision, kind)
 
 
 def profile_key(device: torch.device, shape: ModelShape, run: RunShape, precision: str) -> str:
@@ -171,8 +182,8 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     m = cfg.model
     shape = ModelShape.from_config(m)
     degrees = shape.valid_degrees(run.tp)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.train.precision == "bf16"
-           else torch.autocast(device.type, enabled=False))
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16)
+           if run_precision(cfg, device) == "bf16" else torch.autocast(device.type, enabled=False))
     blocks: dict = {"attn": {}, "mlp": {}}
     todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
     t_start = time.perf_counter()
@@ -241,7 +252,7 @@ def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optio
                 barrier: Optional[Callable[[], None]] = None) -> Profile:
     """Compute profile from the DB, or measured now (and stored)."""
     shape = ModelShape.from_config(cfg.model)
-    key = profile_key(device, shape, run, cfg.train.precision)
+    key = profile_key(device, shape, run, run_precision(cfg, device))
     db = load_db(db_path) if db_path else {}
     if not force and key in db:
         e = db[key]
@@ -258,7 +269,8 @@ def get_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Optio
 def save_profile(cfg: Config, run: RunShape, device: torch.device, db_path: Path,
                  prof: Profile, log: Callable[[str], None] = print) -> None:
     """Store ``prof``'s compute figures in the DB under this hardware and shape."""
-    key = profile_key(device, ModelShape.from_config(cfg.model), run, cfg.train.precision)
+    key = profile_key(device, ModelShape.from_config(cfg.model), run,
+                      run_precision(cfg, device))
     db = load_db(db_path)
     db[key] = {"blocks": prof.blocks, "constant": prof.constant}
     save_db(db_path, db)

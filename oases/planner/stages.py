@@ -19,7 +19,7 @@ Every number comes from the overlap-aware :class:`CostModel` of the stage, built
 for ONE micro-batch (``grad_accum=1``), on the stage's own links (:class:`StageLinks`
 renumbers its ranks) and at the speed of its slowest node (the cost model asks
 ``cluster.speed_of`` for the stage's global ranks); its memory limit is its
-smallest node's (``cluster.memory_bytes_of``). The cost model's step is a chain of
+smallest node's less a headroom (``cluster.plan_bytes_of``). The cost model's step is a chain of
 node costs (one block at its degree) and edge costs (two neighbouring blocks: under
 ``oases`` the pairing of one block's compute with the other's collective, plus
 resharding). An edge
@@ -80,6 +80,7 @@ from oases.errors import ConfigError
 from oases.parallel.layout import even_split
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
+from oases.planner.profile import run_precision
 from oases.planner.uniap import Instance, evaluate
 
 
@@ -114,7 +115,7 @@ def job_from_config(cfg) -> Job:
     p = cfg.parallel
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, p.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
-               2 if cfg.train.precision == "bf16" else 4)
+               2 if run_precision(cfg) == "bf16" else 4)
 
 
 def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:
@@ -338,7 +339,8 @@ def _memory_const(job: Job, ch: Choice, cms: list[CostModel]) -> list[float]:
 def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
           memory_limit: Optional[float] = None) -> Problem:
     """The :class:`Problem` of one choice on ``cluster`` (world = pp x dp x tp ranks).
-    ``memory_limit`` (bytes per device) overrides the cluster's."""
+    ``memory_limit`` (bytes per device) overrides the cluster's (its devices' memory less
+    the headroom of :func:`oases.planner.cluster.usable_bytes`)."""
     L, P = job.shape.n_layer, ch.pp
     missing = [f"{k} at degree {t}" for k in ("attn", "mlp") for t in ch.degrees
                if str(t) not in profile.blocks.get(k, {})]
@@ -370,7 +372,7 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
         x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
                     for s in ch.degrees] for r in ch.degrees]] * L)
     const = _memory_const(job, ch, cms)
-    limits = [(memory_limit if memory_limit is not None else cluster.memory_bytes_of(r)) - k
+    limits = [(memory_limit if memory_limit is not None else cluster.plan_bytes_of(r)) - k
               for r, k in zip(ranks, const)]
     inst = Instance([f"tp{d}" for d in ch.degrees], P, ch.micro_batches, t, m, a, limits,
                     e=e, x=x or None,

@@ -14,6 +14,7 @@ from oases.dp.replicas import ReplicaGradSum
 from oases.overlap.engines import build_schedule
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
+from oases.parallel.ranks import destroy_groups, recording_groups
 from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.pipeline.runner import PipelineRunner
 from oases.planner.plan_file import check_zero, load_plan
@@ -159,10 +160,13 @@ class ThrowawayStep:
     """One real training step (``train_step``) of a throwaway model, fed one random
     micro-batch, each time it is called: what ``plan=auto``'s calibration and trials
     time. :meth:`close` frees the model (its gradient hooks would otherwise keep its
-    parameters and buckets alive beside the real run's)."""
+    parameters and buckets alive beside the real run's) and destroys the groups its build
+    created (a pipeline runner's; collective: every rank closes it at the same point)."""
 
-    def __init__(self, state: TrainState, batches: _FixedBatches) -> None:
+    def __init__(self, state: TrainState, batches: _FixedBatches,
+                 groups: Optional[list] = None) -> None:
         self.state, self.batches = state, batches
+        self.groups = groups if groups is not None else []
 
     def __call__(self) -> None:
         train_step(self.state, self.batches, self.state.cfg.train.lr)
@@ -170,6 +174,7 @@ class ThrowawayStep:
     def close(self) -> None:
         self.state.reducer.close()
         self.state = None
+        destroy_groups(self.groups)
 
 
 def throwaway_step(cfg: Config, ctx: ParallelContext,
@@ -177,6 +182,11 @@ def throwaway_step(cfg: Config, ctx: ParallelContext,
     """A :class:`ThrowawayStep` with these per-block degrees. It draws random numbers:
     callers that must not be affected fork the random state (``resolve_plan`` does).
     Collective: every rank builds it."""
-    tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-    return ThrowawayStep(training_for(cfg, ctx, model, tracker, None), _FixedBatches(cfg))
+    made: list = []
+    with recording_groups(made):
+        tracker = seed_tracker(cfg, ctx)
+        model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
+        state = training_for(cfg, ctx, model, tracker, None)
+    # groups the context built on first use (its degree groups) are the context's
+    own = [g for g in made if g not in ctx.groups]
+    return ThrowawayStep(state, _FixedBatches(cfg), own)

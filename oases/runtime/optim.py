@@ -56,6 +56,22 @@ def _tp_parts(g: torch.Tensor, p: nn.Parameter, T: int):
     return [(v, t / T / r) for v, r in part_views(g, spec, t)]
 
 
+def _weighted_squares(parts: list[tuple[torch.Tensor, float]], device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The sum of ``w * |g|^2`` over ``parts`` (0-d, ``dtype``): one foreach norm kernel per
+    distinct weight (few: the TP degrees' shares), not two kernels per tensor. The weights
+    multiply on the host side as Python floats: a weight tensor would be a copy to the
+    device, which waits for its stream."""
+    by_weight: dict[float, list[torch.Tensor]] = {}
+    for g, w in parts:
+        by_weight.setdefault(w, []).append(g)
+    sq = torch.zeros((), device=device, dtype=dtype)
+    for w, gs in by_weight.items():
+        norms = torch._foreach_norm(gs, 2, dtype=dtype)
+        sq = sq + torch.stack(norms).square().sum() * w
+    return sq
+
+
 @torch.no_grad()
 def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     """Global L2 norm of the gradient of the *full* model.
@@ -78,8 +94,8 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
             else:
                 sharded += parts
     dev = next(model.parameters()).device
-    sq_sharded = sum((g.float().pow(2).sum() * w for g, w in sharded), torch.zeros((), device=dev))
-    sq_repl = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=dev))
+    sq_sharded = _weighted_squares(sharded, dev, torch.float32)
+    sq_repl = _weighted_squares([(g, 1.0) for g in replicated], dev, torch.float32)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         all_reduce(sq_sharded, tp_group)
     sq = sq_sharded + sq_repl
@@ -101,24 +117,28 @@ def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: in
     over G ranks contributes G x its piece's squares, so the split pieces add up to
     the whole. Pipelined, the same sum over the world adds the stages."""
     dev = terms[0][0].device if terms else torch.device("cpu")
-    sq = torch.zeros((), device=dev, dtype=torch.float64)
-    for g, p, G in terms:
-        if pp and getattr(p, "shared_copy", False):
-            continue
-        for v, w in _tp_parts(g, p, T) or [(g, 1.0 / T)]:
-            sq += v.double().pow(2).sum() * (w * G)
+    parts = [(v, w * G) for g, p, G in terms if not (pp and getattr(p, "shared_copy", False))
+             for v, w in _tp_parts(g, p, T) or [(g, 1.0 / T)]]
+    sq = _weighted_squares(parts, dev, torch.float64)
     sq /= dp
     dist.all_reduce(sq)
     return sq.sqrt().float()
 
 
-@torch.no_grad()
 def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0,
                reducer=None, dp: int = 1) -> float:
+    """:func:`clip_grads_norm`, its norm read on the host (which waits for the device)."""
+    return float(clip_grads_norm(model, max_norm, tp_group, stage_size, reducer, dp))
+
+
+@torch.no_grad()
+def clip_grads_norm(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0,
+                    reducer=None, dp: int = 1) -> torch.Tensor:
     """Clip to ``max_norm`` (0: don't) and return the norm before clipping (over the
-    whole pipeline when ``stage_size`` is given, see :func:`grad_norm`). With a
-    ``reducer`` whose buckets are sharded (ZeRO), the gradients it holds are the ones
-    measured and scaled (:func:`sharded_grad_norm`)."""
+    whole pipeline when ``stage_size`` is given, see :func:`grad_norm`), a 0-d tensor
+    on the device: nothing here waits for the device, the caller reads the norm when it
+    needs it. With a ``reducer`` whose buckets are sharded (ZeRO), the gradients it
+    holds are the ones measured and scaled (:func:`sharded_grad_norm`)."""
     if reducer is not None and getattr(reducer, "norm_by_terms", False):
         terms = reducer.shards.grad_terms(model)
         T = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -127,8 +147,7 @@ def clip_grads(model: nn.Module, max_norm: float, tp_group, stage_size: int = 0,
     else:
         norm = grad_norm(model, tp_group, stage_size)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale)
-    return float(norm)
+    if max_norm > 0 and grads:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # on the device: no sync
+        torch._foreach_mul_(grads, scale)
+    return norm

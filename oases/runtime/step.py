@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from oases.config import Config
+from oases.config.schema import resolve_precision
 from oases.overlap.loss_weights import loss_tokens
 from oases.parallel.comm import all_reduce
 from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
+from oases.parallel.timing import IntervalTimer
 from oases.runtime.data import TrainBatches, ValBatches
-from oases.runtime.optim import clip_grads
+from oases.runtime.optim import clip_grads_norm
 from oases.runtime.state import StepStats, TrainState
 
 __all__ = ["StepStats", "TrainState", "autocast", "evaluate", "step_shares", "train_step"]
 
 
 def autocast(cfg: Config, ctx: ParallelContext):
-    if cfg.train.precision == "bf16":
+    """The run's autocast context (``train.precision``, resolved for ``ctx.device``)."""
+    if resolve_precision(cfg.train.precision, ctx.device.type) == "bf16":
         return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -64,7 +66,10 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
     values and decides (``train.on_nonfinite``). Every rank decides alike: the norm is
     reduced over TP and identical over DP after the DP reduction, the loss is reduced
     over DP and identical over TP (the vocab-parallel loss reduces it). The pipeline's
-    bubble goes to ``state.stats``."""
+    bubble goes to ``state.stats``.
+
+    The loss and the norm are read on the host once, together: the decision to update
+    needs them every step, and each read waits for the device."""
     cfg, ctx, model, opt, reducer = state.cfg, state.ctx, state.model, state.opt, state.reducer
     schedule, pipe = state.engine, state.pipe
     for g in opt.param_groups:
@@ -75,22 +80,26 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
     micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
     shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp)
     if pipe is not None:
-        t0 = time.perf_counter()
+        whole = IntervalTimer(ctx.device)  # the step on the device's timeline, as busy is
+        t0 = whole.start()
         losses, busy = pipe.step(schedule, model, micro, seeds, amp, reducer.arm)
         reducer.finish()
-        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size, reducer,
-                          ctx.dp)
-        elapsed = time.perf_counter() - t0
+        norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size,
+                                 reducer, ctx.dp)
+        whole.stop(t0)
+        # on CUDA reading the two timers waits for the step's work, which the loss read
+        # below waits for anyway; the idle fraction then joins the loss in one sum
+        elapsed, busy_s = whole.take(), busy.take()
         # one sum over the world: the last stage's loss (each replica adds its share of
         # the global mean, divided among its TP ranks, which hold the same value) and
         # every rank's idle fraction
         sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
         if losses is not None:
-            sums[0] = float(sum(w * loss for w, loss in zip(shares, losses))) / ctx.tp
-        sums[1] = (1.0 - busy / elapsed) / ctx.world_size if elapsed > 0 else 0.0
+            sums[0] = sum(w * loss for w, loss in zip(shares, losses)).double() / ctx.tp
+        sums[1] = (1.0 - busy_s / elapsed) / ctx.world_size if elapsed > 0 else 0.0
         dist.all_reduce(sums)
-        loss = float(sums[0])
-        state.stats.bubble = max(0.0, float(sums[1]))
+        loss, bubble, norm = torch.cat([sums, norm_t.double().reshape(1)]).tolist()
+        state.stats.bubble = max(0.0, bubble)
     else:
         total = torch.zeros((), device=ctx.device)
         micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
@@ -106,10 +115,10 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
         for share, mb_loss in zip(shares, losses):
             total += share * mb_loss
         reducer.finish()
-        norm = clip_grads(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
+        norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
         if ctx.dp > 1:  # the replicas' shares add up to the global mean
             all_reduce(total, ctx.dp_group)
-        loss = float(total)
+        loss, norm = torch.stack([total.float(), norm_t.float()]).tolist()
     if math.isfinite(loss) and math.isfinite(norm):
         opt.step()
         reducer.shards.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered

@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -21,11 +20,13 @@ import torch.distributed as dist
 
 from models import model_stats
 from oases.config import Config, save_config
+from oases.config.schema import resolve_precision
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.overlap.trace import Tracer
 from oases.parallel.comm import NoopCollectives
-from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, join_world,
-                                   pick_device)
+from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, init_kwargs,
+                                   join_world, pick_device, prepare_backend)
+from oases.parallel.timing import IntervalTimer
 from oases.planner import auto_layout
 from oases.planner.calibrate import time_throwaway
 from oases.planner.online import resolve_layout, resolve_plan
@@ -39,7 +40,29 @@ from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_
                                   trim_metrics)
 from oases.runtime.step import evaluate, train_step
 
-__all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics"]
+__all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics",
+           "for_device", "use_tf32"]
+
+
+def for_device(cfg: Config, device: torch.device) -> Config:
+    """``cfg`` with ``train.precision`` resolved for ``device`` (``auto``: bf16 on CUDA,
+    fp32 elsewhere): what the run logs, saves and plans with (the same config if
+    nothing changes)."""
+    precision = resolve_precision(cfg.train.precision, device.type)
+    if precision == cfg.train.precision:
+        return cfg
+    return cfg.with_changes({"train.precision": precision})
+
+
+def use_tf32(device: torch.device) -> None:
+    """On CUDA, fp32 matmuls and convolutions run on TF32 tensor cores (10-bit mantissa,
+    fp32 range and accumulation): fp32 runs, and the parts of bf16 runs that autocast
+    leaves in fp32, at several times the plain fp32 rate. The MFU of an fp32 run is
+    taken against the TF32 peak accordingly (:mod:`oases.runtime.metrics`)."""
+    if device.type != "cuda":
+        return
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def check_out_dir(cfg: Config) -> None:
@@ -80,9 +103,10 @@ def _init_torchelastic_attempt(cfg: Config) -> None:
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                           timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prepare_backend(backend)
     dist.init_process_group(backend, store=dist.PrefixStore(f"oases/attempt_{attempt}/", store),
                             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                            timeout=timeout)
+                            timeout=timeout, **init_kwargs(backend, dev))
 
 
 def run(cfg: Config) -> None:
@@ -90,6 +114,11 @@ def run(cfg: Config) -> None:
     # before any process group: a bad config fails fast on every rank; from here on the
     # config is read-only (what the run derives lives in its TrainState)
     cfg = cfg.validate(world).freeze()
+    # the device is known from here (no process group needed): everything after this,
+    # the layout search and the planner included, sees the precision the run uses
+    device = pick_device(cfg.parallel.device)
+    cfg = for_device(cfg, device)
+    use_tf32(device)
     if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
         if int(os.environ.get("RANK", "0")) == 0:
             check_out_dir(cfg)
@@ -103,18 +132,24 @@ def run(cfg: Config) -> None:
     _init_torchelastic_attempt(cfg)
     ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
                            cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings),
-                           cfg.model.n_kv_heads)
+                           cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp)
+    failed = False
     try:
         _run(cfg, ctx)
     except (RuntimeError, ckpt.CheckpointException) as e:
         if not _collective_failure(e):
             raise
+        failed = True
         raise CollectiveError(
             f"[rank {ctx.rank}] a collective failed or did not complete within "
             f"parallel.timeout_s={cfg.parallel.timeout_s:g}: a peer rank died or hangs "
             f"({ckpt.first_line(ckpt.cause(e), None)})") from e
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and failed and dist.get_backend() == "nccl":
+            # NCCL's graceful teardown flushes every communicator's work in flight, which
+            # waits on the peer that is gone, before the one line is printed: abort
+            dist.distributed_c10d._abort_process_group()
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -163,7 +198,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     model = model_for(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         load_init_from(cfg, ctx, model)
-    tracer = Tracer(ctx.rank) if par.trace else None
+    tracer = Tracer(ctx.rank, ctx.device) if par.trace else None
     state = training_for(cfg, ctx, model, tracker, tracer)
     opt, reducer, schedule = state.opt, state.reducer, state.engine
 
@@ -191,7 +226,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_len
     n_params, flops_per_token = model_stats(cfg.model, cfg.padded_vocab_size)
     logger = MetricsLogger(cfg.out_dir, ctx.is_main, cfg.train.steps, flops_per_token,
-                           ctx.world_size, ctx.device, cfg.wandb, cfg.to_dict(), resume=resumed)
+                           ctx.world_size, ctx.device, cfg.wandb, cfg.to_dict(), resume=resumed,
+                           precision=cfg.train.precision)
     if ctx.is_main:
         layout = f"pp {ctx.pp} x " if ctx.pp > 1 else ""
         print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
@@ -227,6 +263,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         logger.close()
         return
     step_times: list[float] = []
+    # Step times on the device's timeline: on CUDA the host runs ahead of the device, so
+    # a host clock would need a synchronize around every step; CUDA events need none and
+    # are read (one wait) only at log steps.
+    step_clock = IntervalTimer(ctx.device)
     noop = (NoopCollectives(ctx.tp_group) if par.tp_comm_noop and ctx.tp > 1
             else contextlib.nullcontext())
     if par.tp_comm_noop and ctx.is_main:
@@ -236,21 +276,17 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     try:
         noop.__enter__()
         stop.__enter__()
+        if ctx.device.type == "cuda":  # the run's peak, not start-up's or the planner's
+            torch.cuda.reset_peak_memory_stats(ctx.device)
         for step in range(start, cfg.train.steps):
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            t0 = time.perf_counter()
+            t0 = step_clock.start()
             lr = lr_at(step, cfg.train)
             traced = tracer is not None and step == min(start + 2, cfg.train.steps - 1)
             if traced:  # trace one step after warm-up
-                tracer.events.clear()
-                tracer.t0 = time.perf_counter()
+                tracer.restart()
             with tracer if traced else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
+            step_clock.stop(t0)
             done = step + 1
             if not (math.isfinite(loss) and math.isfinite(norm)):  # train_step did not update
                 last = ckpt.latest_name(cfg.out_dir) or "none"
@@ -269,6 +305,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                     print(f"wrote {out}/trace_rank*.json (step {done})", flush=True)
                 tracer = schedule.tracer = None
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
+                step_times += step_clock.take_each()
+                dt = step_times[-1]
                 recent = step_times[-10:]
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)
                 extra = {"skipped_steps": skipped}

@@ -1,0 +1,262 @@
+"""Process groups on NCCL's terms, checked on gloo where they can be.
+
+* A context lists the groups it created and :meth:`ParallelContext.close` destroys
+  them: after building and closing, this rank's live groups are what they were (the
+  planner's trials and throwaway steps rely on it not to pile up communicators).
+* Every group gets the world's timeout (``parallel.timeout_s``), not torch's default
+  for ``new_group`` (30 min on gloo, 10 min on NCCL), so a hung peer times out alike on
+  every group.
+* The NCCL settings chosen for a run (blocking waits, ``device_id``, high-priority TP
+  streams) as pure functions; the real NCCL behaviour under ``@pytest.mark.cuda``.
+* The planner's memory headroom for NCCL buffers and the allocator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from oases.config import load_config
+from oases.errors import ConfigError
+from oases.parallel import groups as G
+from oases.parallel.groups import build_context, build_pipeline_context
+from oases.parallel.layout import uniform_layout
+from oases.parallel.ranks import new_group
+from oases.planner import stages as st
+from oases.planner.cluster import RESERVED_BYTES, Cluster, usable_bytes
+from oases.planner.cost import ModelShape
+from oases.planner.fit import analytic_profile
+from oases.runtime.build import throwaway_step
+from tests.conftest import REPO, subprocess_env
+from tests.distributed import TIMEOUT_S, run_distributed
+from tests.test_fault_tolerance import TINY
+from tests.torchrun_procs import run_with_hung_rank
+
+CPU = torch.device("cpu")
+GIB = 2**30
+
+
+def _timeout_of(g) -> datetime.timedelta:
+    return g._get_backend(CPU).options._timeout
+
+
+# ---------------------------------------------------------------------------
+# build, close: the live groups come back to what they were
+
+
+def _close_body(rank: int) -> None:
+    before = list(c10d._world.pg_map)
+    assert len(before) == 1  # the default group
+    ctx = build_context(2, CPU, kv_heads=1)  # world 4 = dp 2 x tp 2; kv replicas at tp 2
+    ctx.degree_groups()  # built on first use: the context's too
+    made = list(ctx.groups)
+    # this rank's tp and dp groups (the mesh), its kv replica group, and degree groups
+    assert ctx.tp_group in made and ctx.dp_group in made and ctx.kv_group in made
+    assert len(made) > 3 and len(c10d._world.pg_map) == 1 + len(made)
+    assert [g for g in c10d._world.pg_map if g in made] == made  # in creation order
+    world = datetime.timedelta(seconds=TIMEOUT_S)
+    assert all(_timeout_of(g) == world for g in made), [_timeout_of(g) for g in made]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=ctx.tp_group)
+    assert t.item() == 2.0
+    ctx.close()
+    assert list(c10d._world.pg_map) == before and ctx.groups == []
+    ctx.close()  # twice: nothing left to destroy
+    again = build_context(2, CPU)  # and a new context builds as before
+    t = torch.ones(1)
+    dist.all_reduce(t, group=again.dp_group)
+    assert t.item() == 2.0
+    again.close()
+    assert list(c10d._world.pg_map) == before
+
+
+def test_closing_a_context_destroys_its_groups():
+    run_distributed(_close_body, world=4, tp=None)
+
+
+def _throwaway_body(rank: int) -> None:
+    """A pipeline (pp 2) context and a throwaway step on it: the step's runner makes
+    its own transfer groups; closing the step destroys those only."""
+    cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layer=2", "model.seq_len=16",
+                             "parallel.tp=1", "parallel.pp=2", "train.grad_accum=2",
+                             "train.micro_batch_size=2", "data.kind=synthetic",
+                             "model.tie_embeddings=true"]).validate(2)
+    before = list(c10d._world.pg_map)
+    ctx = build_pipeline_context(uniform_layout(2, 2, 1, cfg.model.n_layer), CPU,
+                                 bool(cfg.model.tie_embeddings))
+    assert ctx.tie_group in ctx.groups  # {0, 1}: the first and last stage's tables
+    with_ctx = list(c10d._world.pg_map)
+    step = throwaway_step(cfg, ctx, None)
+    assert len(step.groups) >= 2 and not set(step.groups) & set(ctx.groups)  # p2p, each way
+    step()
+    step.close()
+    assert list(c10d._world.pg_map) == with_ctx and step.groups == []
+    t = torch.ones(1)  # the context's groups still work
+    dist.all_reduce(t, group=ctx.tie_group)
+    assert t.item() == 2.0
+    ctx.close()
+    assert list(c10d._world.pg_map) == before
+
+
+def test_a_throwaway_step_destroys_the_groups_it_made():
+    run_distributed(_throwaway_body, world=2, tp=None)
+
+
+def _timeout_body(rank: int) -> None:
+    """A hung peer on a subgroup times out after the world's timeout (here 2 s), not
+    gloo's default 30 min."""
+    c10d._set_pg_timeout(datetime.timedelta(seconds=2))  # the world's, as the run sets it
+    ctx = build_context(1, CPU)  # world 2: dp group = the world, tp groups of one
+    g = new_group([0, 1])
+    assert all(_timeout_of(x) == datetime.timedelta(seconds=2) for x in [g, *ctx.groups])
+    if rank == 0:  # rank 1 never joins this all-reduce
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            dist.all_reduce(torch.ones(1), group=g)
+        assert time.monotonic() - t0 < 20
+    c10d._set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S))
+    dist.barrier()
+    dist.destroy_process_group(g)
+    ctx.close()
+
+
+def test_a_subgroup_times_out_after_the_worlds_timeout():
+    run_distributed(_timeout_body, world=2, tp=None, nccl_p2p=False)
+
+
+# ---------------------------------------------------------------------------
+# the NCCL settings, as pure functions
+
+
+def test_nccl_waits_block_unless_the_user_chose():
+    assert G.nccl_error_env({}) == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    for chosen in ({"TORCH_NCCL_BLOCKING_WAIT": "0"}, {"NCCL_BLOCKING_WAIT": "1"},
+                   {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {"NCCL_ASYNC_ERROR_HANDLING": "1"}):
+        assert G.nccl_error_env(chosen) == {}, chosen
+
+
+def test_prepare_backend_sets_the_nccl_variables_only_for_nccl(monkeypatch):
+    for k in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+              "NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(k, raising=False)
+    G.prepare_backend("gloo")
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+    G.prepare_backend("nccl")
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+
+
+def test_device_id_and_high_priority_streams_on_nccl_only():
+    gpu = torch.device("cuda", 1)
+    assert G.init_kwargs("nccl", gpu) == {"device_id": gpu}
+    assert G.init_kwargs("gloo", CPU) == {} and G.init_kwargs("gloo", gpu) == {}
+    assert G.high_priority_tp("nccl", True) and not G.high_priority_tp("nccl", False)
+    assert not G.high_priority_tp("gloo", True)
+    assert G.tp_options(False) is None
+
+
+def test_high_priority_tp_config_needs_nccl():
+    ok = load_config(None, ["parallel.tp=1", "parallel.nccl_high_priority_tp=true"])
+    assert ok.validate(1).parallel.nccl_high_priority_tp is True
+    assert load_config(None, ["parallel.tp=1"]).validate(1).parallel.nccl_high_priority_tp is False
+    for bad in ("parallel.backend=gloo", "parallel.device=cpu"):
+        cfg = load_config(None, ["parallel.tp=1", "parallel.nccl_high_priority_tp=true", bad])
+        with pytest.raises(ConfigError, match=r"parallel.nccl_high_priority_tp needs NCCL on CUDA"):
+            cfg.validate(1)
+
+
+# ---------------------------------------------------------------------------
+# the planner's memory headroom
+
+
+def test_memory_headroom():
+    assert RESERVED_BYTES == GIB
+    assert usable_bytes(80 * GIB) == pytest.approx(75 * GIB)  # 80 - 4 (5%) - 1
+    assert usable_bytes(4 * GIB) == pytest.approx(2.8 * GIB)
+    assert usable_bytes(0.5 * GIB) == 0.0  # never negative: nothing fits
+    two = Cluster("t", 2, 2, 8, 100, 1, node_memory_gib=[80, 40])
+    assert two.plan_bytes_of([0, 1]) == pytest.approx(75 * GIB)
+    assert two.plan_bytes_of([1, 2]) == pytest.approx(37 * GIB)  # the smaller node's
+
+
+def test_layout_search_limits_leave_the_headroom():
+    """The stage limits (what is left after each stage's embedding/head constants) add
+    up to the device memory less the headroom; an explicit limit is taken as given."""
+    job = st.Job(ModelShape("gpt", 4, 256, 8, 8, 1024, 512, 64), 8, 2, "megatron", "none")
+    base = st.profile_run(job, 2, 8)
+    prof = analytic_profile(job.shape, base, job.shape.valid_degrees(2), 5e9)
+    ch = next(c for c in st.enumerate_choices(job, 4) if c.pp == 2)
+    cluster = Cluster("c", 2, 2, 4, 10.0, 1.0)
+    for limit, want in ((None, usable_bytes(4 * GIB)), (3 * GIB, 3 * GIB)):
+        prob = st.build(job, ch, cluster, prof, base, limit)
+        assert len(prob.inst.memory_limit) == 2
+        for lim, k in zip(prob.inst.memory_limit, prob.memory_const):
+            assert lim + k == pytest.approx(want)
+
+
+# ---------------------------------------------------------------------------
+# NCCL for real
+
+_HANG = textwrap.dedent("""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from oases.parallel.groups import join_world
+    from oases.runtime.trainer import _collective_failure
+    join_world("cuda", "auto", timeout_s=2)
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert dist.distributed_c10d._get_default_group().bound_device_id == torch.device("cuda", 0)
+    x = torch.ones(1, device="cuda")
+    dist.all_reduce(x)  # the communicator is up
+    torch.cuda._sleep(int(4e10))  # ~20 s of cycles at 2 GHz
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)  # queued behind 20 s of sleep on the stream: times out in 2 s
+    except Exception as e:
+        assert _collective_failure(e), repr(e)
+        print(f"raised after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
+        os._exit(0)
+    print("no error", flush=True)
+    os._exit(1)
+""")
+
+
+@pytest.mark.cuda
+def test_an_nccl_timeout_raises_in_the_caller():
+    """With oases' NCCL settings a collective that does not finish within the timeout
+    raises a catchable error in the calling thread (the default would let the watchdog
+    abort the process). One GPU: the collective is held back by a kernel sleeping on the
+    stream it waits for."""
+    env = {k: v for k, v in subprocess_env().items() if "NCCL" not in k}
+    proc = subprocess.run([sys.executable, "-c", _HANG], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    took = re.search(r"raised after ([\d.]+)s", proc.stdout)
+    assert took and float(took.group(1)) < 15, proc.stdout
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.slow
+def test_hung_peer_on_nccl_exits_4_with_one_line(tmp_path):
+    """The gloo test of tests/test_fault_tolerance.py on NCCL: rank 1 stopped, rank 0's
+    collective times out after parallel.timeout_s, one line, exit status 4."""
+    out, log = tmp_path / "run", tmp_path / "torchrun.log"
+    args = [*TINY, f"out_dir={out}", "parallel.tp=2", "parallel.device=cuda",
+            "train.steps=100000", "parallel.timeout_s=5", "resume=none"]
+    rc, text, elapsed = run_with_hung_rank(args, out, log, 300, 60)
+    assert rc != 0 and elapsed < 30, (rc, elapsed)
+    rank0 = [ln for ln in text.splitlines() if ln.startswith("error: [rank 0] ")]
+    assert len(rank0) == 1 and "parallel.timeout_s=5" in rank0[0], text[-4000:]
+    assert re.search(r"exitcode\s*:\s*4\b", text), text[-3000:]
