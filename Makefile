@@ -8,7 +8,7 @@ NPROC  ?= 2
 CONFIG ?= configs/gpt-tiny.yaml
 ARGS   ?=
 
-.PHONY: train test install install-test clean
+.PHONY: train test gpu-check install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ train: $(VENV)/.installed data/pydoc/train.bin
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q tests
+
+# On a machine with CUDA GPUs: the cuda tests, speed and overlap (docs/gpu-check.md)
+gpu-check: $(VENV)/.installed-test
+	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 clean:
 	rm -rf runs wandb .pytest_cache

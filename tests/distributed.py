@@ -19,6 +19,9 @@ What gloo forgives must not pass, so on gloo every worker runs with
 
 ``device="cuda"`` runs the body on NCCL, one GPU per rank (the caller skips when
 there are fewer GPUs: see :func:`cuda_world`); there the real NCCL semantics apply.
+``device="cuda-shared"`` runs every rank on GPU 0 over gloo with CUDA tensors (the
+emulation and the recorder as on CPU): one GPU is enough to check that the overlapped
+schedule orders its kernels and its asynchronous collectives correctly.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ TIMEOUT_S = 60
 
 
 def cuda_world(world: int) -> None:
-    """Skip the calling test unless ``world`` GPUs are present (NCCL puts one rank per GPU)."""
+    """Skip the calling test unless ``world`` GPUs are present."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < world:
-        pytest.skip(f"needs {world} CUDA devices for NCCL, found {n}")
+        pytest.skip(f"needs {world} CUDA device{'s' * (world > 1)}, found {n}")
 
 
 def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
@@ -55,19 +58,23 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
         if device == "cuda":
             torch.cuda.set_device(rank)
             kw["device_id"] = torch.device("cuda", rank)
+        elif device == "cuda-shared":
+            torch.cuda.set_device(0)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S),
                                 **kw)
-        if device == "cpu":
+        gloo = device != "cuda"
+        if gloo:
             collective_order.install()
             if nccl_p2p:
                 nccl_semantics.install()
         if tp is None:
             fn(rank, *args)
         else:
-            dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+            dev = {"cuda": torch.device("cuda", rank), "cuda-shared": torch.device("cuda", 0),
+                   "cpu": torch.device("cpu")}[device]
             fn(build_context(tp, dev), *args)
-        if device == "cpu":
+        if gloo:
             collective_order.dump(os.path.join(err_dir, f"order{rank}.json"))
         dist.barrier()
     except BaseException:
@@ -86,18 +93,20 @@ def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
     """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level).
     ``tp=None`` runs ``fn(rank, *args)`` on the bare default group (pipeline layouts build
     their own groups). ``nccl_p2p=False`` keeps gloo's own point-to-point matching."""
-    if device == "cuda":
-        cuda_world(world)
+    if device not in ("cpu", "cuda", "cuda-shared"):
+        raise ValueError(f"device={device!r}")
+    if device != "cpu":
+        cuda_world(world if device == "cuda" else 1)
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")
         try:
             mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d, device,
                                               nccl_p2p),
                                nprocs=world, join=True,
-                               start_method="spawn" if device == "cuda" else "fork")
+                               start_method="fork" if device == "cpu" else "spawn")
         except Exception as e:
             msgs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))
                     if f.startswith("rank")]
             raise AssertionError("distributed worker failed:\n" + "\n".join(msgs)) from e
-        if device == "cpu":
+        if device != "cuda":
             collective_order.compare([os.path.join(d, f"order{r}.json") for r in range(world)])

@@ -50,21 +50,22 @@ def _full_grads(model, ctx) -> dict:
 
 def _reference(model, tracker, ids, y, n_sub):
     """Plain autograd on each sub-batch from its own RNG streams."""
-    streams = sub_batch_rng_streams(tracker, CPU, n_sub)
+    streams = sub_batch_rng_streams(tracker, ids.device, n_sub)
     losses = []
     for s, (a, b) in enumerate(zip(ids.chunk(n_sub), y.chunk(n_sub))):
-        _rng_restore(tracker, CPU, streams[s])
+        _rng_restore(tracker, ids.device, streams[s])
         loss = MegatronSchedule().forward_backward(model, a, b, 1.0 / n_sub)
         losses.append(loss)
     return torch.stack(losses).mean()
 
 
 def _run_mode(ctx, cfg, mode, ids, y, n_sub=2):
-    tracker = TPRNGTracker(CPU)
+    tracker = TPRNGTracker(ctx.device)
     tracker.seed(11, ctx.tp_rank, ctx.dp_rank)
     sched, rc = mode
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
-                        rc if sched == "megatron" or rc == "selective" else "none", seed=3)
+                        rc if sched == "megatron" or rc == "selective" else "none", seed=3,
+                        device=ctx.device)
     with CommCounter() as counter:
         if sched == "megatron":
             loss = _reference(model, tracker, ids, y, n_sub)
@@ -78,8 +79,8 @@ def _parity_body(ctx, name, dropout, n_sub):
     cfg = load_config(None, [f"model.name={name}", f"parallel.tp={ctx.tp}",
                              f"model.dropout={dropout}", "model.n_layer=2"]).validate(ctx.world_size)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.model.vocab_size, (2 * n_sub, 32), generator=g)
-    y = torch.randint(0, cfg.model.vocab_size, (2 * n_sub, 32), generator=g)
+    ids = torch.randint(0, cfg.model.vocab_size, (2 * n_sub, 32), generator=g).to(ctx.device)
+    y = torch.randint(0, cfg.model.vocab_size, (2 * n_sub, 32), generator=g).to(ctx.device)
     ref_loss, ref_grads, _ = _run_mode(ctx, cfg, ("megatron", "none"), ids, y, n_sub)
     for mode in PAIRS:
         loss, grads, _ = _run_mode(ctx, cfg, mode, ids, y, n_sub)
@@ -90,9 +91,10 @@ def _parity_body(ctx, name, dropout, n_sub):
                                        msg=f"{mode} {k}")
     # the check can fail: dropout masks matter (a different stream gives other grads)
     if dropout > 0:
-        tracker = TPRNGTracker(CPU)
+        tracker = TPRNGTracker(ctx.device)
         tracker.seed(12, ctx.tp_rank)
-        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, seed=3)
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, seed=3,
+                            device=ctx.device)
         OasesSchedule(ctx.tp_group, n_sub, "fine", tracker).forward_backward(model, ids, y)
         other = _full_grads(model, ctx)
         assert max((other[k] - ref_grads[k]).abs().max() for k in other) > 1e-4
@@ -107,6 +109,15 @@ def test_every_mode_matches_plain_autograd(name, world, dropout):
 
 def test_four_sub_batches_match():
     run_distributed(_parity_body, world=2, tp=2, args=("llama-tiny", 0.1, 4))
+
+
+@pytest.mark.cuda(gpus=1)
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_every_mode_on_one_gpu_shared_over_gloo(name):
+    """Two ranks on one GPU, gloo with CUDA tensors: the overlapped schedule's kernels and
+    its asynchronous collectives in the right order on the device (fp32, TF32 off by
+    default; the same tolerances as on CPU), dropout masks from the CUDA generators."""
+    run_distributed(_parity_body, world=2, tp=2, args=(name, 0.1, 2), device="cuda-shared")
 
 
 def _count_body(ctx):
