@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import resource
 import statistics
@@ -112,9 +111,8 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
     q.put({"rank": rank, "stage": list(stage), "build_s": build_s,
            "cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
            "cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
-           "full_params_drawn": sum(
-               math.prod(p.tp_spec.full_shape) if getattr(p, "tp_spec", None) else p.numel()
-               for p in model.parameters()),
+           "params_drawn": sum(p.numel() for p in model.parameters()
+                               if p.init_rule[0] == "normal"),
            "construct_s": build_s - timing["init_s"], "init_parameters_s": timing["init_s"],
            "rss_before_gib": rss0 * 1024 / GIB, "rss_after_gib": rss1 * 1024 / GIB,
            "peak_rss_gib": hwm * 1024 / GIB, "peak_increase_gib": (hwm - rss0) * 1024 / GIB,
@@ -232,7 +230,7 @@ def main(argv=None) -> int:
         med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
         c.update(layers=b - a, has_embed=runs[0]["has_embed"], has_head=runs[0]["has_head"],
                  param_gib=runs[0]["param_gib"], params=runs[0]["params"],
-                 full_params_drawn=runs[0]["full_params_drawn"],
+                 params_drawn=runs[0]["params_drawn"],
                  build_s=med("build_s"), build_s_min=min(r["build_s"] for r in runs),
                  cpu_s=med("cpu_s"), cpu_user_s=med("cpu_user_s"), cpu_sys_s=med("cpu_sys_s"),
                  init_parameters_s=med("init_parameters_s"), construct_s=med("construct_s"),
@@ -242,16 +240,16 @@ def main(argv=None) -> int:
         c["memory_ratio"] = c["peak_increase_gib"] / c["param_gib"]
         c["memory_ratio_abs"] = c["peak_rss_gib"] / c["param_gib"]
         c["s_per_layer"] = c["build_s"] / c["layers"]
-        c["cpu_s_per_gparam_drawn"] = c["cpu_s"] / (c["full_params_drawn"] / 1e9)
+        c["cpu_s_per_gparam_drawn"] = c["cpu_s"] / (c["params_drawn"] / 1e9)
     # whole model at pp=1 (parameters from the meta device; time extrapolated)
     full_bytes = expected_stage_bytes(args.model, (0, n_layer), 2)
-    full_drawn = expected_stage_bytes(args.model, (0, n_layer), 1) // 4  # fp32: params
-    extra: dict = {"pp1_param_gib_per_rank": full_bytes / GIB, "pp1_full_params_drawn": full_drawn}
+    full_drawn = full_bytes // 4  # fp32: the rank's own parameters (it draws its shard only)
+    extra: dict = {"pp1_param_gib_per_rank": full_bytes / GIB, "pp1_params_drawn": full_drawn}
     done = [c for c in results.values() if c.get("runs")]
     if len(done) >= 2:
         # least squares t = t0 + k * (full parameters drawn): proportional when t0 ~ 0
         for what in ("build_s", "cpu_s"):
-            xs = [c["full_params_drawn"] / 1e9 for c in done]
+            xs = [c["params_drawn"] / 1e9 for c in done]
             ys = [c[what] for c in done]
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             sxx = sum((x - mx) ** 2 for x in xs)
@@ -265,7 +263,7 @@ def main(argv=None) -> int:
             "wall_min": s16["build_s_min"] / s8["build_s_min"],
             "cpu": s16["cpu_s"] / s8["cpu_s"],
             "layers": 2.0,
-            "params_drawn": s16["full_params_drawn"] / s8["full_params_drawn"]}
+            "params_drawn": s16["params_drawn"] / s8["params_drawn"]}
     meta["elapsed_min"] = (time.monotonic() - t_start) / 60
     meta["loadavg_after"] = list(os.getloadavg())
     driver.save(Path(args.out), {"meta": meta, "cases": results, "derived": extra}, render)
@@ -297,7 +295,8 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
          "Time: wall = median (min) over the builds; CPU = user + sys seconds of the "
          "rank's process during the build (getrusage), which other tenants' load barely "
          "changes (wall time does: the load average before each build is in brackets). "
-         "'drawn' = elements of the full (unsharded) tensors init_parameters generates.", "",
+         "'drawn' = normal-initialised elements init_parameters generates: the rank's own "
+         "shards.", "",
          "| stage (layers) | as in | parts | rank params | param GiB | build wall s: median (min) "
          "| every build s [load] | CPU s (user / sys) | drawn G | CPU s / G drawn "
          "| peak increase GiB | ratio (target < 1.5) | absolute peak GiB |",
@@ -322,7 +321,7 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
                  f"{' + ' + parts if parts else ''} | {c['params'] / 1e6:,.0f} M | "
                  f"{c['param_gib']:.2f} | {c['build_s']:.1f} ({c['build_s_min']:.1f}) | {every} | "
                  f"{c['cpu_s']:.1f} ({c['cpu_user_s']:.1f} / {c['cpu_sys_s']:.1f}) | "
-                 f"{c['full_params_drawn'] / 1e9:.2f} | {c['cpu_s_per_gparam_drawn']:.1f} | "
+                 f"{c['params_drawn'] / 1e9:.2f} | {c['cpu_s_per_gparam_drawn']:.1f} | "
                  f"{c['peak_increase_gib']:.2f} | **{c['memory_ratio']:.2f}x {ok}** | "
                  f"{c['peak_rss_gib']:.2f} |")
     L.append("")
@@ -339,8 +338,8 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
               f"({r['wall_min']:.2f}x on the minima). {'PASS' if good else 'FAIL'} for the work "
               f"oases does (user CPU within 15% of the work ratio); the wall time is "
               f"{100 * (r['wall_median'] / r['params_drawn'] - 1):+.0f}% off proportional "
-              f"because the kernel time per parameter (sys: mostly page faults of the fresh full "
-              f"tensors) grows with the process's "
+              f"because the kernel time per parameter (sys: mostly page faults of fresh "
+              f"memory) grows with the process's "
               f"footprint here (sys {s8['cpu_sys_s']:.1f} s -> {s16['cpu_sys_s']:.1f} s), "
               f"not because a rank builds more than its stage.", ""]
     for what, label in (("cpu_s", "CPU time"), ("build_s", "wall time")):
@@ -354,18 +353,17 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
         L += ["", f"**Extrapolation, not measured**: the whole model on one rank (pp=1 x tp=2) "
               f"would hold {extra['pp1_param_gib_per_rank']:.1f} GiB of parameters per rank (x 2 "
               f"ranks: more than this machine can spare next to its other tenants) and draw "
-              f"{extra['pp1_full_params_drawn'] / 1e9:.2f} G parameters: ~"
+              f"{extra['pp1_params_drawn'] / 1e9:.2f} G parameters: ~"
               f"{f['pp1_extrapolated_s']:.0f} s of wall time by the fit above (~"
               f"{extra['fit_cpu_s']['pp1_extrapolated_s']:.0f} s of CPU), against "
               f"{results['0:8']['build_s']:.1f} s for a pp=4 stage-0 rank." if "0:8" in results
               and results["0:8"].get("runs") else ""]
-    L += ["", "Why init costs what it costs: `init_parameters` draws each parameter's *full* "
-          "(unsharded) tensor from a per-name generator and keeps this rank's shard, so the "
-          "result does not depend on the TP degree; a rank's time is therefore proportional to "
-          "its stage's full (tp x its own) parameter count, and its transient memory is two "
-          "full-size temporaries of one parameter, the zero-padded tensor and the drawn values "
-          "(largest here: the 32000-row embedding or head, 2 x 0.49 GiB; the fused SwiGLU "
-          "gate+up, 2 x 0.34 GiB). "
+    L += ["", "Why init costs what it costs: `init_parameters` draws only this rank's shard: "
+          "each parameter is a stack of slices along its sharded dimension, each slice from its "
+          "own generator seeded by (seed, name, slice), so the weights do not depend on the TP "
+          "degree while a rank draws only its own (`oases/parallel/sharding.py`). A rank's time "
+          "is therefore proportional to its own parameter count, and its transient memory is a "
+          "buffer of 16 slices (row-parallel weights) or none (the rest are drawn in place). "
           "The sys time is page faulting of fresh memory (this machine is a VM).", "",
           "Raw numbers: `init.json`.", ""]
     path.write_text("\n".join(L))
