@@ -33,7 +33,8 @@ train: $(VENV)/.installed data/pydoc/train.bin
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 # On a machine with CUDA GPUs: the cuda tests, speed and overlap (docs/gpu-check.md)
 gpu-check: $(VENV)/.installed-test

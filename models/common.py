@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.documents import document_mask
 from oases.config import ModelConfig
 from oases.config.heads import heads_problem, local_kv_heads
 from oases.parallel.block import TPBlock
@@ -149,6 +150,9 @@ class ParallelAttention(ResidualBlock):
         self.tracker = tracker
         self.attn_dropout = cfg.dropout
         self.selective = False  # recompute=selective: the core is recomputed in backward
+        # (B, 1, T, T) bool: attend within documents only (CausalLM.attend_within_documents);
+        # set from the token ids by each forward, read again by a recompute in its backward
+        self.doc_mask: Optional[torch.Tensor] = None
 
     def partial(self, x):
         B, T, _ = x.shape
@@ -178,12 +182,13 @@ class ParallelAttention(ResidualBlock):
             r = self.n_head // self.n_kv
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # (B, nh, T, hd)
             gqa = False
+        # within documents: SDPA's boolean mask (CPU; CUDA's memory-efficient kernel)
+        mask = {"is_causal": True} if self.doc_mask is None else {"attn_mask": self.doc_mask}
         if p > 0.0 and self.tracker is not None:
             with self.tracker.fork():  # sharded region: each rank's heads get their own masks
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                      enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                              enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa,
+                                                      **mask)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, **mask)
 
 
 def _fused_gqa(q, k, v, dropout: float) -> bool:
@@ -316,6 +321,7 @@ class CausalLM(nn.Module):
         self.tracker = tracker
         self.recompute = recompute
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
+        self.eos_id: Optional[int] = None  # attend_within_documents
         a, b = stage if stage is not None else (0, cfg.n_layer)
         self.layer_range = (a, b)
         self.is_first, self.is_last = a == 0, b == cfg.n_layer
@@ -386,6 +392,14 @@ class CausalLM(nn.Module):
         k = 1 if self.is_first else 0
         return [(k + 2 * i, k + 2 + 2 * i) for i in range(len(self.layers))]
 
+    def attend_within_documents(self, eos_id: Optional[int]) -> None:
+        """``data.reset_attention_at_eos``: a forward from token ids masks attention at
+        each ``eos_id`` (None: causal only). Needs pp = 1 and the megatron engine."""
+        self.eos_id = eos_id
+        if eos_id is None:
+            for layer in self.layers:
+                layer.attn.doc_mask = None
+
     def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
         return x if t_from == t_to else self.resharder.reshard(x, t_from, t_to)
 
@@ -393,6 +407,10 @@ class CausalLM(nn.Module):
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on
         a later pipeline stage, the stage's (B, T, d) input -> its output."""
         x = self.embed(ids) if self.is_first else ids
+        if self.eos_id is not None and self.is_first:
+            mask = document_mask(ids, self.eos_id)
+            for layer in self.layers:
+                layer.attn.doc_mask = mask
         prev = self.home_degree
         for layer in self.layers:
             x = self.reshard(x, prev, layer.attn.degree)

@@ -333,6 +333,25 @@ def hf_config_dict(model_cfg) -> dict:
     raise UserError(f"model.arch={c.arch!r} has no Hugging Face export")
 
 
+def hf_tensors(name: str, t: torch.Tensor, parts) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors made from the full oases tensor ``name`` (``parts``: its
+    entry of :func:`hf_layout`; each HF tensor comes from one oases tensor, a fused one's
+    parts or a slice of it). One tensor at a time, so an export can stream."""
+    lens = [q.length if q.length is not None else t.shape[0] for q in parts]
+    if sum(lens) != t.shape[0]:
+        raise UserError(f"export: tensor {name} has shape {_fmt(t.shape)}, expected "
+                        f"{sum(lens)} rows for parts {lens}")
+    got: dict[str, list] = {}
+    for q, piece in zip(parts, t.split(lens, dim=0)):
+        if q.logical is not None:
+            piece = piece[: q.logical]  # the vocabulary padding is not exported
+        if q.transpose:
+            piece = piece.t()
+        got.setdefault(q.hf, []).append((q.offset, 1 if q.transpose else 0, piece))
+    return {hf: torch.cat([g[2] for g in sorted(gs, key=lambda g: g[0])], dim=gs[0][1])
+            for hf, gs in got.items()}
+
+
 def hf_state_dict(model_state_full: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     """Full oases tensors (fused parts concatenated, vocab padded or not) -> HF tensors."""
     f = model_fields(model_cfg)
@@ -341,28 +360,17 @@ def hf_state_dict(model_state_full: dict[str, torch.Tensor], model_cfg) -> dict[
     if extra:
         raise UserError(f"export: tensor {extra[0]} has no Hugging Face name "
                         f"(tie_embeddings={f['tie_embeddings']}, bias={f['bias']})")
-    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    made: dict[str, torch.Tensor] = {}
     for name, parts in layout.items():
         if name not in model_state_full:
             raise UserError(f"export: the checkpoint has no tensor {name}")
-        t = model_state_full[name].detach().cpu()
-        lens = [q.length if q.length is not None else t.shape[0] for q in parts]
-        if sum(lens) != t.shape[0]:
-            raise UserError(f"export: tensor {name} has shape {_fmt(t.shape)}, expected "
-                            f"{sum(lens)} rows for parts {lens}")
-        for q, piece in zip(parts, t.split(lens, dim=0)):
-            if q.logical is not None:
-                piece = piece[: q.logical]  # strip the vocab padding
-            if q.transpose:
-                piece = piece.t()
-            pieces.setdefault(q.hf, []).append((q.offset, 1 if q.transpose else 0, piece))
+        made.update(hf_tensors(name, model_state_full[name].detach().cpu(), parts))
     out = {}
     for hf_name, shape in shapes.items():
-        got = sorted(pieces.get(hf_name, []), key=lambda x: x[0])
-        if not got:  # a GPT exported with bias=false: HF GPT-2 always has biases
+        if hf_name not in made:  # a GPT exported with bias=false: HF GPT-2 always has biases
             out[hf_name] = torch.zeros(shape)
             continue
-        t = torch.cat([g[2] for g in got], dim=got[0][1]) if len(got) > 1 else got[0][2]
+        t = made[hf_name]
         if tuple(t.shape) != tuple(shape):
             raise UserError(f"export: {hf_name} would have shape {_fmt(t.shape)}, expected "
                             f"{_fmt(shape)}")

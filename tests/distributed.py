@@ -49,7 +49,7 @@ def cuda_world(world: int) -> None:
         pytest.skip(f"needs {world} CUDA device{'s' * (world > 1)}, found {n}")
 
 
-def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
+def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p, nccl_timeout_s):
     """``tp=None``: no context is built; ``fn(rank, *args)`` builds its own groups."""
     try:
         torch.set_num_threads(1)
@@ -67,7 +67,7 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
         if gloo:
             collective_order.install()
             if nccl_p2p:
-                nccl_semantics.install()
+                nccl_semantics.install(timeout_s=nccl_timeout_s)
         if tp is None:
             fn(rank, *args)
         else:
@@ -89,10 +89,13 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p):
 
 
 def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
-                    device: str = "cpu", nccl_p2p: bool = True) -> None:
+                    device: str = "cpu", nccl_p2p: bool = True,
+                    nccl_timeout_s: float = 15.0) -> None:
     """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level).
     ``tp=None`` runs ``fn(rank, *args)`` on the bare default group (pipeline layouts build
-    their own groups). ``nccl_p2p=False`` keeps gloo's own point-to-point matching."""
+    their own groups). ``nccl_p2p=False`` keeps gloo's own point-to-point matching;
+    ``nccl_timeout_s``: how long an emulated point-to-point op may wait before it is a
+    deadlock."""
     if device not in ("cpu", "cuda", "cuda-shared"):
         raise ValueError(f"device={device!r}")
     if device != "cpu":
@@ -101,7 +104,7 @@ def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
         store_path = os.path.join(d, "store")
         try:
             mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d, device,
-                                              nccl_p2p),
+                                              nccl_p2p, nccl_timeout_s),
                                nprocs=world, join=True,
                                start_method="fork" if device == "cpu" else "spawn")
         except Exception as e:

@@ -7,6 +7,7 @@ with no network.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 from oases.config import DataConfig
 from oases.errors import CheckpointError, DataError
 from oases.runtime import data as D
+from oases.runtime import tokens as TK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,17 +60,24 @@ def test_prepare_bytes_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip().splitlines()) == 1 and "uint16" in r.stdout
 
-    raw = TEXT.encode("utf-8")
+    raw = TEXT.encode("utf-8") + b"\0"  # one document, then its EOS (byte 0)
     train = np.fromfile(out / "train.bin", dtype=np.uint16)
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == raw
-    assert len(val) == round(len(raw) * 0.1)
+    assert len(val) == round(len(raw) * 0.1)  # one document: its last tenth of tokens
 
     meta = json.loads((out / "meta.json").read_text())
+    shard = {"tokens": len(train), "max_id": int(train.max()), "docs": 0}
     assert meta == {"vocab_size": 256, "dtype": "uint16", "tokenizer": "bytes",
-                    "train_tokens": len(train), "val_tokens": len(val),
-                    "train_max_id": int(train.max()), "val_max_id": int(val.max()),
-                    "source": str(src.resolve())}
+                    "tokenizer_kind": "bytes", "tokenizer_sha256": None, "eos_id": 0,
+                    "bos_id": None, "separator": "eos",
+                    "train_tokens": len(train), "train_docs": 0,
+                    "train_max_id": int(train.max()), "val_tokens": len(val), "val_docs": 1,
+                    "val_max_id": int(val.max()), "documents": 1, "val_split": "tokens",
+                    "shards": {"train": [{"file": "train.bin", **shard}],
+                               "val": [{"file": "val.bin", "tokens": len(val),
+                                        "max_id": int(val.max()), "docs": 1}]},
+                    "source": [str(src.resolve())], "text_key": "text", "split_on": None}
 
 
 def test_prepare_dtype_override_and_val_fraction(tmp_path):
@@ -81,7 +90,7 @@ def test_prepare_dtype_override_and_val_fraction(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["dtype"] == "uint32"
     assert (out / "val.bin").stat().st_size == 4 * meta["val_tokens"]
-    assert meta["val_tokens"] == round(len(TEXT.encode()) * 0.25)
+    assert meta["val_tokens"] == round((len(TEXT.encode()) + 1) * 0.25)
 
 
 def test_prepare_hf_tokenizer(tmp_path):
@@ -92,6 +101,7 @@ def test_prepare_hf_tokenizer(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                  special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXT.splitlines(keepends=True), trainer=trainer)
     tok_path = tmp_path / "tokenizer.json"
@@ -105,12 +115,14 @@ def test_prepare_hf_tokenizer(tmp_path):
 
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == tok.get_vocab_size() and meta["dtype"] == "uint16"
-    assert meta["tokenizer"] == str(tok_path.resolve())
+    assert meta["tokenizer"] == str(tok_path.resolve()) and meta["tokenizer_kind"] == "hf"
+    assert meta["tokenizer_sha256"] == hashlib.sha256(tok_path.read_bytes()).hexdigest()
     ids = np.concatenate([np.fromfile(out / "train.bin", dtype=np.uint16),
                           np.fromfile(out / "val.bin", dtype=np.uint16)])
     assert len(ids) == meta["train_tokens"] + meta["val_tokens"]
     assert len(ids) < len(TEXT.encode())  # merges happened: not byte-level
-    assert tok.decode(ids.tolist()) == TEXT
+    assert ids[-1] == meta["eos_id"] == tok.token_to_id("<|endoftext|>")
+    assert tok.decode(ids[:-1].tolist()) == TEXT
 
 
 def test_prepare_refuses_overwrite(tmp_path):
@@ -129,7 +141,7 @@ def test_prepare_refuses_overwrite(tmp_path):
     r = run_prepare("--input", str(src), "--out", str(out), "--val-fraction", "0.5", "--force")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "meta.json").read_text())["val_tokens"] == \
-        round(len(TEXT.encode()) * 0.5)
+        round((len(TEXT.encode()) + 1) * 0.5)
 
 
 @pytest.mark.parametrize("args", [
@@ -159,6 +171,7 @@ def test_prepare_builtin_pydoc(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["source"] == "builtin:pydoc" and meta["vocab_size"] == 256
     assert meta["train_tokens"] + meta["val_tokens"] > 400_000
+    assert meta["documents"] == meta["train_docs"] + meta["val_docs"] > 70  # one per topic
     assert elapsed < 10.0
     # and the result loads as training data
     tb = D.TrainBatches(tokens_cfg(out / "train.bin"), seq_len=64, vocab_size=256,
@@ -337,7 +350,7 @@ def test_error_token_id_out_of_vocab(tmp_path):
     make(path, vocab=301)                                 # fits: fine
     # the chunked scan finds an id in a late chunk
     with pytest.raises(DataError, match="token id 300"):
-        D._check_token_ids(np.fromfile(path, dtype=np.uint16), 256, path, chunk_tokens=7)
+        TK._check_token_ids(np.fromfile(path, dtype=np.uint16), 256, path, chunk_tokens=7)
 
 
 def test_error_odd_size_for_uint32(tmp_path):
@@ -381,26 +394,26 @@ def test_recorded_max_id_is_trusted_with_a_bounded_sample(tmp_path, monkeypatch)
     never the whole file; without it, the whole file is scanned."""
     path, meta = _prepared(tmp_path, 4_000_000)
     scanned, sampled = [], []
-    real_scan, real_sample = D._check_token_ids, D._sample_max
-    monkeypatch.setattr(D, "_check_token_ids", lambda t, *a, **k: (scanned.append(len(t)),
+    real_scan, real_sample = TK._check_token_ids, TK._sample_max
+    monkeypatch.setattr(TK, "_check_token_ids", lambda t, *a, **k: (scanned.append(len(t)),
                                                                     real_scan(t, *a, **k)))
-    monkeypatch.setattr(D, "_sample_max", lambda t, *a, **k: (sampled.append(len(t)),
+    monkeypatch.setattr(TK, "_sample_max", lambda t, *a, **k: (sampled.append(len(t)),
                                                               real_sample(t, *a, **k))[1])
-    D.open_tokens(path, "uint16", 256)
+    TK.open_tokens(path, "uint16", 256)
     assert scanned == [] and sampled == [4_000_000]
     meta.pop("train_max_id")
     (path.parent / "meta.json").write_text(json.dumps(meta))
-    D.open_tokens(path, "uint16", 256)
+    TK.open_tokens(path, "uint16", 256)
     assert scanned == [4_000_000]
     assert real_sample(np.arange(4_000_000) % 200) == 199
-    assert D._SAMPLE_CHUNKS * D._SAMPLE_CHUNK_TOKENS <= 1 << 20
+    assert TK._SAMPLE_CHUNKS * TK._SAMPLE_CHUNK_TOKENS <= 1 << 20
 
 
 def test_recorded_max_id_outside_the_vocabulary(tmp_path):
     path, _ = _prepared(tmp_path, 10_000)
     with pytest.raises(DataError, match=r"holds token id 199 \(per meta.json\) but the model's "
                                          r"vocab_size is 150"):
-        D.open_tokens(path, "uint16", 150)
+        TK.open_tokens(path, "uint16", 150)
 
 
 def test_file_changed_after_meta_json_is_caught(tmp_path):
@@ -410,4 +423,4 @@ def test_file_changed_after_meta_json_is_caught(tmp_path):
     ids.tofile(path)
     with pytest.raises(DataError, match="token id 250 above the largest id 199 that meta.json "
                                         "records"):
-        D.open_tokens(path, "uint16", 256)
+        TK.open_tokens(path, "uint16", 256)

@@ -164,7 +164,8 @@ def test_resume_mid_epoch_across_files(three, dp_before, dp_after):
     epochs = ranks[0].file_epochs
     assert epochs[2] > 2 and epochs[2] != int(epochs[2])  # the small file wrapped, mid-epoch
     assert 0 < epochs[1] < 1 and 0 < epochs[0] < 1       # the others are in their first
-    assert len(json.dumps(state)) < 400                  # counters, not index arrays
+    paths = sum(len(json.dumps(b["path"])) for b in state["blend"])
+    assert len(json.dumps(state)) - paths < 250          # counters, not index arrays
     mbs = 4 // dp_after
     resumed = [make(blend_cfg(three), mbs=mbs, dp_rank=r, dp=dp_after) for r in range(dp_after)]
     for t in resumed:

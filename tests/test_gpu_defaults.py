@@ -115,7 +115,8 @@ def test_peak_by_device_name_and_precision(name, precision, peak):
 
 def test_mfu_divides_by_the_peak_of_the_run_precision(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics.torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 PCIe")
-    monkeypatch.setattr(metrics, "peak_memory_gib", lambda device: 1.25)
+    monkeypatch.setattr(metrics, "memory_gib",
+                        lambda device: {"peak_mem_gib": 1.25, "reserved_mem_gib": 2.0})
     recs = {}
     for precision in ("bf16", "fp32"):
         log = MetricsLogger(str(tmp_path), True, 10, flops_per_token=1e9, world_size=2,
@@ -125,7 +126,7 @@ def test_mfu_divides_by_the_peak_of_the_run_precision(tmp_path, monkeypatch):
     assert recs["bf16"]["tflops_per_device"] == pytest.approx(1.0)
     assert recs["bf16"]["mfu"] == pytest.approx(1e12 / 756e12)
     assert recs["fp32"]["mfu"] == pytest.approx(1e12 / 378e12)
-    assert recs["fp32"]["peak_mem_gib"] == 1.25
+    assert recs["fp32"]["peak_mem_gib"] == 1.25 and recs["fp32"]["reserved_mem_gib"] == 2.0
     assert peak_flops(CPU, "bf16") is None
 
 
@@ -149,9 +150,10 @@ def test_peak_memory_counts_from_the_reset():
     del x
     torch.cuda.reset_peak_memory_stats()
     y = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
-    got = metrics.peak_memory_gib(torch.device("cuda"))
+    got = metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"]
     assert 64 / 1024 <= got < 256 / 1024, got
-    del y
+    del y  # the read resets the peak: the next one counts from here
+    assert metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"] < 64 / 1024
 
 
 # ---------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def _layers() -> list[str]:
 
 
 # `python -m oases.<command>` keeps working through these: each only forwards to oases.cli
-FORWARDERS = {"plan", "prepare", "launch", "export", "consolidate", "schedule"}
+FORWARDERS = {"plan", "prepare", "launch", "export", "consolidate", "schedule", "dashboard"}
 
 
 def test_every_package_stands_on_a_floor():

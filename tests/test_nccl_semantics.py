@@ -41,7 +41,7 @@ def _issue_example(rank: int, groups: int, batched: bool) -> None:
 
 def test_one_group_for_both_directions_deadlocks():
     with pytest.raises(AssertionError) as e:
-        run_distributed(_issue_example, 2, tp=None, args=(1, False))
+        run_distributed(_issue_example, 2, tp=None, args=(1, False), nccl_timeout_s=3)
     msg = str(e.value)
     assert "NCCL semantics: deadlock at rank" in msg
     # each side names its own op and the peer's: both hold a receive

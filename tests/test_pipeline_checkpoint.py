@@ -6,7 +6,9 @@ checkpoint every 2 steps. Each other run resumes A's step-2 checkpoint:
 
 * at the same layout: steps 3 and 4 are bit-identical to A's (CPU kernels are
   deterministic, the data position and every RNG state are restored);
-* at pp=1, pp=4 and pp=2 x tp=2: every rank reads only its stage's parameters,
+* at pp=1, pp=4, pp=2 x tp=2 and stages tp 1 x dp 2 | tp 2 (the tied embedding
+  sharded differently on its two stages, saved once): every rank reads only its
+  stage's parameters,
   and the step-3 loss is the forward of the same weights on the same global
   batch (4 micro-batches of one sequence at every layout), equal up to fp32
   rounding (rtol 1e-5, as tests/test_reshard.py argues); step 4 follows a
@@ -84,12 +86,23 @@ LAYOUTS = {  # name: (world, overrides)
     "pp1": (1, ["parallel.pp=1"]),
     "pp4": (4, ["parallel.pp=4"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+    # the tied embedding on stages of different tp: each stage holds the table sharded
+    # its own way; the checkpoint holds it once
+    "tp1xdp2|tp2": (4, ["parallel.pp=2", "train.grad_accum=2"]),  # 2 x 2 sequences
 }
+STAGES = {"tp1xdp2|tp2": [{"layers": [0, 2], "dp": 2, "tp": 1},
+                          {"layers": [2, 4], "dp": 1, "tp": 2}]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_at_another_pipeline_layout(layout, run_a, tmp_path):
+    import yaml
+
     world, extra = LAYOUTS[layout]
+    if layout in STAGES:
+        plan = tmp_path / "plan.yaml"
+        plan.write_text(yaml.safe_dump({"stages": STAGES[layout]}))
+        extra = [*extra, f"parallel.plan={plan}"]
     b = resume_copy(run_a, tmp_path / "b")
     train(b, world, *extra, "resume=auto")
     a, r = records(run_a), records(b)

@@ -391,6 +391,7 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
     assert "Traceback" not in r3.stderr
 
 
+@pytest.mark.serial  # measures the host's CPU load: a test running beside it would count
 def test_plan_auto_end_to_end(tmp_path, run_train):
     """``parallel.plan=auto`` on a live 2-process job: collectives and the host cost of
     communication measured, blocks profiled on both ranks (averaged), real steps at

@@ -113,10 +113,11 @@ def test_io_progress_counts_written_bytes(monkeypatch, tmp_path):
 
 def _tokenizer(path: Path) -> str:
     tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXT.splitlines(keepends=True), trainer=trainer)
@@ -127,33 +128,37 @@ def _tokenizer(path: Path) -> str:
 @pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
 def test_prepare_same_files_with_and_without_bars(monkeypatch, tmp_path, tokenizer):
     """Bars only draw: the token files are the same as a piped run's, also when the text
-    is tokenized and written in many pieces."""
+    is read, tokenized and written in many pieces."""
     tty = fake_tty(monkeypatch)
     from oases.cli import prepare as prep
+    from oases.cli import prepare_sources
 
     tok = "bytes" if tokenizer == "bytes" else _tokenizer(tmp_path / "tok.json")
-    monkeypatch.setattr(prep, "_ENCODE_CHUNK_CHARS", 500)  # ~40 chunks, several groups
-    monkeypatch.setattr(prep, "_WRITE_TOKENS", 1000)       # written in slices
-    corpus = prep._Corpus(TEXT, "test")
-    prep.prepare(corpus, tmp_path / "bar", tok)
+    src = tmp_path / "in.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    monkeypatch.setattr(prepare_sources, "CHUNK_BYTES", 2000)  # ~40 pieces, many chunks
+    args = ["--input", str(src), "--tokenizer", tok, "--eos-id", "0", "--workers", "1",
+            "--shard-tokens", "1000"]                             # written in shards
+    assert prep.main([*args, "--out", str(tmp_path / "bar")]) == 0
     assert "\r" in tty.getvalue()  # a bar was drawn
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    prep.prepare(corpus, tmp_path / "plain", tok)
-    for name in ("train.bin", "val.bin", "meta.json"):
+    assert prep.main([*args, "--out", str(tmp_path / "plain")]) == 0
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert len(names) > 4 and names == sorted(p.name for p in (tmp_path / "bar").iterdir())
+    for name in names:
         assert (tmp_path / "bar" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
-    if tokenizer == "hf":  # each chunk encoded on its own, as one encode_batch call would
+    got = np.concatenate([np.fromfile(tmp_path / "bar" / n, dtype=np.uint16)
+                          for n in names if n.startswith("train")] +
+                         [np.fromfile(tmp_path / "bar" / n, dtype=np.uint16)
+                          for n in names if n.startswith("val")])
+    assert got[-1] == 0 and 0 not in got[:-1]  # the one document's EOS, at its end
+    if tokenizer == "hf":  # pieces cut after newlines decode to the text
         from tokenizers import Tokenizer
 
-        whole = Tokenizer.from_file(tok).encode_batch(prep._chunks(TEXT, 500),
-                                                      add_special_tokens=False)
-        ref = np.concatenate([np.asarray(e.ids) for e in whole])
-        got = np.concatenate([np.fromfile(tmp_path / "bar" / n, dtype=np.uint16)
-                              for n in ("train.bin", "val.bin")])
-        assert got.tolist() == ref.tolist()
+        assert Tokenizer.from_file(tok).decode(got[:-1].tolist()) == TEXT
     else:
-        got = np.fromfile(tmp_path / "bar" / "train.bin", dtype=np.uint16)
-        assert bytes(got.astype(np.uint8)) == TEXT.encode()[:len(got)]
+        assert bytes(got[:-1].astype(np.uint8)) == TEXT.encode()
 
 
 def test_prepare_piped_output_has_no_bar(tmp_path):

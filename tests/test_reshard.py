@@ -185,3 +185,24 @@ def test_consolidate_run_dir_and_errors(run_a, tmp_path):
     shutil.copytree(run_a / "checkpoints" / "step_000004", partial)
     (partial / ".metadata").unlink()
     assert main([str(partial), "--out", str(out)]) == 2
+
+
+def test_async_save_writes_the_same_checkpoints(run_a, tmp_path):
+    """``checkpoint.async_save=true`` (DCP async_save, written in the background and
+    published after the write) gives the same run: the same losses, ``latest`` naming the
+    final step, and checkpoints that hold the same tensors as the synchronous run's."""
+    from oases.runtime.checkpoint import full_model_state
+
+    b = tmp_path / "b"
+    train(b, 2, 2, "train.micro_batch_size=4", "checkpoint.async_save=true")
+    ra, rb = records(run_a), records(b)
+    assert [rb[s]["loss"] for s in (1, 2, 3, 4)] == [ra[s]["loss"] for s in (1, 2, 3, 4)]
+    root = b / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert (root / "latest").read_text().strip() == "step_000004"
+    for step in ("step_000002", "step_000004"):
+        for prefix in ("model", "optim.exp_avg"):
+            want = full_model_state(run_a / "checkpoints" / step, prefix)
+            got = full_model_state(root / step, prefix)
+            assert want.keys() == got.keys()
+            assert all(torch.equal(want[k], got[k]) for k in want), (step, prefix)

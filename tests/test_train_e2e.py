@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from oases.config import load_config
+from tests import wandb_records
 
 pytestmark = pytest.mark.slow
 
@@ -158,12 +159,21 @@ def test_wandb_offline(tmp_path, data_args, run_train):
     run_train(args, env=env)
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((out / "wandb").iterdir()) if (out / "wandb").exists() else out
-    run_id = (out / "wandb_run_id").read_text().strip()
+    run_id = json.loads((out / "wandb_run.json").read_text())["id"]
     assert run_id and runs[0].name.endswith(f"-{run_id}")
     logs = list(runs[0].glob("run-*.wandb"))
     assert len(logs) == 1 and logs[0].stat().st_size > 0
     train, _ = read_metrics(out)
     check_train_records(train, 3)
+    # the offline records: grouped keys, each group against its own step, jsonl's values
+    hist = wandb_records.history(logs[0])
+    assert [h["eval/step"] for h in hist if "eval/loss" in h] == [3]  # the final evaluation
+    hist = [h for h in hist if "train/step" in h]
+    assert [h["train/step"] for h in hist] == [1, 2, 3]
+    for h, r in zip(hist, train):
+        assert h["train/loss"] == r["loss"] and h["perf/tokens_per_s"] == r["tokens_per_s"]
+        assert h["perf/tp_comm_hidden_frac"] == r["tp_comm_hidden_frac"]
+    assert wandb_records.step_metrics(logs[0])["perf/*"] == "perf/step"
 
 
 # ---------------------------------------------------------------------------

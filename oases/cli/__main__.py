@@ -3,7 +3,7 @@
     oases train --config configs/gpt-tiny.yaml          one process; torchrun train.py for more
     oases plan --config ... --cluster ... --out plan.yaml
     oases prepare --builtin pydoc --out data/pydoc
-    oases launch | export | consolidate | schedule | config ...
+    oases launch | export | consolidate | schedule | config | dashboard ...
 
 Each command is also ``python -m oases.<command>``; ``oases <command> --help`` prints its
 options. An unknown command prints one line and exits with status 2.
@@ -26,6 +26,7 @@ COMMANDS = {
     "consolidate": ("oases.cli.consolidate", "write a checkpoint's model as one file of full tensors"),
     "schedule": ("oases.cli.schedule", "print and simulate a pipeline schedule"),
     "config": ("oases.cli.config", "check a config for a world of N processes"),
+    "dashboard": ("oases.cli.dashboard", "create a W&B workspace for a project's runs"),
 }
 
 

@@ -5,11 +5,13 @@
 
 writes ``config.json`` and ``model.safetensors`` that ``GPT2LMHeadModel`` /
 ``LlamaForCausalLM.from_pretrained(out)`` load. It reads the DCP checkpoint in one
-process, without a process group, whatever the TP/DP layout it was saved with
-(``oases.runtime.checkpoint.full_model_state``: fused QKV / gate-up parts
-reassembled, vocabulary padding removed; optimizer state is not read). The model
-shape comes from the checkpoint's ``meta.json``, the rest (norm eps, rope theta)
-from the run's ``config.yaml`` (in the parent of ``checkpoints/``).
+process, without a process group, whatever the layout and ZeRO level it was saved
+with, one tensor at a time (``oases.runtime.checkpoint.iter_model_tensors``: fused
+QKV / gate-up parts reassembled, vocabulary padding removed; optimizer state is not
+read): the safetensors header is written first, then each Hugging Face tensor at its
+offset, so the peak is about the largest tensor. The model shape comes from the
+checkpoint's ``meta.json``, the rest (norm eps, rope theta) from the run's
+``config.yaml`` (in the parent of ``checkpoints/``).
 
 Bad input is one line on stderr and exit status 2; a non-empty ``--to-hf``
 directory is refused rather than overwritten.
@@ -18,18 +20,21 @@ directory is refused rather than overwritten.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
 import yaml
 
-from models.hf import export_hf
+from models.hf import hf_config_dict, hf_layout, hf_tensors, model_fields
 from oases.config import ModelConfig
 from oases.config.typed_yaml import build_dataclass
 from oases.errors import EXIT_USER_ERROR, CheckpointError, UserError
-from oases.progress import io_progress, nbytes
+from oases.progress import io_progress
 from oases.runtime import checkpoint as ckpt
 
 
@@ -54,6 +59,45 @@ def _model_config(ck: Path, meta: dict):
     return mc
 
 
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.float64: "F64"}
+
+
+def _write_safetensors(ck: Path, mc, path: Path) -> None:
+    """``model.safetensors`` of the checkpoint, streamed: the header from the shapes,
+    then each tensor's bytes at its offset (missing GPT biases stay zero)."""
+    layout, shapes = hf_layout(model_fields(mc))
+    meta, names = ckpt.model_keys(ck)
+    extra = sorted(set(names) - set(layout))
+    if extra:
+        raise UserError(f"export: tensor {extra[0]} has no Hugging Face name "
+                        f"(tie_embeddings={mc.tie_embeddings}, bias={mc.bias})")
+    missing = sorted(set(layout) - set(names))
+    if missing:
+        raise UserError(f"export: the checkpoint has no tensor {missing[0]}")
+    dtype = {q.hf: ckpt.full_shape(meta, n, names[n])[1] for n, ps in layout.items() for q in ps}
+    header, off = {}, 0
+    for hf in sorted(shapes):
+        dt = dtype.get(hf, torch.float32)
+        n = math.prod(shapes[hf]) * torch.empty((), dtype=dt).element_size()
+        header[hf] = {"dtype": _DTYPES[dt], "shape": list(shapes[hf]),
+                      "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":"))
+    head += " " * (-len(head) % 8)
+    start = 8 + len(head)
+    with open(path, "wb") as f, io_progress("writing model.safetensors", off, "write"):
+        f.write(len(head).to_bytes(8, "little") + head.encode())
+        f.truncate(start + off)  # zeros: the GPT biases a bias=false model does not have
+        for name, t in ckpt.iter_model_tensors(ck):
+            for hf, h in hf_tensors(name, t, layout[name]).items():
+                if list(h.shape) != header[hf]["shape"]:
+                    raise UserError(f"export: {hf} would have shape {list(h.shape)}, "
+                                    f"expected {header[hf]['shape']}")
+                f.seek(start + header[hf]["data_offsets"][0])
+                f.write(h.contiguous().view(-1).view(torch.uint8).numpy().data)  # no copy
+
+
 def export_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -62,11 +106,21 @@ def export_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
     ck = ckpt.resolve_checkpoint(src)
     meta = ckpt.read_meta(ck)
     mc = _model_config(ck, meta)
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
-        warnings.simplefilter("ignore", UserWarning)
-        state = ckpt.full_model_state(ck)
-    with io_progress("writing model.safetensors", nbytes(state.values()), "write"):
-        export_hf(state, mc, out)
+    cfg_json = hf_config_dict(mc)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
+            warnings.simplefilter("ignore", UserWarning)
+            _write_safetensors(ck, mc, tmp)
+    except BaseException:  # leave the directory as it was
+        tmp.unlink(missing_ok=True)
+        if made:
+            out.rmdir()
+        raise
+    tmp.rename(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     return ck
 
 

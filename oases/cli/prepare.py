@@ -1,48 +1,53 @@
-"""Tokenize a text into nanoGPT-style token files for ``data.kind=tokens``.
+"""Tokenize documents into token shards for ``data.kind=tokens``.
 
-    python -m oases.prepare --input corpus.txt --out data/corpus
     python -m oases.prepare --builtin pydoc --out data/pydoc
-    python -m oases.prepare --input corpus.txt --tokenizer tok/tokenizer.json --out data/c
+    python -m oases.prepare --input 'corpus/*.jsonl.zst' --tokenizer tok/ --out data/c
+    python -m oases.prepare --input a.parquet hf_dir/ notes.txt --split-on '\\n\\n' --out data/c
 
-writes ``OUT/train.bin``, ``OUT/val.bin`` (raw little-endian uint16/uint32 ids,
-no header) and ``OUT/meta.json`` (vocab size, dtype, tokenizer, token counts,
-source). The loader (:mod:`oases.runtime.data`) reads ``meta.json`` to catch a
-``data.dtype`` that disagrees with the file.
+Inputs: any number of files, directories or globs of text (``.txt``: one document per
+file unless ``--split-on`` cuts it), jsonl (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``:
+one document per line, the ``--text-key`` field), parquet (the ``--text-key`` column,
+read a row group at a time) and local HF ``datasets`` directories (``save_to_disk`` or
+``.arrow`` files). Every document is followed by the tokenizer's EOS (``--eos-id``),
+and preceded by a BOS where the tokenizer's template puts one (``--bos``).
 
-``--builtin pydoc`` is CPython's own documentation text (``pydoc_data.topics``),
-about 0.46 MB: a real-language corpus that needs no download, for smoke tests and
-tiny models. The default tokenizer is byte-level (vocab 256: every UTF-8 byte is
-a token), which needs no tokenizer file either.
+The work streams: ``--workers`` processes (default: every core) parse and tokenize
+chunks of a few MB while this process reads ahead and writes, so memory is bounded by
+the chunks in flight, not by the corpus. Output: ``OUT/train.bin`` and ``OUT/val.bin``
+(or ``train-00000.bin``, ... past ``--shard-tokens``; raw little-endian uint16/uint32
+ids, no header) and ``OUT/meta.json`` (vocab size, dtype, tokenizer and its sha256,
+EOS/BOS ids, per-shard tokens, largest id and documents, the sources). Validation takes
+whole documents (``--val-docs N`` first documents, or every ``1/--val-fraction``-th);
+a corpus of one document is cut by tokens instead, its last ``--val-fraction``.
 
-Bad input (missing file, bad arguments, output already there) is reported as one
-line on stderr with exit status 2.
+Bad input (a missing file, a glob matching nothing, a bad jsonl line, a missing text
+key or column, a vocabulary too big for the dtype, an output already there) is one
+line on stderr with exit status 2; nothing already written is touched without
+``--force``, and a failed run leaves no shard behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
-from dataclasses import dataclass
+import time
+from collections import deque
 from pathlib import Path
 from typing import NoReturn, Optional
 
 import numpy as np
 
+from oases.cli.prepare_encode import Encoder, resolve_tokenizer, worker_encode, worker_init
+from oases.cli.prepare_sources import Input, expand, read
+from oases.cli.prepare_write import SPLITS, Router, ShardWriter, check_out
 from oases.errors import EXIT_USER_ERROR, DataError, UserError
 from oases.progress import progress
 
-# Texts are handed to an HF tokenizer in pieces of about this many characters
-# (cut after a newline) so a large corpus is encoded in parallel by encode_batch
-# and never needs one giant Python list of ids. Only the token at a cut can differ
-# from encoding the whole text at once.
-_ENCODE_CHUNK_CHARS = 1 << 20
-# chunks per encode_batch call: enough to keep every core busy, few enough for the
-# progress bar to move
-_ENCODE_GROUP = 2 * (os.cpu_count() or 1)
-# token files are converted and written this many tokens at a time
-_WRITE_TOKENS = 1 << 24
+# tokens per shard by default: 1 GiB of uint16 ids
+SHARD_TOKENS = 1 << 29
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,182 +60,206 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m oases.prepare",
-                description="Tokenize a text into train.bin / val.bin / meta.json.")
+                description="Tokenize documents into token shards and meta.json.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", metavar="FILE", help="a local UTF-8 text file")
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help="files, globs or HF datasets directories: .txt, .jsonl[.gz|.zst], "
+                          ".parquet, save_to_disk/.arrow")
     src.add_argument("--builtin", choices=("pydoc",),
-                     help="a built-in corpus: pydoc = CPython's documentation text")
+                     help="a built-in corpus: pydoc = CPython's documentation topics")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     p.add_argument("--tokenizer", default="bytes", metavar="bytes|PATH",
-                   help="'bytes' (byte-level, vocab 256; default) or a local HF "
-                        "tokenizers file (tokenizer.json)")
+                   help="'bytes' (byte-level, vocab 256; default), a local HF tokenizer.json "
+                        "or its directory, or a local tiktoken BPE file")
+    p.add_argument("--text-key", default="text", help="jsonl field / parquet or HF column")
+    p.add_argument("--split-on", default=None, metavar="SEP",
+                   help="cut text files into documents at SEP (escapes allowed: '\\n\\n')")
+    p.add_argument("--eos-id", type=int, default=None, help="the id after every document "
+                   "(default: the tokenizer's end-of-text token; byte 0 for bytes)")
+    p.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                   help="the id before every document (auto: as the tokenizer's template)")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="fraction of the tokens, from the end of the text, for val.bin")
+                   help="share of the documents for validation (0: none)")
+    p.add_argument("--val-docs", type=int, default=None,
+                   help="the first N documents for validation (instead of --val-fraction)")
     p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
                    help="token file dtype (default: uint16 if vocab <= 65536, else uint32)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer processes (default: every core; 1: in this process)")
+    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
+                   help=f"tokens per shard at most (default {SHARD_TOKENS})")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip (and count) bad jsonl lines and rows without text")
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
     return p
 
 
-@dataclass
-class _Corpus:
-    text: str
-    source: str
+def _chunks(inputs: list[Input], args, bar):
+    """Every input's chunks, in order, advancing the bar by the input bytes they used."""
+    for inp in inputs:
+        for chunk, consumed in read(inp, args.text_key, args.split_on, args.skip_bad):
+            bar.update(consumed)
+            yield chunk
 
 
-def _builtin_pydoc() -> _Corpus:
-    """CPython's documentation topics, joined in sorted key order so the corpus
-    (and the token files) are identical on every run of one Python version."""
-    from pydoc_data.topics import topics  # deferred: 0.5 MB of text, --builtin only
+def _encoded(inputs: list[Input], args, spec, bar):
+    """The encoded chunks, in input order: in this process (one worker) or from a pool
+    with at most two chunks per worker in flight (bounded memory, busy workers)."""
+    if args.workers <= 1:
+        enc = Encoder(spec, parallel=True)
+        for chunk in _chunks(inputs, args, bar):
+            yield enc.encode(chunk, args.skip_bad)
+        return
+    import multiprocessing  # deferred: only with several workers
 
-    text = "\n".join(topics[k] for k in sorted(topics))
-    return _Corpus(text, "builtin:pydoc")
-
-
-def _read_input(path: str) -> _Corpus:
-    p = Path(path)
-    if not p.is_file():
-        what = "is a directory" if p.is_dir() else "does not exist"
-        raise DataError(f"input file {path} {what}")
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read input file {path}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"input file {path} is not UTF-8 text (bad byte at offset "
-                        f"{e.start})") from None
-    if not text:
-        raise DataError(f"input file {path} is empty")
-    return _Corpus(text, str(p.resolve()))
+    # spawn: a fresh interpreter per worker, safe whatever threads this process has
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.workers, initializer=worker_init, initargs=(spec,)) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(inputs, args, bar):
+            pending.append(pool.apply_async(worker_encode, ((chunk, args.skip_bad),)))
+            if len(pending) >= 2 * args.workers:
+                yield _result(pending.popleft().get())
+        while pending:
+            yield _result(pending.popleft().get())
 
 
-def _chunks(text: str, size: int) -> list[str]:
-    """Pieces of about ``size`` characters, each cut just after a newline when
-    there is one, so the cuts fall where tokenizers rarely merge across."""
-    out: list[str] = []
-    start = 0
-    while start < len(text):
-        end = min(start + size, len(text))
-        if end < len(text):
-            nl = text.rfind("\n", start, end)
-            if nl >= start:
-                end = nl + 1
-        out.append(text[start:end])
-        start = end
-    return out
+def _result(r):
+    if isinstance(r, str):  # a worker's DataError
+        raise DataError(r)
+    return r
 
 
-def _tokenize(text: str, tokenizer: str) -> tuple[np.ndarray, int, str]:
-    """Returns (ids of any integer dtype, vocab_size, tokenizer description for meta.json)."""
-    if tokenizer == "bytes":
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8), 256, "bytes"
-    path = Path(tokenizer)
-    if not path.is_file():
-        raise DataError(f"--tokenizer {tokenizer} is neither 'bytes' nor an existing "
-                        f"tokenizer.json file")
-    try:
-        from tokenizers import Tokenizer  # deferred: optional, --tokenizer only
-    except ImportError:
-        raise DataError("--tokenizer PATH needs the 'tokenizers' package: "
-                        "pip install tokenizers") from None
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side raises plain Exception for a bad file
-        raise DataError(f"--tokenizer {tokenizer} is not a valid tokenizers file: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    # No special tokens: a post-processor (e.g. BERT's [CLS] ... [SEP]) would
-    # otherwise be inserted around every chunk. The chunks go to encode_batch a group
-    # at a time (each chunk is encoded on its own either way), so the bar can move.
-    chunks = _chunks(text, _ENCODE_CHUNK_CHARS)
-    parts = []
-    with progress(total=len(text), desc="tokenizing", unit="char") as bar:
-        for i in range(0, len(chunks), _ENCODE_GROUP):
-            group = chunks[i:i + _ENCODE_GROUP]
-            for enc in tok.encode_batch(group, add_special_tokens=False):
-                parts.append(np.asarray(enc.ids, dtype=np.int64))
-            bar.update(sum(len(c) for c in group))
-    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    if len(ids) and int(ids.max()) >= vocab_size:  # a malformed tokenizer file, but cheap to catch
-        raise DataError(f"--tokenizer {tokenizer} produced id {int(ids.max())} >= its "
-                        f"vocab size {vocab_size}")
-    return ids, vocab_size, str(path.resolve())
+def _route(res, router: Router, writers: dict, doc: int) -> int:
+    """Write one encoded chunk's pieces to their splits; returns the next document index.
+    Pieces go in runs of one split (a piece is routed by the document it belongs to)."""
+    ids, lengths, ends, _, _ = res
+    if not len(lengths):
+        return doc
+    piece_doc = doc + np.cumsum(ends) - ends  # the document each piece belongs to
+    val = router.is_val(piece_doc)
+    tok_end = np.cumsum(lengths)
+    cuts = np.flatnonzero(np.diff(val.astype(np.int8))) + 1
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(lengths)]):
+        lo = tok_end[a - 1] if a else 0
+        writers["val" if val[a] else "train"].write(ids[lo:tok_end[b - 1]],
+                                                     int(ends[a:b].sum()))
+    return doc + int(ends.sum())
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name then rename, so an interrupted run never leaves a
-    truncated token file that a later training run would read as valid."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _write_tokens(path: Path, ids: np.ndarray, dtype: np.dtype, bar) -> None:
-    """``ids`` as ``dtype`` to ``path`` (atomically, like :func:`_write_atomic`), a
-    slice at a time: no full-size converted copy, and ``bar`` advances by bytes."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for i in range(0, len(ids), _WRITE_TOKENS):
-            data = ids[i:i + _WRITE_TOKENS].astype(dtype).tobytes()
-            f.write(data)
-            bar.update(len(data))
-    os.replace(tmp, path)
-
-
-def prepare(corpus: _Corpus, out: Path, tokenizer: str = "bytes", val_fraction: float = 0.1,
-            dtype: Optional[str] = None, force: bool = False) -> dict:
-    """Tokenize ``corpus`` and write the three files; returns the meta dict."""
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"--val-fraction={val_fraction} must be in (0, 1)")
-    train_path, val_path, meta_path = out / "train.bin", out / "val.bin", out / "meta.json"
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} exists and is not a directory")
-    existing = [str(p) for p in (train_path, val_path) if p.exists()]
-    if existing and not force:
-        raise DataError(f"{' and '.join(existing)} already exist; pass --force to overwrite")
-
-    ids, vocab_size, tok_desc = _tokenize(corpus.text, tokenizer)
-    if dtype is None:
-        dtype = "uint16" if vocab_size <= 65536 else "uint32"
-    if dtype == "uint16" and vocab_size > 65536:
-        raise DataError(f"--dtype uint16 cannot hold the vocab of {vocab_size} tokens; "
-                        f"use --dtype uint32")
-    n_val = int(round(len(ids) * val_fraction))
-    n_train = len(ids) - n_val
-    if n_val == 0 or n_train == 0:
-        raise DataError(f"{len(ids)} tokens are too few to split with "
-                        f"--val-fraction={val_fraction}")
+def prepare(inputs: list[Input], out: Path, args) -> dict:
+    """Tokenize ``inputs`` into ``out``; returns the meta dict (plus ``_stats``)."""
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise DataError(f"--val-fraction={args.val_fraction} must be in [0, 1)")
+    if args.val_docs is not None and args.val_docs < 0:
+        raise DataError(f"--val-docs={args.val_docs} must be >= 0")
+    if args.shard_tokens <= 0 or args.workers <= 0:
+        raise DataError("--shard-tokens and --workers must be > 0")
+    old = check_out(out, args.force)
+    spec = resolve_tokenizer(args.tokenizer, args.eos_id, args.bos)
+    dtype = args.dtype or ("uint16" if spec.vocab_size <= 65536 else "uint32")
+    if dtype == "uint16" and spec.vocab_size > 65536:
+        raise DataError(f"--dtype uint16 cannot hold the vocab of {spec.vocab_size} tokens "
+                        f"of --tokenizer {args.tokenizer}; use --dtype uint32")
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
-    # the largest ids let the loader trust the files without scanning them
-    meta = {"vocab_size": vocab_size, "dtype": dtype, "tokenizer": tok_desc,
-            "train_tokens": n_train, "val_tokens": n_val,
-            "train_max_id": int(ids[:n_train].max()), "val_max_id": int(ids[n_train:].max()),
-            "source": corpus.source}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with progress(total=len(ids) * np_dtype.itemsize, desc="writing", unit="B") as bar:
-            _write_tokens(train_path, ids[:n_train], np_dtype, bar)
-            _write_tokens(val_path, ids[n_train:], np_dtype, bar)
-        _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     except OSError as e:
+        raise DataError(f"cannot create --out {out}: {e.strerror or e}") from None
+    writers = {s: ShardWriter(out, s, np_dtype, args.shard_tokens) for s in SPLITS}
+    router = Router(args.val_fraction, args.val_docs)
+    t0, doc, bad, nbytes = time.monotonic(), 0, 0, 0
+    total = sum(i.size() for i in inputs) or None
+    try:
+        with progress(total=total, desc="prepare", unit="B") as bar:
+            for res in _encoded(inputs, args, spec, bar):
+                doc = _route(res, router, writers, doc)
+                bad += res[3]
+                nbytes += res[4]
+                if hasattr(bar, "set_postfix_str"):
+                    bar.set_postfix_str(f"{doc:,} docs", refresh=False)
+        split_by = _check_split(writers, doc, args)
+        meta = _meta(writers, spec, dtype, split_by, inputs, args)
+        meta["_stats"] = {"docs": doc, "skipped": bad, "bytes": total or nbytes,
+                          "seconds": time.monotonic() - t0}
+        written = {e["file"] for s in SPLITS for e in meta["shards"][s]} | {"meta.json"}
+        for p in old:  # a forced run: what the new set does not replace goes
+            if p.name not in written:
+                p.unlink(missing_ok=True)
+        tmp = out / "meta.json.tmp"
+        tmp.write_text(json.dumps({k: v for k, v in meta.items() if k != "_stats"},
+                                  indent=2) + "\n")
+        os.replace(tmp, out / "meta.json")
+    except OSError as e:
+        for w in writers.values():
+            w.discard()
         raise DataError(f"cannot write to {out}: {e.strerror or e}") from None
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
+    return meta
+
+
+def _check_split(writers: dict, docs: int, args) -> str:
+    """How the val split was taken ("documents", "tokens" or "none"); a one-document
+    corpus moves the last --val-fraction of its tokens to val here."""
+    train, val = writers["train"], writers["val"]
+    if docs == 1 and args.val_fraction > 0 and args.val_docs is None:
+        n_val = int(round(train.tokens * args.val_fraction))
+        if 0 < n_val < train.tokens:
+            for part in train.take_tail(n_val):
+                val.write(part, 0)
+            val.shards[-1]["docs"] = 1
+            train.shards[-1]["docs"] = 0  # the document continues into val
+            return "tokens"
+    want_val = args.val_docs if args.val_docs is not None else args.val_fraction
+    if train.tokens == 0 or (want_val and val.tokens == 0):
+        raise DataError(f"{docs} documents ({train.tokens + val.tokens} tokens) are too few "
+                        f"to split with --val-fraction={args.val_fraction}"
+                        + (f" --val-docs={args.val_docs}" if args.val_docs is not None else ""))
+    return "documents" if want_val else "none"
+
+
+def _meta(writers: dict, spec, dtype: str, split_by: str, inputs: list[Input], args) -> dict:
+    shards = {s: w.finish() for s, w in writers.items()}
+    meta = {"vocab_size": spec.vocab_size, "dtype": dtype, "tokenizer": spec.describe(),
+            "tokenizer_kind": spec.kind, "tokenizer_sha256": spec.sha256,
+            "eos_id": spec.eos_id, "bos_id": spec.bos_id, "separator": "eos"}
+    for s, w in writers.items():
+        meta[f"{s}_tokens"] = sum(e["tokens"] for e in shards[s])
+        meta[f"{s}_docs"] = sum(e["docs"] for e in shards[s])
+        meta[f"{s}_max_id"] = max((e["max_id"] for e in shards[s]), default=-1)
+    meta["documents"] = meta["train_docs"] + meta["val_docs"]
+    meta["val_split"] = split_by
+    meta["shards"] = shards
+    meta["source"] = ("builtin:pydoc" if args.builtin else
+                      [str(i.path.resolve()) for i in inputs])
+    meta["text_key"], meta["split_on"] = args.text_key, args.split_on
     return meta
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.split_on is not None:
+        args.split_on = codecs.decode(args.split_on, "unicode_escape")
     try:
-        corpus = _builtin_pydoc() if args.builtin == "pydoc" else _read_input(args.input)
+        inputs = ([Input(Path("pydoc"), "builtin")] if args.builtin
+                  else expand(args.input))
         out = Path(args.out)
-        meta = prepare(corpus, out, args.tokenizer, args.val_fraction, args.dtype, args.force)
+        meta = prepare(inputs, out, args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(f"prepared {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-          f"(vocab {meta['vocab_size']}, {meta['dtype']}, tokenizer {args.tokenizer}) -> "
-          f"{out / 'train.bin'}, {out / 'val.bin'}, {out / 'meta.json'}")
+    st = meta["_stats"]
+    mb = st["bytes"] / 1e6
+    rate = f"{mb / st['seconds']:.1f} MB/s" if st["seconds"] > 0 else "-"
+    skipped = f", {st['skipped']:,} bad skipped" if st["skipped"] else ""
+    print(f"prepared {st['docs']:,} documents{skipped}: {meta['train_tokens']:,} train + "
+          f"{meta['val_tokens']:,} val tokens (vocab {meta['vocab_size']}, {meta['dtype']}, "
+          f"tokenizer {args.tokenizer}, EOS {meta['eos_id']}) in "
+          f"{len(meta['shards']['train']) + len(meta['shards']['val'])} shards -> {out}; "
+          f"{mb:,.1f} MB in {st['seconds']:.1f}s ({rate})")
     return 0
 
 

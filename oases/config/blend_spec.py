@@ -3,6 +3,7 @@ sampler is :mod:`oases.runtime.blend`)."""
 
 from __future__ import annotations
 
+import glob
 import math
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,17 @@ def _entry(i: int, entry: Any, check_files: bool) -> tuple[str, float]:
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{where}.path={path!r} must be a file path")
     weight = _weight(where, entry["weight"])
-    if check_files and not Path(path).is_file():
+    if check_files and not _names_data(Path(path)):
         what = "is a directory, not a token file" if Path(path).is_dir() else "does not exist"
         raise ConfigError(f"{where}.path={path} {what}")
     return path, weight
+
+
+def _names_data(p: Path) -> bool:
+    """Whether ``p`` can name a corpus (oases.runtime.tokens checks it): a file, a Megatron
+    prefix, a glob with matches, or a split of a prepared directory (its meta.json)."""
+    return (p.is_file() or p.with_name(p.name + ".idx").is_file() or bool(glob.glob(str(p)))
+            or (not p.is_dir() and (p.parent / "meta.json").is_file()))
 
 
 def check_blend(entries: Any, check_files: bool = True) -> list[tuple[str, float]]:

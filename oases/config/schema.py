@@ -25,6 +25,8 @@ import yaml
 from oases.config.blend_spec import check_blend
 from oases.config.heads import heads_problem
 from oases.config.hf import apply_init_from
+from oases.config.observe import MetricsConfig, ProfileConfig, WandbConfig
+from oases.config.section import _Section
 from oases.config.sizes import MODEL_SIZES
 from oases.config.typed_yaml import build_dataclass, set_dotted
 from oases.errors import ConfigError
@@ -56,27 +58,6 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 # model is refused by another that differs in any of them.
 SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
               "seq_len", "tie_embeddings", "bias")
-
-
-class _Section:
-    """A config section that can be frozen: once a run has validated its config, every
-    value the run derives lives in its state, and a write into the config is a bug that
-    fails where it happens (:meth:`Config.freeze`)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if self.__dict__.get("_frozen"):
-            raise dataclasses.FrozenInstanceError(
-                f"the config is frozen after validation: cannot set {type(self).__name__}"
-                f".{name}; derive a new config with Config.with_changes")
-        super().__setattr__(name, value)
-
-    def _set_frozen(self, frozen: bool) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, _Section):
-                v._set_frozen(frozen)
-        object.__setattr__(self, "_frozen", frozen)
-
 
 
 @dataclass
@@ -280,12 +261,14 @@ class TrainConfig(_Section):
 @dataclass
 class DataConfig(_Section):
     kind: str = "synthetic"         # "synthetic" | "tokens"
-    train_path: str = ""            # nanoGPT-style token file (tokens)
+    train_path: str = ""            # token file, DIR/train, Megatron prefix, glob (docs/data.md)
     # Or a blend of token files: a list of {path: FILE, weight: W}; weights > 0 are
     # normalised to sum 1 (oases.runtime.blend). Exclusive with train_path.
     train_paths: Optional[list] = None
     val_path: str = ""              # optional; enables eval.interval
     dtype: str = "uint16"           # token file dtype: "uint16" | "uint32"
+    eos_id: int = -1                # the id ending each document (-1: meta.json's eos_id)
+    reset_attention_at_eos: bool = False  # attention within documents (mask cut at each EOS)
 
     def blend(self, check_files: bool = True) -> list[tuple[str, float]]:
         """``train_paths`` checked, as ``[(path, weight), ...]`` with the weights
@@ -320,20 +303,11 @@ class CheckpointConfig(_Section):
     interval: int = 0               # save every N steps (0: only at the end)
     keep: int = 2                   # complete checkpoints kept on disk (newest first)
     save_final: bool = True
+    async_save: bool = False        # write in the background (DCP async_save), see checkpoints.md
 
     def validate(self) -> None:
         _positive("checkpoint.interval", self.interval, allow_zero=True)
         _positive("checkpoint.keep", self.keep)
-
-
-@dataclass
-class WandbConfig(_Section):
-    mode: str = "offline"           # "offline" | "online" | "disabled"
-    project: str = "oases"
-    name: str = ""                  # run name; default: the out_dir's name
-
-    def validate(self) -> None:
-        _choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
 
 
 @dataclass
@@ -349,6 +323,8 @@ class Config(_Section):
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     _world_size = 1  # not a field: set by validate()
 
@@ -381,14 +357,17 @@ class Config(_Section):
         """Resolve the named model size and check every section; returns self."""
         self.model.resolve()
         for sec in (self.model, self.parallel, self.train, self.data, self.eval,
-                    self.checkpoint, self.wandb):
+                    self.checkpoint, self.wandb, self.metrics):
             sec.validate()
+        self.profile.validate(self.train.steps)
         _choice("resume", self.resume, ("none", "auto"))
         if self.eval.only and not self.data.val_path:
             raise ConfigError("eval.only=true needs data.val_path (the token file to evaluate)")
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
         tp, pp, m = self.parallel.tp, self.parallel.pp, self.model
+        if self.data.reset_attention_at_eos and (self.parallel.schedule, pp) != ("megatron", 1):
+            raise ConfigError("data.reset_attention_at_eos needs parallel.schedule=megatron, pp=1")
         if world_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}")
         if world_size % (pp * tp):

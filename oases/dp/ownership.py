@@ -5,8 +5,9 @@ The gradient reducer (:mod:`oases.dp.reducer`) decides the buckets and reduces t
 gradients; each bucket at a level >= 1 carries its :class:`~oases.dp.zero.ShardedFlat`.
 :class:`ZeroOwnership` holds those flats together with the parameter store
 (:class:`~oases.dp.store.ParamStore`, levels 1-3) and answers every question about
-owned ranges: the optimizer's tensors (segments of the owned ranges), the gradient
-terms of the norm, the whole optimizer state for a checkpoint and back.
+owned ranges: the optimizer's tensors (segments of the owned ranges) and the gradient
+terms of the norm. Checkpoints read and write the owned ranges in place
+(:mod:`oases.runtime.ckpt_format`).
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ class ZeroOwnership:
                 if p.grad is not None and id(p) not in zeroed]
         return out
 
-    # -- checkpoints --------------------------------------------------------------------
+    # -- inspection -------------------------------------------------------------------
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         """Adam state keyed by model parameter, whole (collective: sharded buckets
-        all-gather theirs), as a level-0 optimizer would hold it."""
+        all-gather theirs), as a level-0 optimizer would hold it. For inspection (tests):
+        it costs a whole copy of the state; checkpoints write the owned ranges
+        (:mod:`oases.runtime.ckpt_format`)."""
         segs = self._segment_ids()
         state = {t: opt.state[t] for g in opt.param_groups for t in g["params"]
                  if id(t) not in segs and t in opt.state}
@@ -118,34 +121,19 @@ class ZeroOwnership:
                             else torch.zeros((), dtype=torch.float32)}
         return state
 
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        """Inverse of :meth:`full_optimizer_state`: keep the owned ranges."""
-        own = {id(t) for g in opt.param_groups for t in g["params"]}
-        for p, st in state.items():
-            if id(p) in own:  # a level-0 parameter: its state as loaded
-                opt.state[p] = st
-        for fl in self.flats:
-            fl.load_state(state)
-            for seg, p in fl.segments:
-                if p in state and "step" in state[p] and seg in opt.state:
-                    opt.state[seg]["step"].copy_(state[p]["step"])
-            fl.write_back()
-
     @contextlib.contextmanager
-    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module, load: bool = False):
+    def unsharded(self, opt: torch.optim.Optimizer, model: nn.Module):
         """Whole parameters and an optimizer stand-in whose ``state`` is keyed by model
-        parameter, as at level 0, for checkpoint save (``load`` False) and load (then the
-        loaded values go back to the owned ranges on exit). Collective."""
+        parameter, as at level 0, for inspection (tests compare levels with it); read
+        only, a whole copy of the state. Collective."""
         if not self.sharded:
             yield opt
             return
         if self.store is not None:
             self.store.gather_all()
-        view = _OptimizerView(model, opt, {} if load else self.full_optimizer_state(opt))
+        view = _OptimizerView(model, opt, self.full_optimizer_state(opt))
         try:
             yield view
-            if load:
-                self.load_optimizer_state(opt, view.state)
         finally:
             self.release()
 
@@ -165,8 +153,8 @@ def _ensure_grads_hook(fl: ShardedFlat):
 
 
 class _OptimizerView:
-    """What checkpoint save and load read of an optimizer: ``state`` keyed by model
-    parameter and ``param_groups`` listing the model's parameters."""
+    """An optimizer as a level-0 run holds it: ``state`` keyed by model parameter and
+    ``param_groups`` listing the model's parameters."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
         fused = any(g.get("fused") for g in opt.param_groups)

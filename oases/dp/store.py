@@ -161,7 +161,7 @@ class ParamStore:
                 fl.sync_params()
 
     def gather_all(self) -> None:
-        """Every unit whole, until :meth:`release` (checkpoints, loading weights)."""
+        """Every unit whole, until :meth:`release` (inspection: tests compare levels)."""
         for fls in self.pending.values():
             for fl in fls:
                 fl.settle()

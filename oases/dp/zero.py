@@ -19,7 +19,8 @@ parameter range, with ``.grad`` a view into the owned gradient range and Adam's
 ``exp_avg``/``exp_avg_sq`` views into two flat buffers of the owned length. So
 one ``torch.optim.AdamW`` steps level-0 parameters and segments alike, weight
 decay stays per parameter, and the Adam state of a bucket is two flat tensors
-that one all-gather makes whole again (checkpoints, :meth:`ShardedFlat.full_state`).
+that a checkpoint writes as they are, each rank its own range
+(:mod:`oases.runtime.ckpt_format`).
 
 Freeing is ``untyped_storage().resize_(0)`` on a flat buffer: every parameter
 (or ``.grad``) stays the same tensor object, a view whose storage comes and
@@ -191,14 +192,10 @@ class ShardedFlat:
             self.work = None
             self._send = None
 
-    def write_back(self) -> None:
-        """Full parameters were written (a checkpoint load): keep the owned range."""
-        if self.level >= 3:
-            self.shard.copy_(self.flat[self.lo: self.hi])
-
-    # -- checkpoints -----------------------------------------------------------
+    # -- inspection ------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Every parameter's whole Adam state (collective over the bucket's group)."""
+        """Every parameter's whole Adam state (collective over the bucket's group; tests
+        compare levels with it, checkpoints write the owned ranges)."""
         out = {}
         fulls = {}
         for key, t in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
@@ -208,15 +205,3 @@ class ShardedFlat:
         for p, o in zip(self.params, self.offsets):
             out[p] = {k: v[o: o + p.numel()].view_as(p) for k, v in fulls.items()}
         return out
-
-    def load_state(self, state: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        for p, o in zip(self.params, self.offsets):
-            st = state.get(p)
-            if not st:
-                continue
-            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
-            if a >= b:
-                continue
-            for key, t in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                if key in st:
-                    t[a - self.lo: b - self.lo].copy_(st[key].reshape(-1)[a - o: b - o])

@@ -93,6 +93,7 @@ from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
 from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Stashed, Wait, collect,
                                   run_joint, run_programs)
+from oases.overlap.trace import engine_span
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
@@ -277,7 +278,7 @@ class OasesSchedule:
         yield from self._backward(run, sb, scale)
 
     def _span(self, name: str):
-        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
+        return engine_span(self.tracer, name)
 
     def _enter(self, block: int, toward: Optional[int] = None, span: Optional[str] = None):
         """The way into a block's compute, taken on entering it and again on resuming it

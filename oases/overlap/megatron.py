@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from oases.overlap.memory import SavedTensorMeter
+from oases.overlap.trace import engine_span
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import AmpFactory, StageRun
 
@@ -38,7 +39,7 @@ class MegatronSchedule:
         self.tracer = tracer
 
     def _span(self, name: str):
-        return self.tracer.span(name, "compute") if self.tracer is not None else contextlib.nullcontext()
+        return engine_span(self.tracer, name)
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
                          scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:

@@ -27,6 +27,7 @@ from oases.overlap.rng_streams import (_rng_restore, _rng_snapshot, draws_random
                                        same_rng)
 from oases.parallel.comm import _trivial, all_gather_async, all_reduce
 from oases.parallel.random import TPRNGTracker
+from oases.parallel.timing import label
 
 Program = Generator[list, list, None]
 
@@ -191,9 +192,11 @@ def _launch(reqs: list[tuple]) -> list:
             out.append((t, None))
         elif kind == "ar":
             t = t.contiguous()
-            out.append((t, all_reduce(t, group, async_op=True)))
+            with label("launch all-reduce"):
+                out.append((t, all_reduce(t, group, async_op=True)))
         else:
-            out.append(all_gather_async(t, group))
+            with label("launch all-gather"):
+                out.append(all_gather_async(t, group))
     return out
 
 
@@ -201,7 +204,8 @@ def _wait(pending: list) -> list[torch.Tensor]:
     res = []
     for b, work in pending:
         if work is not None:
-            work.wait()  # orders the current stream after the collective
+            with label("wait"):
+                work.wait()  # orders the current stream after the collective
         res.append(b)
     return res
 
@@ -229,9 +233,10 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
         live = run.snap()
         run.restore(run.streams[s])
         try:
-            req = programs[k].send(value)
-            while isinstance(req, Launch):  # launch, keep computing in the same program
-                req = programs[k].send(_launch(req.reqs))
+            with label(f"sub-batch {s}"):
+                req = programs[k].send(value)
+                while isinstance(req, Launch):  # launch, keep computing in the same program
+                    req = programs[k].send(_launch(req.reqs))
         except StopIteration:
             alive[k] = False
             pending[k] = None

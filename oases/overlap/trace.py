@@ -7,6 +7,9 @@ completion, the end stamped by the work's future callback: on the CPU it fires o
 communication thread when the collective ends; on CUDA it runs on a stream that waits
 for the collective, so its event completes when the collective does. The trace shows
 which collectives ran while which compute did; the stamps are read when it is saved.
+
+The same names label ``torch.profiler`` ranges (:func:`engine_span`; ``profile.steps``,
+:mod:`oases.runtime.profiling`), where the device's own timeline shows the overlap.
 """
 
 from __future__ import annotations
@@ -17,7 +20,21 @@ import threading
 from pathlib import Path
 
 from oases.parallel.comm import CommObserver
-from oases.parallel.timing import DeviceLike, Stamp, between, on_cuda, stamp
+from oases.parallel.timing import DeviceLike, Stamp, between, label, on_cuda, stamp
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def engine_span(tracer, name: str, lane: str = "compute"):
+    """The engine's span ``name``: a profiler range (when one records) and, with a
+    tracer, a span on its ``lane``."""
+    if tracer is None:
+        return label(name)
+    return _both(label(name), tracer.span(name, lane))
 
 
 class Tracer(CommObserver):

@@ -162,6 +162,44 @@ class CommObserver(_Watcher):
         the CPU, a CUDA event on CUDA)."""
         raise NotImplementedError
 
+    def times_waits(self, group) -> bool:
+        """True: the waits on this module's collectives over ``group`` are reported to
+        :meth:`waited` (the exposed-communication clock)."""
+        return False
+
+    def waited(self, launched: Stamp, before: Stamp, after: Stamp, done: list) -> None:
+        """A wait on a collective launched at ``launched`` ran from ``before`` to
+        ``after``; ``done`` receives the collective's completion stamp (read it later)."""
+
+
+class _WatchedWork:
+    """A collective's work handle whose ``wait`` is stamped on the device's timeline and
+    reported to the observers that time waits over its group (:meth:`CommObserver.waited`).
+    On the CPU the stamps bracket the host's block; on CUDA they are events on the current
+    stream around ``work.wait()``, so their distance is how long that stream stalled."""
+
+    def __init__(self, work, observers: list, device: torch.device, launched: Stamp) -> None:
+        self.work, self.observers, self.device, self.launched = work, observers, device, launched
+        self.done: list = []  # the completion stamp, set by the work's future callback
+        if device.type != "cuda":  # a CUDA future's callback runs at enqueue, not at the end
+            work.get_future().then(lambda _f: self.done.append(stamp(device)))
+
+    def wait(self, timeout=None) -> bool:
+        before = stamp(self.device)
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        after = stamp(self.device)
+        for obs in self.observers:
+            obs.waited(self.launched, before, after, self.done)
+        return ok
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _watched(work, group, observers: list, device: torch.device, launched: Stamp):
+    timers = [o for o in observers if o.times_waits(group)]
+    return _WatchedWork(work, timers, device, launched) if timers else work
+
 
 def active_observers() -> list:
     """The open observers of this thread's scope: code that issues collectives of its
@@ -236,6 +274,7 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
     work = dist.all_reduce(t, op=op, group=group, async_op=True)
     for obs in observers:
         obs.collective("all-reduce", "comm", work, start)
+    work = _watched(work, group, observers, t.device, start)
     if async_op:
         return work
     work.wait()
@@ -256,7 +295,7 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     work = _all_gather_single(out, src, group=group, async_op=True)
     for obs in observers:
         obs.collective("all-gather", "comm", work, start)
-    return out, work
+    return out, (_watched(work, group, observers, t.device, start) if observers else work)
 
 
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:

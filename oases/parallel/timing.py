@@ -12,6 +12,8 @@ the step's figures are read (at a log step). On the CPU a stamp is the host cloc
     ...                      # device work, queued
     timer.stop(t0)           # or: with timer.measure(): ...
     timer.take()             # seconds of every interval since the last take
+
+:func:`label` names a range for ``torch.profiler`` traces (free when no profiler runs).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ DeviceLike = Optional[Union[torch.device, str]]
 # spans kept as stamps before the ended ones are read (a long log interval with many
 # timed blocks would otherwise hold thousands of CUDA events)
 _FOLD_AT = 256
+
+
+def label(name: str):
+    """A ``record_function`` range called ``name`` while a ``torch.profiler`` records,
+    else a no-op (the engines label every sub-batch segment, launch and wait)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def on_cuda(device: DeviceLike) -> bool:

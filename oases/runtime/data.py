@@ -35,7 +35,6 @@ points report as one line with exit status 2.
 from __future__ import annotations
 
 import json
-import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Optional, Union
@@ -47,34 +46,15 @@ from oases.config import DataConfig
 from oases.errors import CheckpointError, ConfigError, DataError
 from oases.parallel.loss import IGNORE_INDEX
 from oases.runtime.blend import Blend
+from oases.runtime.tokens import ShardedTokens, open_corpus
 
 PathLike = Union[str, Path]
-
-# Read-only on purpose (no module-level mutable state): the supported file dtypes.
-_DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
-    {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")})
-
-# Tokens checked per step of the vocabulary scan: 16M tokens is 32-64 MB of RAM,
-# which keeps the scan of a multi-GB file bounded in memory yet vectorized.
-_SCAN_CHUNK_TOKENS = 1 << 24
-# With the largest id recorded in meta.json, start-up reads only this sample of the
-# file: 16 chunks of 64K tokens (a few MB), whatever its size.
-_SAMPLE_CHUNKS = 16
-_SAMPLE_CHUNK_TOKENS = 1 << 16
 
 # Domain tags mixed into the RNG seeds so the permutation streams and the
 # synthetic-token stream never share a seed, whatever (seed, epoch, sample) are.
 _PERM_STREAM = 0
 _SYNTH_STREAM = 1
 _BLEND_PERM_STREAM = 2  # file k of a blend: seeded from (seed, k, epoch)
-
-_PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
-
-
-def _np_dtype(dtype: str) -> np.dtype:
-    if dtype not in _DTYPES:
-        raise DataError(f"data dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _rng(stream: int, seed: int, *index: int) -> np.random.Generator:
@@ -85,99 +65,6 @@ def _rng(stream: int, seed: int, *index: int) -> np.random.Generator:
     so a negative config seed still works.
     """
     return np.random.default_rng([stream, seed % (1 << 64), *index])
-
-
-def _check_meta(path: Path, dtype: str) -> dict:
-    """Catch the classic silent failure: reading a uint32 file as uint16 (or back)
-    gives garbage token ids that may well still be inside the vocabulary. Returns
-    ``meta.json`` (next to the file), or {} if there is none."""
-    meta_path = path.parent / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path} (next to {path}) is not readable JSON: {e}") from None
-    if not isinstance(meta, dict):
-        return {}
-    meta_dtype = meta.get("dtype")
-    if meta_dtype is not None and meta_dtype != dtype:
-        raise DataError(f"{path} was written as {meta_dtype} (per {meta_path}) but "
-                        f"data.dtype={dtype}; set data.dtype={meta_dtype}")
-    return meta
-
-
-def _recorded_max_id(meta: dict, path: Path, n_tokens: int) -> Optional[int]:
-    """The largest token id ``oases.prepare`` recorded for this file (``<stem>_max_id``
-    in meta.json, e.g. ``train_max_id`` for train.bin), if its token count
-    (``<stem>_tokens``) says the record is about this very file."""
-    rec, count = meta.get(f"{path.stem}_max_id"), meta.get(f"{path.stem}_tokens")
-    if isinstance(rec, int) and not isinstance(rec, bool) and count == n_tokens:
-        return rec
-    return None
-
-
-def _sample_max(tokens: np.ndarray, samples: int = _SAMPLE_CHUNKS,
-                chunk_tokens: int = _SAMPLE_CHUNK_TOKENS) -> int:
-    """The largest id in ``samples`` chunks spread evenly over the file (first and last
-    included): a bounded read that catches a file changed after ``meta.json``."""
-    n = len(tokens)
-    starts = np.linspace(0, max(n - chunk_tokens, 0), samples).astype(np.int64)
-    return max(int(tokens[a:a + chunk_tokens].max()) for a in np.unique(starts))
-
-
-def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
-                     chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> None:
-    """Raise if any id is >= vocab_size. Scans in chunks: the embedding would
-    otherwise fail much later with an opaque CUDA index error, and loading a
-    multi-GB memmap at once would defeat the memmap."""
-    max_id = -1
-    for start in range(0, len(tokens), chunk_tokens):
-        chunk = tokens[start:start + chunk_tokens]
-        if len(chunk):
-            max_id = max(max_id, int(chunk.max()))
-    if max_id >= vocab_size:
-        raise DataError(f"{path} holds token id {max_id} but the model's vocab_size is "
-                        f"{vocab_size}; use a model with vocab_size > {max_id} or "
-                        f"re-tokenize the data")
-
-
-def open_tokens(path: PathLike, dtype: str, vocab_size: int) -> np.ndarray:
-    """Open and validate a token file; returns a read-only 1-D memmap (or an empty
-    array for an empty file, which ``np.memmap`` cannot map). The token ids are checked
-    against the vocabulary from the largest id ``oases.prepare`` recorded in
-    ``meta.json`` and a bounded sample of the file (a 100 GB corpus opens in
-    milliseconds); a file without that record is scanned whole."""
-    p = Path(path)
-    np_dtype = _np_dtype(dtype)
-    if not p.is_file():
-        what = "is a directory, not a token file" if p.is_dir() else "does not exist"
-        raise DataError(f"data file {p} {what}; {_PREPARE_HINT}")
-    meta = _check_meta(p, dtype)
-    size = p.stat().st_size
-    if size % np_dtype.itemsize:
-        raise DataError(f"{p} is not a {dtype} token file: size {size} is not a multiple "
-                        f"of {np_dtype.itemsize}")
-    if size == 0:
-        return np.zeros(0, dtype=np_dtype)
-    try:
-        tokens = np.memmap(p, dtype=np_dtype, mode="r")
-    except OSError as e:
-        raise DataError(f"cannot read data file {p}: {e.strerror or e}") from None
-    recorded = _recorded_max_id(meta, p, len(tokens))
-    if recorded is None:
-        _check_token_ids(tokens, vocab_size, p)
-        return tokens
-    sampled = _sample_max(tokens)
-    if sampled > recorded:
-        raise DataError(f"{p} holds token id {sampled} above the largest id {recorded} that "
-                        f"meta.json records for it: the file changed after oases.prepare "
-                        f"wrote meta.json; re-run oases.prepare")
-    if recorded >= vocab_size:
-        raise DataError(f"{p} holds token id {recorded} (per meta.json) but the model's "
-                        f"vocab_size is {vocab_size}; use a model with vocab_size > "
-                        f"{recorded} or re-tokenize the data")
-    return tokens
 
 
 def _gather_windows(tokens: np.ndarray, windows: np.ndarray, seq_len: int
@@ -206,10 +93,11 @@ class _TrainFile:
     the global sample counter; a file of a blend walks its own count.
     """
 
-    def __init__(self, path: PathLike, tokens: np.ndarray, seq_len: int,
-                 seed_words: tuple[int, ...]) -> None:
+    def __init__(self, path: PathLike, tokens: Union[np.ndarray, ShardedTokens], seq_len: int,
+                 seed_words: tuple[int, ...], eos_id: Optional[int] = None) -> None:
         self.path = path
         self.tokens = tokens
+        self.eos_id = eos_id
         self.num_windows = max(len(tokens) - 1, 0) // seq_len
         self._seed_words = seed_words
         # epoch -> permutation of the windows; at most two live (samples arrive in
@@ -235,7 +123,7 @@ class _TrainFile:
 
 def _recorded_dtype(path: PathLike) -> Optional[str]:
     """The dtype in the ``meta.json`` next to ``path``, if it records one (an unreadable
-    meta.json is reported by :func:`open_tokens`)."""
+    meta.json is reported by :func:`~oases.runtime.tokens.open_corpus`)."""
     try:
         meta = json.loads((Path(path).parent / "meta.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -258,13 +146,26 @@ def _open_blend(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int
                               f"every file is read as data.dtype: prepare them with one --dtype")
     files = []
     for k, (path, _) in enumerate(pairs):
-        f = _TrainFile(path, open_tokens(path, cfg.dtype, vocab_size), seq_len,
-                       (_BLEND_PERM_STREAM, seed, k))
+        corpus = open_corpus(path, cfg.dtype, vocab_size, cfg.eos_id)
+        f = _TrainFile(path, corpus.tokens, seq_len, (_BLEND_PERM_STREAM, seed, k),
+                       corpus.eos_id)
         if f.num_windows == 0:
             raise DataError(f"data file {path} (data.train_paths[{k}]) holds fewer than "
                             f"{seq_len + 1} tokens: not one window of a training sample")
         files.append(f)
     return files, Blend([str(Path(p).resolve()) for p, _ in pairs], [w for _, w in pairs])
+
+
+def _common_eos(files: list[_TrainFile], cfg: DataConfig) -> Optional[int]:
+    """The EOS id that ends every document of the training data (``data.eos_id``, else
+    what meta.json records), or None; ``data.reset_attention_at_eos`` needs one."""
+    ids = {f.eos_id for f in files}
+    eos = ids.pop() if len(ids) == 1 else None
+    if cfg.reset_attention_at_eos and eos is None:
+        raise ConfigError("data.reset_attention_at_eos needs the EOS id that ends each document: "
+                          "the training files' meta.json records none (or they disagree); "
+                          "set data.eos_id")
+    return eos
 
 
 class TrainBatches:
@@ -295,8 +196,9 @@ class TrainBatches:
         if cfg.kind == "tokens" and cfg.train_paths is not None:
             self._files, self._blend = _open_blend(cfg, seq_len, vocab_size, seed)
         elif cfg.kind == "tokens":
-            tokens = open_tokens(cfg.train_path, cfg.dtype, vocab_size)
-            self._files = [_TrainFile(cfg.train_path, tokens, seq_len, (_PERM_STREAM, seed))]
+            corpus = open_corpus(cfg.train_path, cfg.dtype, vocab_size, cfg.eos_id)
+            self._files = [_TrainFile(cfg.train_path, corpus.tokens, seq_len,
+                                      (_PERM_STREAM, seed), corpus.eos_id)]
             n, need = self._files[0].num_windows, micro_batch_size * dp
             if n < need:
                 raise DataError(
@@ -306,6 +208,8 @@ class TrainBatches:
         elif cfg.kind != "synthetic":
             raise DataError(f"data.kind={cfg.kind!r} is not one of synthetic, tokens")
         self.num_windows = sum(f.num_windows for f in self._files)
+        self.eos_id = _common_eos(self._files, cfg)
+
 
     @property
     def epoch(self) -> float:
@@ -410,7 +314,7 @@ class ValBatches:
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp = dp
-        self._tokens = open_tokens(path, dtype, vocab_size)
+        self._tokens = open_corpus(path, dtype, vocab_size).tokens
         self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
         if self.num_windows == 0:
             raise DataError(

@@ -7,20 +7,30 @@ Throughput definitions (per optimizer step):
                           precision: bf16 tensor cores for bf16, TF32 tensor cores for
                           fp32 (the run sets fp32 matmuls to TF32 on CUDA); reported
                           only for devices whose peak is known
-    peak_mem_gib        = the most memory allocated on any rank since the first step
-                          (CUDA only)
+    peak_mem_gib        = the most memory allocated on any rank during the interval (CUDA
+                          only; the peaks are reset after start-up and at each log step);
+                          reserved_mem_gib likewise for the caching allocator's reserve
+    tp_comm_exposed_s   = the most seconds per step any rank waited on TP collectives
+                          (oases.overlap.comm_clock); tp_comm_s their whole time;
+                          tp_comm_hidden_frac the smallest hidden share of any rank
+
+Throughput, step time and communication are means over the log interval's steps.
+``metrics.jsonl`` keeps these flat names; W&B and TensorBoard get them grouped, one to
+one (oases.runtime.metric_keys).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from oases.overlap.comm_clock import hidden_fraction
+from oases.runtime.sinks import TensorBoardSink, WandbSink, require_tensorboard
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s by device name and the run's precision
 # (vendor datasheets): "bf16" with fp32 accumulation, "fp32" as TF32. A key is matched as
@@ -62,20 +72,54 @@ def peak_flops(device: torch.device, precision: str = "bf16") -> Optional[float]
 
 def max_over_ranks(value: float, device: torch.device) -> float:
     """The largest ``value`` of any rank (collective over the world, if there is one)."""
+    return float(max_each([value], device)[0])
+
+
+def max_each(values: list[float], device: torch.device) -> list[float]:
+    """Each entry's maximum over the ranks: one all-reduce over the world (when there
+    is one), so every rank calls it at the same point with as many values."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
-def peak_memory_gib(device: torch.device) -> Optional[float]:
-    """The most memory allocated on any rank since the last reset, GiB; None off CUDA
-    (every rank then skips the reduction alike: the device type is the run's). A
-    collective on CUDA: every rank asks at the same steps."""
+def memory_gib(device: torch.device) -> dict:
+    """This rank's peak allocated and reserved memory since the last call (or the reset
+    after start-up), GiB, then resets the peaks; empty off CUDA."""
     if device.type != "cuda":
-        return None
-    return max_over_ranks(float(torch.cuda.max_memory_allocated(device)), device) / 2**30
+        return {}
+    got = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+           "reserved_mem_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return got
+
+
+_NONE = -1.0  # a figure this rank does not have (no CUDA memory, no TP communication)
+
+
+def ranks_max(mem: dict, comm: Optional[tuple[float, float]], device: torch.device) -> dict:
+    """The memory and TP communication figures of the interval, each the maximum over the
+    ranks (one collective: every rank calls it at each log step). ``comm``: this rank's
+    (exposed, total) seconds per step, None where it has no TP collectives. The hidden
+    fraction is the worst rank's (the smallest)."""
+    frac = hidden_fraction(*comm) if comm is not None and comm[1] is not None else None
+    vals = [mem.get("peak_mem_gib", _NONE), mem.get("reserved_mem_gib", _NONE),
+            comm[0] if comm else _NONE,
+            comm[1] if comm and comm[1] is not None else _NONE,
+            1.0 - frac if frac is not None else _NONE]
+    alloc, reserved, exposed, total, unhidden = max_each(vals, device)
+    out = {}
+    if alloc != _NONE:
+        out.update(peak_mem_gib=alloc, reserved_mem_gib=reserved)
+    if exposed != _NONE:
+        out["tp_comm_exposed_s"] = exposed
+    if total != _NONE:  # on CUDA only the exposed time is measured (CommClock.per_step)
+        out["tp_comm_s"] = total
+    if unhidden != _NONE:
+        out["tp_comm_hidden_frac"] = 1.0 - unhidden
+    return out
 
 
 def _fmt_time(s: float) -> str:
@@ -86,9 +130,15 @@ def _fmt_time(s: float) -> str:
 
 
 class MetricsLogger:
+    """The run's metrics: console line and ``metrics.jsonl`` (flat names) on rank 0, and
+    the grouped keys (:mod:`oases.runtime.metric_keys`) on W&B and TensorBoard
+    (:mod:`oases.runtime.sinks`). Every rank builds one and calls :meth:`log` at the same
+    steps (the figures of the interval are maxima over the ranks)."""
+
     def __init__(self, out_dir: str, is_main: bool, total_steps: int, flops_per_token: float,
                  world_size: int, device: torch.device, wandb_cfg=None, run_config: Optional[dict] = None,
-                 resume: bool = False, precision: str = "fp32") -> None:
+                 resume: bool = False, precision: str = "fp32", tensorboard: bool = False,
+                 start_step: int = 0, group: str = "") -> None:
         self.is_main = is_main
         self.total = total_steps
         self.flops_per_token = flops_per_token
@@ -96,16 +146,24 @@ class MetricsLogger:
         self.device = device
         self.peak = peak_flops(device, precision)  # the resolved train.precision
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.wandb = None
+        self.sinks: list = []
+        if tensorboard:  # every rank: a missing package fails alike everywhere
+            require_tensorboard()
         if not is_main:
             return
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
-            self.wandb = _init_wandb(wandb_cfg, out_dir, run_config, resume)
+            self.sinks.append(WandbSink(wandb_cfg, out_dir, run_config, resume, group))
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(out_dir, start_step if resume else 0))
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-            tokens: int, extra: Optional[dict] = None, step_times_left: Optional[float] = None) -> dict:
-        """Record optimizer step ``step`` (1-based); returns the record. Every rank calls
-        it at the same steps: on CUDA the peak memory is a maximum over the ranks."""
+            tokens: int, extra: Optional[dict] = None, step_times_left: Optional[float] = None,
+            comm: Optional[tuple[float, float]] = None) -> dict:
+        """Record optimizer step ``step`` (1-based); returns the record. ``step_time``: the
+        mean step time of the interval since the last log, so throughput is the
+        interval's (tokens of its steps / their time); ``comm``: this rank's exposed and
+        total TP communication seconds per step of the interval (None: it has no TP
+        collectives). Every rank calls it at the same steps (:func:`ranks_max`)."""
         tps = tokens / step_time
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world,
@@ -113,9 +171,7 @@ class MetricsLogger:
                "step_time_s": step_time}
         if self.peak:
             rec["mfu"] = rec["tflops_per_device"] * 1e12 / self.peak
-        mem = peak_memory_gib(self.device)
-        if mem is not None:
-            rec["peak_mem_gib"] = mem
+        rec.update(ranks_max(memory_gib(self.device), comm, self.device))
         if extra:
             rec.update(extra)
         if not self.is_main:
@@ -129,6 +185,8 @@ class MetricsLogger:
             parts.append(f"MFU {100 * rec['mfu']:.1f}%")
         if "peak_mem_gib" in rec:
             parts.append(f"mem {rec['peak_mem_gib']:.2f}GiB")
+        if "tp_comm_hidden_frac" in rec:
+            parts.append(f"TP comm hidden {100 * rec['tp_comm_hidden_frac']:.0f}%")
         if "pipeline_bubble" in rec:
             parts.append(f"bubble {100 * rec['pipeline_bubble']:.0f}%")
         parts.append(f"ETA {_fmt_time(eta)}")
@@ -139,30 +197,18 @@ class MetricsLogger:
     def log_eval(self, step: int, val_loss: float) -> None:
         if not self.is_main:
             return
-        print(f"step {step}/{self.total} | val_loss {val_loss:.4f} "
-              f"| val_ppl {math.exp(min(val_loss, 50)):.2f}", flush=True)
-        self._write({"step": step, "val_loss": val_loss})
+        ppl = math.exp(min(val_loss, 50))
+        print(f"step {step}/{self.total} | val_loss {val_loss:.4f} | val_ppl {ppl:.2f}",
+              flush=True)
+        self._write({"step": step, "val_loss": val_loss, "val_ppl": ppl})
 
     def _write(self, rec: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in rec.items() if k != "step"}, step=rec["step"])
+        for sink in self.sinks:
+            sink.log(rec)
 
     def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
-
-
-def _init_wandb(cfg, out_dir: str, run_config: Optional[dict], resume: bool):
-    import wandb  # deferred: seconds to import; rank 0 with W&B on only
-
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run_id_file = Path(out_dir) / "wandb_run_id"
-    run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else None
-    run = wandb.init(project=cfg.project, name=cfg.name or Path(out_dir).name, mode=cfg.mode,
-                     dir=out_dir, config=run_config, id=run_id,
-                     resume="allow" if run_id else None)
-    run_id_file.write_text(run.id)
-    return run
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -12,6 +12,7 @@ from models.hf import load_hf_weights
 from oases.config import Config
 from oases.config.hf import hf_dir_of
 from oases.config.schema import SHAPE_KEYS
+from oases.dp.ownership import ZeroOwnership
 from oases.parallel.groups import ParallelContext
 from oases.runtime import checkpoint as ckpt
 
@@ -45,9 +46,11 @@ def load_init_from(cfg: Config, ctx: ParallelContext, model) -> None:
         print(f"model.init_from: loaded {cfg.model.init_from}", flush=True)
 
 
-def resume(cfg: Config, ctx: ParallelContext, model, opt, batches, tracker) -> Optional[dict]:
-    """``resume=auto``: load the latest checkpoint into model, optimizer, data position and
-    RNG; returns its meta (None: nothing to resume, start at step 0)."""
+def resume(cfg: Config, ctx: ParallelContext, model, opt, batches, tracker,
+           shards: Optional[ZeroOwnership] = None) -> Optional[dict]:
+    """``resume=auto``: load the latest checkpoint into model, optimizer (``shards``: the
+    run's ZeRO ownership, whose owned ranges are read in place), data position and RNG;
+    returns its meta (None: nothing to resume, start at step 0)."""
     path = ckpt.latest_checkpoint(cfg.out_dir)
     if path is None:
         if ctx.is_main:
@@ -55,7 +58,7 @@ def resume(cfg: Config, ctx: ParallelContext, model, opt, batches, tracker) -> O
                   flush=True)
             trim_metrics(cfg.out_dir, 0)  # records of a run that crashed before saving
         return None
-    meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx))
+    meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx), shards)
     batches.load_state_dict(meta["data"])
     if rng is not None:
         tracker.set_states(rng)
@@ -65,13 +68,15 @@ def resume(cfg: Config, ctx: ParallelContext, model, opt, batches, tracker) -> O
     return meta
 
 
-def eval_only(cfg: Config, ctx: ParallelContext, model, opt, val, evaluate) -> None:
+def eval_only(cfg: Config, ctx: ParallelContext, model, opt, val, evaluate,
+              shards: Optional[ZeroOwnership] = None) -> None:
     """Validation loss of the loaded weights (resume=auto's checkpoint, else init_from or
     the seeded init); one metrics.jsonl record is all that is written."""
     step, src = 0, cfg.model.init_from or f"seed {cfg.seed}"
     path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None
     if path is not None:
-        step = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx))[0]["step"]
+        step = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx),
+                         shards)[0]["step"]
         src = str(path)
     val_loss = evaluate()
     if ctx.is_main:

@@ -34,8 +34,10 @@ from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
+from oases.runtime.observe import comm_clock_for, layout_name, run_config
 from oases.runtime.optim import lr_at
 from oases.runtime.preempt import StopSignals
+from oases.runtime.profiling import StepProfiler
 from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
                                   trim_metrics)
 from oases.runtime.step import evaluate, train_step
@@ -198,6 +200,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     model = model_for(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         load_init_from(cfg, ctx, model)
+    if cfg.data.reset_attention_at_eos:  # attention stays inside documents
+        model.attend_within_documents(batches.eos_id)
     tracer = Tracer(ctx.rank, ctx.device) if par.trace else None
     state = training_for(cfg, ctx, model, tracker, tracer)
     opt, reducer, schedule = state.opt, state.reducer, state.engine
@@ -210,14 +214,12 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         return evaluate(model, val, cfg, ctx, state.pipe)
 
     if cfg.eval.only:
-        with reducer.shards.unsharded(opt, model, load=True) as o:
-            eval_only(cfg, ctx, model, o, val, run_eval)
+        eval_only(cfg, ctx, model, opt, val, run_eval, reducer.shards)
         return
 
     start, skipped, resumed = 0, 0, False  # skipped: non-finite steps left out
     if cfg.resume == "auto":
-        with reducer.shards.unsharded(opt, model, load=True) as o:
-            meta = resume(cfg, ctx, model, o, batches, tracker)
+        meta = resume(cfg, ctx, model, opt, batches, tracker, reducer.shards)
         if meta is not None:
             start, skipped, resumed = meta["step"], int(meta.get("skipped_steps", 0)), True
     if ctx.is_main:
@@ -226,8 +228,11 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_len
     n_params, flops_per_token = model_stats(cfg.model, cfg.padded_vocab_size)
     logger = MetricsLogger(cfg.out_dir, ctx.is_main, cfg.train.steps, flops_per_token,
-                           ctx.world_size, ctx.device, cfg.wandb, cfg.to_dict(), resume=resumed,
-                           precision=cfg.train.precision)
+                           ctx.world_size, ctx.device, cfg.wandb,
+                           run_config(cfg, ctx, n_params, flops_per_token, degrees),
+                           resume=resumed, precision=cfg.train.precision,
+                           tensorboard=cfg.metrics.tensorboard, start_step=start,
+                           group=layout_name(cfg, ctx))
     if ctx.is_main:
         layout = f"pp {ctx.pp} x " if ctx.pp > 1 else ""
         print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
@@ -237,12 +242,11 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
 
-    def save(step: int):
-        with reducer.shards.unsharded(opt, model) as o:  # ZeRO: whole parameters and Adam state
-            return _save(step, o)
+    saver = ckpt.AsyncSaver() if cfg.checkpoint.async_save else None
 
-    def _save(step: int, opt):
-        if not ckpt.all_finite(model, ctx):  # never replace a good checkpoint by a broken one
+    def save(step: int):
+        # never replace a good checkpoint by a broken one
+        if not ckpt.all_finite(model, ctx, reducer.shards):
             if ctx.is_main:
                 print(f"step {step}: the weights are not finite; checkpoint not saved",
                       flush=True)
@@ -250,10 +254,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
                 **layout_meta(ctx), "padded_vocab_size": cfg.padded_vocab_size,
                 "skipped_steps": skipped}
-        path = ckpt.save(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
-                         cfg.checkpoint.keep)
+        # each rank writes what it owns (ZeRO: its ranges of the buckets), nothing gathered
+        write = ckpt.save if saver is None else saver.save
+        path = write(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
+                     cfg.checkpoint.keep, shards=reducer.shards)
         if ctx.is_main:
-            print(f"saved checkpoint {path}", flush=True)
+            print(f"{'saved' if saver is None else 'saving (in the background)'} checkpoint "
+                  f"{path}", flush=True)
         return path
 
     if start >= cfg.train.steps:
@@ -267,6 +274,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     # a host clock would need a synchronize around every step; CUDA events need none and
     # are read (one wait) only at log steps.
     step_clock = IntervalTimer(ctx.device)
+    # exposed and hidden TP communication
+    comm_clock = comm_clock_for(model, ctx) if cfg.metrics.comm_clock else None
+    prof = StepProfiler(cfg.profile.window(), cfg.out_dir, ctx.rank, ctx.device,
+                        cfg.profile.memory_snapshot)
     noop = (NoopCollectives(ctx.tp_group) if par.tp_comm_noop and ctx.tp > 1
             else contextlib.nullcontext())
     if par.tp_comm_noop and ctx.is_main:
@@ -284,9 +295,15 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             traced = tracer is not None and step == min(start + 2, cfg.train.steps - 1)
             if traced:  # trace one step after warm-up
                 tracer.restart()
-            with tracer if traced else contextlib.nullcontext():
+            prof.before(step + 1)
+            with tracer if traced else contextlib.nullcontext(), \
+                    comm_clock if comm_clock is not None else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
             step_clock.stop(t0)
+            if prof.after(step + 1) is not None and ctx.is_main:
+                print(f"wrote {out}/profile/rank*.json (steps {cfg.profile.steps})", flush=True)
+            if saver is not None:
+                saver.poll()
             done = step + 1
             if not (math.isfinite(loss) and math.isfinite(norm)):  # train_step did not update
                 last = ckpt.latest_name(cfg.out_dir) or "none"
@@ -305,8 +322,9 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                     print(f"wrote {out}/trace_rank*.json (step {done})", flush=True)
                 tracer = schedule.tracer = None
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
-                step_times += step_clock.take_each()
-                dt = step_times[-1]
+                taken = step_clock.take_each()  # the steps since the last log
+                step_times += taken
+                dt = sum(taken) / len(taken)  # the interval's mean, so its throughput
                 recent = step_times[-10:]
                 eta = sum(recent) / len(recent) * (cfg.train.steps - done)
                 extra = {"skipped_steps": skipped}
@@ -316,7 +334,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                     extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / max(
                         1, cfg.train.log_interval)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
-                           extra=extra)
+                           extra=extra, comm=comm_clock and comm_clock.per_step(len(taken)))
             if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:
                 logger.log_eval(done, run_eval())
             saved = None
@@ -325,6 +343,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             sig = stop.agreed(ctx.device)
             if sig is not None and done < cfg.train.steps:
                 saved = saved or save(done)
+                if saver is not None:
+                    saver.wait()
                 raise Preempted(f"{sig} received: stopped after step {done}/{cfg.train.steps}; "
                                 f"checkpoint {saved or 'not saved (non-finite weights)'}; "
                                 f"resume=auto continues")
@@ -335,7 +355,10 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         if cfg.checkpoint.save_final and start < final and not (
                 cfg.checkpoint.interval and final % cfg.checkpoint.interval == 0):
             save(final)
+        if saver is not None:
+            saver.wait()
     finally:
         stop.__exit__(None, None, None)
         noop.__exit__(None, None, None)
+        prof.close()
         logger.close()

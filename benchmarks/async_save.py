@@ -1,0 +1,133 @@
+"""Step time around a checkpoint save: ``checkpoint.async_save`` false (DCP ``save``) vs
+true (DCP ``async_save``: staged to host memory, written by a background thread).
+
+    .venv/bin/python -m benchmarks.async_save                 # 3 rounds, both modes
+    .venv/bin/python -m benchmarks.async_save --repeats 1     # a smoke run
+
+CPU processes (gloo) train GPT (d 512, 12 layers, vocab 50257: 63.5M parameters) at
+``parallel.zero=3`` through the trainer's pieces; step 4 of 8 saves. Per run, each
+iteration's wall time on rank 0 (the step, plus the save call where there is one, plus
+``AsyncSaver.poll``), after a barrier so every rank starts it together. Reported per
+mode: the median over rounds of the steady step (the median of steps 2, 3), of the
+iteration with the save, and of the two after it, and the save's write time (sync:
+the call; async: until the background write finished, read at the end). The modes run
+interleaved, round by round, in fresh processes. CPU time is the scarce resource here
+(the background write competes with the steps for the same cores; on a GPU node the
+steps run on the device), so the figures say what the option costs on CPU, not what it
+saves on GPUs. Writes benchmarks/results/async_save.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.zero_ckpt_memory import MODEL, REPO, start_rank
+
+STEPS, SAVE_AT = 8, 4
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, mode: str, overrides: list[str],
+            result_dir: str) -> None:
+    import torch.distributed as dist  # deferred: the parent process only spawns
+
+    from oases.runtime import checkpoint as ckpt  # deferred: as torch
+    from oases.runtime.resume import layout_meta, model_shape
+    from oases.runtime.step import train_step
+
+    ctx, cfg, tracker, model, ts, batches = start_rank(rank, world, store, out_dir, overrides)
+    saver = ckpt.AsyncSaver() if mode == "async" else None
+    times, write_s, done = [], 0.0, []
+    for step in range(1, STEPS + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(ts, batches, 1e-4)
+        if saver is not None:
+            saver.poll()
+        if step == SAVE_AT:
+            meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
+                    **layout_meta(ctx)}
+            args = (out_dir, step, model, ts.opt, ctx, meta, tracker.get_states())
+            ts_save = time.perf_counter()
+            if saver is None:
+                ckpt.save(*args, shards=ts.reducer.shards)
+                write_s = time.perf_counter() - ts_save
+            else:
+                saver.save(*args, shards=ts.reducer.shards)
+                fut = saver.pending[0]
+                fut.add_done_callback(lambda f, t=ts_save: done.append(time.perf_counter() - t))
+        times.append(time.perf_counter() - t0)
+    if saver is not None:
+        saver.wait()
+        write_s = done[0] if done else float("nan")
+    if rank == 0:
+        Path(result_dir, "r.json").write_text(json.dumps({"times": times, "write_s": write_s}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(mode: str, world: int, overrides: list[str]) -> dict:
+    import torch.multiprocessing as mp  # deferred: as in _worker
+
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), out_dir, mode,
+                                          overrides, d),
+                           nprocs=world, join=True, start_method="spawn")
+        return json.loads(Path(d, "r.json").read_text())
+
+
+def summarize(runs: list[dict]) -> dict:
+    med = statistics.median
+    return {"steady_s": med(med(r["times"][1:SAVE_AT - 1]) for r in runs),
+            "save_step_s": med(r["times"][SAVE_AT - 1] for r in runs),
+            "next_two_s": med(sum(r["times"][SAVE_AT: SAVE_AT + 2]) / 2 for r in runs),
+            "write_s": med(r["write_s"] for r in runs), "rounds": len(runs)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides")
+    args = p.parse_args(argv)
+    runs: dict[str, list] = {"sync": [], "async": []}
+    for _ in range(args.repeats):
+        for mode in runs:  # interleaved: noise hits both modes alike
+            runs[mode].append(_run(mode, args.world, args.set))
+    res = {m: summarize(r) for m, r in runs.items()}
+    from benchmarks.lib.machine import machine_info  # deferred: the report only
+
+    m = machine_info()
+    command = "python -m benchmarks.async_save " + shlex.join(sys.argv[1:] if argv is None
+                                                              else argv)
+    lines = ["# Step time around a checkpoint save: sync vs async", "",
+             f"Command: `{command.strip()}`", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores (shared with other work while this "
+             f"ran: absolute times are noise, compare the modes), torch {m['torch']}, git "
+             f"{m['git']}, {m['date']}", "",
+             f"Model: {' '.join(MODEL + args.set)}; parallel.zero=3, dp {args.world}; "
+             f"step {SAVE_AT} of {STEPS} saves; medians over {args.repeats} interleaved rounds.",
+             "", "| mode | steady step s | step + save s | next two steps s (mean) "
+             "| write s |", "|---|---|---|---|---|"]
+    for mode, r in res.items():
+        lines.append(f"| {mode} | {r['steady_s']:.2f} | {r['save_step_s']:.2f} "
+                     f"| {r['next_two_s']:.2f} | {r['write_s']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    out = REPO / "benchmarks" / "results" / "async_save"
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "runs": runs,
+                                                    "summary": res}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Peak memory of a ZeRO-3 run around checkpoints: steady training, the save step, resume.
+
+    .venv/bin/python -m benchmarks.zero_ckpt_memory                  # GPT 63.5M, dp 4, zero 3
+    .venv/bin/python -m benchmarks.zero_ckpt_memory --quick          # 2 layers, fewer steps
+
+Four CPU processes (gloo, one FileStore) train GPT (d 512, 12 layers, vocab 50257: 63.5M
+parameters; 16 bytes of state per parameter, 1.0 GB in all, 254 MB per rank at dp 4)
+with ``parallel.zero=3`` through the trainer's own pieces (``training_for``,
+``train_step``, :func:`oases.runtime.checkpoint.save` / ``load``). Each rank reads its
+peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) in three phases:
+
+* steady: the peak over training steps 3-5 (after two warm-up steps);
+* save: the peak over step 6 followed by the checkpoint save;
+* resume: new processes build the model, then ``load`` the checkpoint; the peak over
+  the load, and the peak over two steps after it.
+
+Ratios are the phase's peak over the steady peak of the same rank (the target: save and
+resume at most 1.1x). ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return every freed
+tensor to the system, so the resident set follows what is allocated (without it, a freed
+bucket may stay in the heap and show as resident). Memory does not depend on CPU
+contention, so the figures hold on a shared machine.
+Writes benchmarks/results/zero_ckpt_memory.{md,json} (``--quick``: zero_ckpt_memory-quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ["model.name=gpt-125m", "model.d_model=512", "model.n_head=8", "model.n_kv_heads=8",
+         "model.ffn_hidden=2048", "model.n_layer=12", "model.seq_len=64", "model.dropout=0"]
+
+
+def _rss_peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        for ln in f:
+            if ln.startswith("VmHWM:"):
+                return int(ln.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set restarts from the current one
+
+
+def _config(out_dir: str, overrides: list[str], world: int):
+    from oases.config import load_config  # deferred: the workers import torch, not the parent
+
+    return load_config(None, [*MODEL, "parallel.zero=3", "data.kind=synthetic",
+                              "data.val_path=", "train.micro_batch_size=1", "train.grad_accum=1",
+                              "train.warmup_steps=0", f"out_dir={out_dir}",
+                              *overrides]).validate(world)
+
+
+def start_rank(rank: int, world: int, store: str, out_dir: str, overrides: list[str]):
+    """One worker's run, built as the trainer builds it: (ctx, cfg, tracker, model, train
+    state, batches) of a ``world``-rank gloo group over the FileStore ``store``."""
+    import torch  # deferred: the parent process only spawns
+    import torch.distributed as dist
+
+    from oases.parallel.groups import build_context  # deferred: as torch
+    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.data import TrainBatches
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    ctx = build_context(1, torch.device("cpu"))
+    cfg = _config(out_dir, overrides, world)
+    tracker = seed_tracker(cfg, ctx)
+    model = model_for(cfg, ctx, tracker, None, cfg.seed)
+    ts = training_for(cfg, ctx, model, tracker, None)
+    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
+                           cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
+    return ctx, cfg, tracker, model, ts, batches
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, phase: str, overrides: list[str],
+            result_dir: str) -> None:
+    import torch.distributed as dist  # deferred: the parent process only spawns
+
+    from oases.runtime import checkpoint as ckpt  # deferred: as torch
+    from oases.runtime.resume import layout_meta, model_shape
+    from oases.runtime.step import train_step
+
+    ctx, cfg, tracker, model, ts, batches = start_rank(rank, world, store, out_dir, overrides)
+    shards = ts.reducer.shards
+    out: dict[str, float] = {}
+    if phase == "train" and rank == 0:  # export reads the run's config next to checkpoints/
+        from oases.config import save_config  # deferred: as torch
+        save_config(cfg, Path(out_dir) / "config.yaml")
+    if phase == "train":
+        for _ in range(2):
+            train_step(ts, batches, 1e-4)
+        _reset_peak()
+        for _ in range(3):
+            train_step(ts, batches, 1e-4)
+        out["steady"] = _rss_peak_mb()
+        _reset_peak()
+        train_step(ts, batches, 1e-4)
+        meta = {"step": 6, "data": batches.state_dict(), "model_shape": model_shape(cfg),
+                **layout_meta(ctx)}
+        ckpt.save(out_dir, 6, model, ts.opt, ctx, meta, tracker.get_states(), shards=shards)
+        out["save"] = _rss_peak_mb()
+    else:
+        dist.barrier()
+        _reset_peak()
+        ckpt.load(ckpt.latest_checkpoint(out_dir), model, ts.opt, ctx, model_shape(cfg),
+                  layout_meta(ctx), shards=shards)
+        out["resume"] = _rss_peak_mb()
+        _reset_peak()
+        for _ in range(2):
+            train_step(ts, batches, 1e-4)
+        out["steady_after_resume"] = _rss_peak_mb()
+    Path(result_dir, f"{phase}{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(phase: str, world: int, out_dir: str, overrides: list[str]) -> list[dict]:
+    import torch.multiprocessing as mp  # deferred: as in _worker
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), out_dir, phase,
+                                          overrides, d),
+                           nprocs=world, join=True, start_method="spawn")
+        return [json.loads(Path(d, f"{phase}{r}.json").read_text()) for r in range(world)]
+
+
+_PEAK = ("import resource, sys; sys.argv = {argv!r}; {imports}; {call}; "
+         "print('PEAK', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+
+
+def _cli_peak(argv: list[str], imports: str, call: str, pythonpath: str) -> float:
+    """Peak resident set (MiB) of a fresh process running ``call``."""
+    import subprocess  # deferred: as torch
+
+    code = _PEAK.format(argv=argv, imports=imports, call=call)
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=pythonpath)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-2000:])
+    return int(res.stdout.split("PEAK")[-1].split()[0]) / 1024
+
+
+def streaming_peaks(out_dir: str, pythonpath: str) -> dict:
+    """Peak resident sets of ``python -m oases.consolidate`` and ``python -m oases.export``
+    on the checkpoint, and of a process that only imports what they import (baseline)."""
+    import torch  # deferred: as in _worker
+
+    from oases.runtime import checkpoint as ckpt  # deferred: as torch
+
+    ck = ckpt.latest_checkpoint(out_dir)
+    largest = max(math.prod(md.size) * md.properties.dtype.itemsize
+                  for k, md in ckpt.read_metadata(ck).items() if k.startswith("model/"))
+    model = sum(math.prod(md.size) * md.properties.dtype.itemsize
+                for k, md in ckpt.read_metadata(ck).items() if k.startswith("model/"))
+    del torch
+    imports = ("from oases.cli.consolidate import main as c; "
+               "from oases.cli.export import main as e")
+    with tempfile.TemporaryDirectory() as d:
+        return {
+            "baseline": _cli_peak([], imports, "None", pythonpath),
+            "consolidate": _cli_peak([], imports, f"c([{str(ck)!r}, '--out', '{d}/m.pt'])",
+                                     pythonpath),
+            "export": _cli_peak([], imports, f"e([{str(ck)!r}, '--to-hf', '{d}/hf'])",
+                                pythonpath),
+            "largest_tensor_mib": largest / 2**20, "model_mib": model / 2**20}
+
+
+def measure(world: int, overrides: list[str], tools_from: str = "") -> dict:
+    with tempfile.TemporaryDirectory() as out_dir:
+        train = _run("train", world, out_dir, overrides)
+        resume = _run("resume", world, out_dir, overrides)
+        size = sum(f.stat().st_size for f in Path(out_dir).rglob("*") if f.is_file())
+        streams = streaming_peaks(out_dir, str(REPO))
+        if tools_from:  # the same tools of another checkout, on the same checkpoint
+            streams["other"] = {"path": tools_from, **streaming_peaks(out_dir, tools_from)}
+    ranks = []
+    for r, (a, b) in enumerate(zip(train, resume)):
+        ranks.append({"rank": r, **a, **b, "save_ratio": a["save"] / a["steady"],
+                      "resume_ratio": b["resume"] / a["steady"]})
+    return {"ranks": ranks, "checkpoint_mb": size / 2**20, "streaming": streams}
+
+
+def report(res: dict, args, command: str) -> str:
+    from benchmarks.lib.machine import machine_info  # deferred: the report only
+
+    m = machine_info()
+
+    lines = ["# ZeRO-3 checkpoint memory", "",
+             f"Command: `{command}`", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, torch {m['torch']}, "
+             f"git {m['git']}, {m['date']} (shared with other work: memory does not depend "
+             f"on it)", "",
+             f"Model: {' '.join(MODEL + args.set)}; parallel.zero=3, dp {args.world}, "
+             f"tp 1; checkpoint {res['checkpoint_mb']:.0f} MiB on disk.", "",
+             "| rank | steady MiB | save step MiB | resume MiB | after resume MiB "
+             "| save / steady | resume / steady |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["ranks"]:
+        lines.append(f"| {r['rank']} | {r['steady']:.0f} | {r['save']:.0f} | {r['resume']:.0f} "
+                     f"| {r['steady_after_resume']:.0f} | {r['save_ratio']:.3f} "
+                     f"| {r['resume_ratio']:.3f} |")
+    worst = max(max(r["save_ratio"], r["resume_ratio"]) for r in res["ranks"])
+    st = res["streaming"]
+    lines += ["", f"Worst ratio: {worst:.3f} (target <= 1.1).", "",
+              "Single-process tools on that checkpoint (peak resident set, MiB; baseline: a "
+              "process that imports the same modules and does nothing):", "",
+              "| baseline | consolidate | export | largest tensor | model |",
+              "|---|---|---|---|---|",
+              f"| {st['baseline']:.0f} | {st['consolidate']:.0f} | {st['export']:.0f} "
+              f"| {st['largest_tensor_mib']:.0f} | {st['model_mib']:.0f} |", ""]
+    if "other" in st:
+        o = st["other"]
+        lines += [f"The same tools from {o['path']} (`--tools-from`): baseline "
+                  f"{o['baseline']:.0f}, consolidate {o['consolidate']:.0f}, export "
+                  f"{o['export']:.0f} MiB.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides")
+    p.add_argument("--quick", action="store_true", help="2 layers (a smoke run)")
+    p.add_argument("--out", default=None, help="output prefix")
+    p.add_argument("--tools-from", default="",
+                   help="another checkout whose consolidate/export to measure as well")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.set = ["model.n_layer=2", *args.set]
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the workers
+    res = measure(args.world, args.set, args.tools_from)
+    out = Path(args.out or REPO / "benchmarks" / "results" /
+               ("zero_ckpt_memory-quick" if args.quick else "zero_ckpt_memory"))
+    command = "python -m benchmarks.zero_ckpt_memory " + shlex.join(sys.argv[1:] if argv is None
+                                                                    else argv)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
+    text = report(res, args, command.strip())
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Token corpora on disk: what ``data.train_path`` (or a blend entry, or ``data.val_path``)
+names, opened as one token stream with its vocabulary checked.
+
+A path names, in this order:
+
+1. a token file: raw little-endian ``uint16``/``uint32`` ids with no header, as
+   ``python -m oases.prepare`` writes ``train.bin`` (its ``meta.json`` alongside);
+   with a Megatron ``.idx`` beside it, a Megatron corpus (:mod:`.megatron_format`);
+2. a Megatron prefix ``PREFIX`` (``PREFIX.bin`` + ``PREFIX.idx``);
+3. a split of a prepared directory, ``DIR/train`` or ``DIR/train.bin`` when
+   ``DIR/meta.json`` lists that split's shards (``train-00000.bin``, ...);
+4. a glob (``data/c/train-*.bin``): its matches in sorted order.
+
+Several files read as ONE corpus: the shards are concatenated, in order, into one
+token stream (:class:`ShardedTokens`), so the windows, the sample space and the
+resume state are those of a single file; a window may straddle two shards.
+
+Every file's ids are checked against the vocabulary: from the largest id that
+``oases.prepare`` recorded (per shard) plus a bounded sample of the stream, or by one
+chunked scan where nothing is recorded (a foreign or Megatron corpus).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from oases.errors import DataError
+from oases.runtime.megatron_format import MegatronCorpus, idx_path
+
+PathLike = Union[str, Path]
+
+# Read-only on purpose (no module-level mutable state): the supported file dtypes.
+DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
+    {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")})
+
+# Tokens checked per step of the vocabulary scan: 16M tokens is 32-64 MB of RAM,
+# which keeps the scan of a multi-GB file bounded in memory yet vectorized.
+_SCAN_CHUNK_TOKENS = 1 << 24
+# With the largest id recorded in meta.json, start-up reads only this sample of the
+# corpus: 16 chunks of 64K tokens (a few MB), whatever its size or shard count.
+_SAMPLE_CHUNKS = 16
+_SAMPLE_CHUNK_TOKENS = 1 << 16
+
+PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
+
+
+def np_dtype(dtype: str) -> np.dtype:
+    if dtype not in DTYPES:
+        raise DataError(f"data dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_meta(path: Path) -> dict:
+    """``meta.json`` next to ``path``, or {} if there is none (or it is not a mapping)."""
+    meta_path = path.parent / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path} (next to {path}) is not readable JSON: {e}") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _check_meta(path: Path, dtype: str) -> dict:
+    """Catch the classic silent failure: reading a uint32 file as uint16 (or back)
+    gives garbage token ids that may well still be inside the vocabulary. Returns
+    ``meta.json`` (next to the file), or {} if there is none."""
+    meta = read_meta(path)
+    meta_dtype = meta.get("dtype")
+    if meta_dtype is not None and meta_dtype != dtype:
+        raise DataError(f"{path} was written as {meta_dtype} (per {path.parent / 'meta.json'}) "
+                        f"but data.dtype={dtype}; set data.dtype={meta_dtype}")
+    return meta
+
+
+def _recorded_max_id(meta: dict, path: Path, n_tokens: int) -> Optional[int]:
+    """The largest token id ``oases.prepare`` recorded for this file: its entry in
+    ``shards`` or ``<stem>_max_id`` (``train_max_id`` for train.bin), if the entry's
+    token count says the record is about this very file."""
+    for entries in (meta.get("shards") or {}).values():
+        for e in entries if isinstance(entries, list) else ():
+            if isinstance(e, dict) and e.get("file") == path.name:
+                rec, count = e.get("max_id"), e.get("tokens")
+                return rec if _is_int(rec) and count == n_tokens else None
+    rec, count = meta.get(f"{path.stem}_max_id"), meta.get(f"{path.stem}_tokens")
+    return rec if _is_int(rec) and count == n_tokens else None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _sample_max(tokens, samples: int = _SAMPLE_CHUNKS,
+                chunk_tokens: int = _SAMPLE_CHUNK_TOKENS) -> int:
+    """The largest id in ``samples`` chunks spread evenly over the stream (first and last
+    included): a bounded read that catches a file changed after ``meta.json``."""
+    n = len(tokens)
+    starts = np.linspace(0, max(n - chunk_tokens, 0), samples).astype(np.int64)
+    return max(int(tokens.max_of(a, a + chunk_tokens) if isinstance(tokens, ShardedTokens)
+                   else tokens[a:a + chunk_tokens].max()) for a in np.unique(starts))
+
+
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
+                     chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> None:
+    """Raise if any id is >= vocab_size (or negative, in a signed Megatron file). Scans
+    in chunks: the embedding would otherwise fail much later with an opaque CUDA index
+    error, and loading a multi-GB memmap at once would defeat the memmap."""
+    max_id, min_id = -1, 0
+    for start in range(0, len(tokens), chunk_tokens):
+        chunk = tokens[start:start + chunk_tokens]
+        if len(chunk):
+            max_id = max(max_id, int(chunk.max()))
+            if tokens.dtype.kind == "i":
+                min_id = min(min_id, int(chunk.min()))
+    if min_id < 0:
+        raise DataError(f"{path} holds the negative token id {min_id}")
+    if max_id >= vocab_size:
+        raise DataError(f"{path} holds token id {max_id} but the model's vocab_size is "
+                        f"{vocab_size}; use a model with vocab_size > {max_id} or "
+                        f"re-tokenize the data")
+
+
+def _map_raw(p: Path, dtype: str) -> np.ndarray:
+    np_dt = np_dtype(dtype)
+    size = p.stat().st_size
+    if size % np_dt.itemsize:
+        raise DataError(f"{p} is not a {dtype} token file: size {size} is not a multiple "
+                        f"of {np_dt.itemsize}")
+    if size == 0:
+        return np.zeros(0, dtype=np_dt)
+    try:
+        return np.memmap(p, dtype=np_dt, mode="r")
+    except OSError as e:
+        raise DataError(f"cannot read data file {p}: {e.strerror or e}") from None
+
+
+def _check_recorded(tokens, recorded: int, vocab_size: int, where: PathLike) -> None:
+    sampled = _sample_max(tokens)
+    if sampled > recorded:
+        raise DataError(f"{where} holds token id {sampled} above the largest id {recorded} "
+                        f"that meta.json records for it: the file changed after "
+                        f"oases.prepare wrote meta.json; re-run oases.prepare")
+    if recorded >= vocab_size:
+        raise DataError(f"{where} holds token id {recorded} (per meta.json) but the model's "
+                        f"vocab_size is {vocab_size}; use a model with vocab_size > "
+                        f"{recorded} or re-tokenize the data")
+
+
+def open_tokens(path: PathLike, dtype: str, vocab_size: int) -> np.ndarray:
+    """Open and validate one raw token file; returns a read-only 1-D memmap (or an empty
+    array for an empty file, which ``np.memmap`` cannot map). The ids are checked from
+    the largest id ``oases.prepare`` recorded in ``meta.json`` and a bounded sample of
+    the file (a 100 GB corpus opens in milliseconds); a file without that record is
+    scanned whole."""
+    p = Path(path)
+    np_dtype(dtype)
+    if not p.is_file():
+        what = "is a directory, not a token file" if p.is_dir() else "does not exist"
+        raise DataError(f"data file {p} {what}; {PREPARE_HINT}")
+    meta = _check_meta(p, dtype)
+    tokens = _map_raw(p, dtype)
+    recorded = _recorded_max_id(meta, p, len(tokens))
+    if recorded is None:
+        _check_token_ids(tokens, vocab_size, p)
+    elif len(tokens):
+        _check_recorded(tokens, recorded, vocab_size, p)
+    return tokens
+
+
+class ShardedTokens:
+    """Several token arrays read as one stream: ``len`` is the total, and indexing with
+    an integer array of global offsets (any shape) gathers across shard boundaries."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(a) for a in parts], dtype=np.int64)
+        self.dtype = np.result_type(*[a.dtype for a in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, offsets) -> np.ndarray:
+        flat = np.asarray(offsets, dtype=np.int64).ravel()
+        shard = np.searchsorted(self.starts, flat, side="right") - 1
+        out = np.empty(len(flat), dtype=self.dtype)
+        for k in np.unique(shard):
+            sel = shard == k
+            out[sel] = self.parts[int(k)][flat[sel] - self.starts[k]]
+        return out.reshape(np.shape(offsets))
+
+    def max_of(self, a: int, b: int) -> int:
+        """The largest id in global ``[a, b)``."""
+        best = -1
+        for k, part in enumerate(self.parts):
+            lo, hi = max(a - self.starts[k], 0), min(b - self.starts[k], len(part))
+            if lo < hi:
+                best = max(best, int(part[lo:hi].max()))
+        return best
+
+
+@dataclass
+class Corpus:
+    """An opened corpus: ``tokens`` (a memmap, or :class:`ShardedTokens` over several),
+    the files it reads, and the EOS id that ends each document (None: not recorded)."""
+
+    tokens: Union[np.ndarray, ShardedTokens]
+    files: list[Path]
+    eos_id: Optional[int] = None
+    num_docs: Optional[int] = None
+
+
+def _split_shards(p: Path) -> Optional[tuple[list[Path], dict]]:
+    """The shard files that ``DIR/meta.json`` lists for the split named by ``p``'s stem."""
+    meta = read_meta(p)
+    entries = (meta.get("shards") or {}).get(p.name.split(".")[0])
+    if not isinstance(entries, list) or not entries:
+        return None
+    return [p.parent / str(e.get("file")) for e in entries if isinstance(e, dict)], meta
+
+
+def resolve(path: PathLike) -> list[Path]:
+    """The files ``path`` names (see the module docstring), or a DataError."""
+    p = Path(path)
+    if p.is_file() or idx_path(p) is not None:
+        return [p]
+    split = _split_shards(p)
+    if split is not None:
+        return split[0]
+    if glob.has_magic(str(path)):
+        hits = sorted(Path(h) for h in glob.glob(str(path)) if not h.endswith((".idx", ".tmp")))
+        if not hits:
+            raise DataError(f"data path {path} matches no file; {PREPARE_HINT}")
+        return hits
+    what = "is a directory, not a token file" if p.is_dir() else "does not exist"
+    raise DataError(f"data file {p} {what}; {PREPARE_HINT}")
+
+
+def _open_one(p: Path, dtype: str, vocab_size: int) -> tuple[np.ndarray, Optional[int], dict]:
+    """One file's tokens, checked; its Megatron document count or None; its meta.json."""
+    idx = idx_path(p)
+    if idx is None:
+        return open_tokens(p, dtype, vocab_size), None, read_meta(p)
+    mc = MegatronCorpus(idx)
+    _check_token_ids(mc.tokens, vocab_size, mc.bin)
+    return mc.tokens, mc.num_docs, {}
+
+
+def open_corpus(path: PathLike, dtype: str, vocab_size: int,
+                eos_id: Optional[int] = None) -> Corpus:
+    """Open what ``path`` names (:func:`resolve`) as one checked token stream. ``eos_id``
+    (``data.eos_id``) overrides the EOS id that ``meta.json`` records."""
+    files = resolve(path)
+    parts, docs, metas = [], [], []
+    for f in files:
+        tokens, n_docs, meta = _open_one(f, dtype, vocab_size)
+        parts.append(tokens)
+        docs.append(n_docs)
+        metas.append(meta)
+    dtypes = {a.dtype for a in parts if len(a)}
+    if len(dtypes) > 1:
+        raise DataError(f"data path {path} mixes token dtypes "
+                        f"({', '.join(sorted(str(d) for d in dtypes))}); read it as one")
+    tokens = parts[0] if len(parts) == 1 else ShardedTokens(parts)
+    recorded = metas[0].get("eos_id")
+    eos = eos_id if eos_id is not None and eos_id >= 0 else \
+        (recorded if _is_int(recorded) else None)
+    split_docs = metas[0].get(f"{Path(path).name.split('.')[0]}_docs")
+    if all(_is_int(d) for d in docs):  # Megatron files count their documents
+        n_docs = sum(docs)
+    else:
+        n_docs = split_docs if _is_int(split_docs) else None
+    return Corpus(tokens, files, eos, n_docs)
