@@ -174,7 +174,7 @@ class ParallelAttention(ResidualBlock):
         (its saved tensors grow with T^2 where the math kernel keeps the probabilities)."""
         p = self.attn_dropout if self.training else 0.0
         gqa = self.n_kv != self.n_head
-        if gqa and not _fused_gqa(q, k, v, p):
+        if gqa and not _fused_gqa(q, k, v, p, self.doc_mask):
             # no fused kernel takes unequal head counts here (CUDA's memory-efficient one
             # in fp32, on many versions; flash wants bf16/fp16), and SDPA would fall back
             # to the math kernel, which keeps the T^2 probabilities: give each query head
@@ -191,13 +191,13 @@ class ParallelAttention(ResidualBlock):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, **mask)
 
 
-def _fused_gqa(q, k, v, dropout: float) -> bool:
+def _fused_gqa(q, k, v, dropout: float, mask: Optional[torch.Tensor] = None) -> bool:
     """Whether a fused CUDA kernel (flash, memory-efficient or cuDNN) takes this
-    grouped-query call as it is (``enable_gqa``); torch's own dispatch checks answer.
-    Off CUDA: True (the CPU flash kernel takes grouped heads)."""
+    grouped-query call as it is (``enable_gqa``; causal, or ``mask`` where given); torch's
+    own dispatch checks answer. Off CUDA: True (the CPU flash kernel takes grouped heads)."""
     if q.device.type != "cuda":
         return True
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout, True, True)
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, mask is None, True)
     return any(can(params, False) for can in (torch.backends.cuda.can_use_flash_attention,
                                               torch.backends.cuda.can_use_efficient_attention,
                                               torch.backends.cuda.can_use_cudnn_attention))

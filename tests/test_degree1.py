@@ -26,8 +26,7 @@ from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.random import TPRNGTracker
 from tests.distributed import run_distributed
 from tests.test_engine_protocol import _Model, _Recorded
-from tests.test_rng_skip import split_reference
-from tests.test_schedule import _full_grads
+from tests.test_schedule import _full_grads, _reference
 
 CPU = torch.device("cpu")
 
@@ -98,7 +97,7 @@ def test_tp1_with_dropout_keeps_the_split_and_its_masks():
     cfg = _cfg(0.1)
     ids, y = _batch(cfg)
     ref, tracker = _model(cfg, "megatron", "none")
-    ref_loss = split_reference(ref, tracker, ids, y)
+    ref_loss = _reference(ref, tracker, ids, y, 2)
     for rc in ("none", "fine", "full"):
         model, tracker = _model(cfg, "oases", rc)
         eng = build_schedule("oases", None, 2, rc, tracker)

@@ -26,11 +26,10 @@ from oases.planner.api import run_shape
 from oases.planner.profile import run_precision
 from oases.planner.stages import job_from_config
 from oases.runtime import metrics
-from oases.runtime.metrics import MetricsLogger, max_over_ranks, peak_flops, peak_for
+from oases.runtime.metrics import MetricsLogger, peak_flops, peak_for
 from oases.runtime.optim import _weighted_squares, clip_grads, clip_grads_norm
 from oases.runtime.step import autocast
 from oases.runtime.trainer import for_device, use_tf32
-from tests.distributed import run_distributed
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -134,14 +133,6 @@ def test_cpu_records_have_no_mfu_or_memory(tmp_path):
     rec = MetricsLogger(str(tmp_path), True, 10, 1e9, 1, CPU).log(1, 2.0, 1e-3, 0.5, 1.0, 100)
     assert "mfu" not in rec and "peak_mem_gib" not in rec and rec["tokens_per_s"] == 100
 
-
-def _max_body(ctx):
-    got = max_over_ranks(1.0 + 2.0 * ctx.rank, torch.device("cpu"))
-    assert got == 3.0, (ctx.rank, got)
-
-
-def test_peak_memory_is_the_maximum_over_ranks():
-    run_distributed(_max_body, world=2, tp=1)
 
 
 @pytest.mark.cuda

@@ -54,6 +54,13 @@ def _timeout_of(g) -> datetime.timedelta:
 # build, close: the live groups come back to what they were
 
 
+def _sums_two_ranks(group) -> None:
+    """``group`` works and holds two ranks: an all-reduce of ones gives 2."""
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == 2.0
+
+
 def _close_body(rank: int) -> None:
     before = list(c10d._world.pg_map)
     assert len(before) == 1  # the default group
@@ -66,16 +73,12 @@ def _close_body(rank: int) -> None:
     assert [g for g in c10d._world.pg_map if g in made] == made  # in creation order
     world = datetime.timedelta(seconds=TIMEOUT_S)
     assert all(_timeout_of(g) == world for g in made), [_timeout_of(g) for g in made]
-    t = torch.ones(1)
-    dist.all_reduce(t, group=ctx.tp_group)
-    assert t.item() == 2.0
+    _sums_two_ranks(ctx.tp_group)
     ctx.close()
     assert list(c10d._world.pg_map) == before and ctx.groups == []
     ctx.close()  # twice: nothing left to destroy
     again = build_context(2, CPU)  # and a new context builds as before
-    t = torch.ones(1)
-    dist.all_reduce(t, group=again.dp_group)
-    assert t.item() == 2.0
+    _sums_two_ranks(again.dp_group)
     again.close()
     assert list(c10d._world.pg_map) == before
 
@@ -101,9 +104,7 @@ def _throwaway_body(rank: int) -> None:
     step()
     step.close()
     assert list(c10d._world.pg_map) == with_ctx and step.groups == []
-    t = torch.ones(1)  # the context's groups still work
-    dist.all_reduce(t, group=ctx.tie_group)
-    assert t.item() == 2.0
+    _sums_two_ranks(ctx.tie_group)  # the context's groups still work
     ctx.close()
     assert list(c10d._world.pg_map) == before
 

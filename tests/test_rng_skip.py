@@ -22,13 +22,13 @@ import oases.overlap.runner as runner
 from models import build_model
 from oases.config import load_config
 from oases.overlap.engines import MegatronSchedule, OasesSchedule
-from oases.overlap.rng_streams import _rng_restore, draws_random, sub_batch_rng_streams
+from oases.overlap.rng_streams import draws_random
 from oases.overlap.runner import UndeclaredRandomError
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
 from oases.parallel.random import TPRNGTracker
 from tests.distributed import run_distributed
-from tests.test_schedule import _full_grads
+from tests.test_schedule import _full_grads, _reference
 
 CPU = torch.device("cpu")
 
@@ -59,18 +59,6 @@ def _model(ctx, cfg, recompute="none"):
     return model.train(), tracker
 
 
-def split_reference(ref, tracker, ids, y, n=2):
-    """Plain autograd (the megatron engine) on each of ``n`` sub-batches from that
-    sub-batch's own RNG stream, gradients scaled by 1/n: the oases engine's reference
-    under dropout. Returns the mean loss."""
-    streams = sub_batch_rng_streams(tracker, CPU, n)
-    losses = []
-    for s, (a, b) in enumerate(zip(ids.chunk(n), y.chunk(n))):
-        _rng_restore(tracker, CPU, streams[s])
-        losses.append(MegatronSchedule().forward_backward(ref, a, b, 1.0 / n))
-    return torch.stack(losses).mean()
-
-
 def _body(ctx, dropout):
     mp = pytest.MonkeyPatch()
     cfg = load_config(None, ["model.name=gpt-tiny", f"parallel.tp={ctx.tp}", "model.n_layer=2",
@@ -82,7 +70,7 @@ def _body(ctx, dropout):
     if dropout == 0:
         ref_loss = MegatronSchedule().forward_backward(ref, ids, y)
     else:  # plain autograd on each sub-batch from its own streams
-        ref_loss = split_reference(ref, tracker, ids, y)
+        ref_loss = _reference(ref, tracker, ids, y, 2)
     ref_grads = _full_grads(ref, ctx)
     counts = {}
     for rc in ("none", "fine", "full"):
@@ -176,12 +164,7 @@ def test_undeclared_draws_are_refused_declared_ones_replayed():
     loss = OasesSchedule(None, 2, "fine").forward_backward(model, x, t)
     torch.manual_seed(1)
     ref = _Stack(True).train()
-    streams = sub_batch_rng_streams(None, CPU, 2)
-    losses = []
-    for s, (a, b) in enumerate(zip(x.chunk(2), t.chunk(2))):
-        _rng_restore(None, CPU, streams[s])
-        losses.append(MegatronSchedule().forward_backward(ref, a, b, 0.5))
-    torch.testing.assert_close(loss, torch.stack(losses).mean(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, _reference(ref, None, x, t, 2), rtol=1e-6, atol=1e-7)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
     # and the masks matter: another stream gives other gradients

@@ -45,6 +45,7 @@ from oases.cli.prepare_sources import Input, expand, read
 from oases.cli.prepare_write import SPLITS, Router, ShardWriter, check_out
 from oases.errors import EXIT_USER_ERROR, DataError, UserError
 from oases.progress import progress
+from oases.runtime.tokens import np_dtype
 
 # tokens per shard by default: 1 GiB of uint16 ids
 SHARD_TOKENS = 1 << 29
@@ -161,12 +162,11 @@ def prepare(inputs: list[Input], out: Path, args) -> dict:
     if dtype == "uint16" and spec.vocab_size > 65536:
         raise DataError(f"--dtype uint16 cannot hold the vocab of {spec.vocab_size} tokens "
                         f"of --tokenizer {args.tokenizer}; use --dtype uint32")
-    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot create --out {out}: {e.strerror or e}") from None
-    writers = {s: ShardWriter(out, s, np_dtype, args.shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(out, s, np_dtype(dtype), args.shard_tokens) for s in SPLITS}
     router = Router(args.val_fraction, args.val_docs)
     t0, doc, bad, nbytes = time.monotonic(), 0, 0, 0
     total = sum(i.size() for i in inputs) or None

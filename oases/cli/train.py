@@ -30,6 +30,7 @@ import time
 
 from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError, NonFiniteError,
                           Preempted, TrainingError, UserError)
+from oases.progress import rank, under_torchrun
 
 # How long a rank other than 0 waits, after an error every rank meets, for the agent to
 # stop it once rank 0 has reported: longer than ranks drift apart at start-up (imports,
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, CollectiveError):  # its message names its rank
             print(f"error: {e}", file=sys.stderr, flush=True)
         elif isinstance(e, Preempted):  # every rank stops on the same step; rank 0 says so
-            if _rank() == 0:
+            if rank() == 0:
                 print(f"stopped: {e}", file=sys.stderr, flush=True)
         else:
             report("error", e, alike=isinstance(e, NonFiniteError))
@@ -80,14 +81,11 @@ def report(label: str, e: BaseException, alike: bool) -> None:
     rank named, at once when the error is its own, and when ``alike`` (every rank meets
     it) only under torchrun and only if the agent has not stopped it after
     :data:`PEER_REPORT_GRACE_S` (rank 0 has then not reported; see the module doc)."""
-    rank = _rank()
-    if rank != 0 and alike:
-        if "TORCHELASTIC_RUN_ID" not in os.environ:
+    me = rank()
+    if me != 0 and alike:
+        if not under_torchrun():
             return  # no agent stops rank 0 when this rank exits: it prints the line
         time.sleep(PEER_REPORT_GRACE_S)
-    where = f"[rank {rank}] " if rank != 0 else ""
+    where = f"[rank {me}] " if me != 0 else ""
     print(f"{label}: {where}{e}", file=sys.stderr, flush=True)
 
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))

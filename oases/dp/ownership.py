@@ -13,13 +13,12 @@ terms of the norm. Checkpoints read and write the owned ranges in place
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 import torch.nn as nn
 
 from oases.dp.store import ParamStore
-from oases.dp.zero import ShardedFlat
+from oases.dp.zero import ShardedFlat, weak_hook
 from oases.parallel.engine import WHOLE, BlockParams
 
 
@@ -34,7 +33,7 @@ class ZeroOwnership:
         self.handles: list = []
         for fl in flats:
             if fl.level >= 2:  # the full gradient buffer gets storage before the first grad
-                hook = _ensure_grads_hook(fl)
+                hook = weak_hook(fl.ensure_grads, with_arg=False)
                 self.handles += [p.register_hook(hook) for p in fl.params]
         units: dict[int, list[ShardedFlat]] = {}    # level 3: gathered for each use
         pending: dict[int, list[ShardedFlat]] = {}  # levels 1, 2: gathered after the step
@@ -136,20 +135,6 @@ class ZeroOwnership:
             yield view
         finally:
             self.release()
-
-
-def _ensure_grads_hook(fl: ShardedFlat):
-    """A gradient hook that gives ``fl``'s full gradient buffer storage. It lives in the
-    parameters' C++ autograd metadata and ``fl`` holds the parameters: it holds ``fl``
-    weakly, or the cycle through C++ would never be collected."""
-    ref = weakref.ref(fl)
-
-    def hook(g: torch.Tensor) -> None:
-        z = ref()
-        if z is not None:
-            z.ensure_grads()
-
-    return hook
 
 
 class _OptimizerView:

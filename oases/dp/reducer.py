@@ -53,7 +53,6 @@ sight: they reach the reducer through a weak reference, so a reducer dropped wit
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -62,7 +61,7 @@ import torch.nn as nn
 
 from oases.dp.accounting import held_memory
 from oases.dp.ownership import ZeroOwnership
-from oases.dp.zero import ShardedFlat
+from oases.dp.zero import ShardedFlat, weak_hook
 from oases.parallel.comm import (all_reduce, comm_scope, current_scope, group_size,
                                  require_default_stream)
 
@@ -99,20 +98,6 @@ class _Bucket:
             if p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 return p
         return None
-
-
-def _weak_hook(reducer: "GradReducer") -> Callable[[nn.Parameter], None]:
-    """The post-accumulate hook of ``reducer``'s parameters, holding it weakly (a hook
-    holding it strongly would make a cycle through C++ that is never collected); once
-    the reducer is gone the hook does nothing."""
-    ref = weakref.ref(reducer)
-
-    def on_grad_ready(p: nn.Parameter) -> None:
-        red = ref()
-        if red is not None:
-            red._on_grad_ready(p)
-
-    return on_grad_ready
 
 
 class GradReducer:
@@ -177,7 +162,7 @@ class GradReducer:
                 self._add(cur, grp)
         self.active = any(b.group is not None and dist.get_world_size(b.group) > 1
                           for b in self.buckets)
-        hook = _weak_hook(self)
+        hook = weak_hook(self._on_grad_ready)
         self._handles = ([p.register_post_accumulate_grad_hook(hook) for p in params]
                          if self.active else [])
         self.shards = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],

@@ -62,8 +62,9 @@ class CommClock(CommObserver):
     def _fold(self) -> None:
         keep = []
         for w in self._waits:
-            ends = (w[2], w[3][0]) if w[3] else None
-            if ends is None or not all(isinstance(e, float) or e.query() for e in ends):
+            # ended: the wait and the collective (on CUDA only the wait is read: per_step)
+            end = w[3][0] if w[3] else (w[2] if self.on_cuda else None)
+            if end is None or not all(isinstance(e, float) or e.query() for e in (w[2], end)):
                 keep.append(w)
                 continue
             self._read = _add(self._read, _read(*w))

@@ -5,7 +5,7 @@ They cost a snapshot and a restore of every generator (CPU, CUDA, the TP stream)
 time the runner switches sub-batches, and each block stashes two more under
 recompute. A run whose model draws nothing (:func:`draws_random`: dropout 0, the
 configs' default, or evaluation) needs none of it; the runner then only reads the
-generators once before and once after the run (:func:`rng_fingerprint`), to refuse a
+generators once before and once after the run (:func:`same_rng`), to refuse a
 model that drew random numbers where the scan found no dropout.
 """
 
@@ -78,24 +78,21 @@ def draws_random(model: nn.Module) -> bool:
     name with ``dropout`` in it (a rate handed to a functional call), or sets
     ``draws_random = True`` (a block that draws in another way: ``F.dropout`` with a
     literal rate, ``torch.rand``). A module that draws and is found by none of these is
-    refused by the runner's check (:func:`rng_fingerprint`), not silently mis-replayed.
+    refused by the runner's check (:func:`same_rng`), not silently mis-replayed.
     Costs a walk over the modules (~1 ms for 32 layers): the engine keeps the answer per
     model and mode."""
     return any(_module_draws(m) for m in model.modules())
 
 
-def rng_fingerprint(tracker: Optional[TPRNGTracker], device: torch.device) -> list[torch.Tensor]:
-    """The generators' states, to compare (not to restore): equal before and after a
+def rng_fingerprint(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
+    """The generators' states, to compare with :func:`same_rng` (not to restore): the
+    runner's check reads them apart from the snapshots it swaps."""
+    return _rng_snapshot(tracker, device)
+
+
+def same_rng(a: dict, b: dict) -> bool:
+    """Whether two :func:`_rng_snapshot` s hold the same states: equal before and after a
     stretch of work = nothing in it drew a random number."""
-    if tracker is not None:
-        return list(tracker.get_states().values())
-    out = [torch.get_rng_state()]
-    if device.type == "cuda":
-        out.append(torch.cuda.get_rng_state(device))
-    return out
-
-
-def same_rng(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-        for x, y in zip(a, b))
+    return a.keys() == b.keys() and all(
+        (a[k] is None and b[k] is None) or (a[k] is not None and b[k] is not None
+                                            and torch.equal(a[k], b[k])) for k in a)

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from oases.parallel.comm import CommObserver
-from oases.parallel.timing import DeviceLike, Stamp, between, label, on_cuda, stamp
+from oases.parallel.timing import DeviceLike, Stamp, between, label, stamp
 
 
 @contextlib.contextmanager
@@ -68,9 +68,7 @@ class Tracer(CommObserver):
 
     def collective(self, name: str, lane: str, work, start: Stamp | None = None) -> None:
         """Record a collective from ``start`` (default: now) until ``work`` completes."""
-        if start is None or (on_cuda(self.device) and isinstance(start, float)):
-            # a host time is on no device timeline; an event recorded now on the current
-            # stream marks the same point there (the launch queued nothing on it)
+        if start is None:
             start = stamp(self.device)
 
         def done(_fut):

@@ -25,17 +25,13 @@ stuck ops; ``python -m oases.schedule --p2p`` prints both.
 
 from __future__ import annotations
 
-from oases.pipeline.actions import (COMPUTE, Action, ScheduleError, check_structure, has_peer,
-                                    is_fused)
-
-_PARTNER = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
-_PEER = {"SEND_F": +1, "RECV_F": -1, "SEND_B": -1, "RECV_B": +1}
-_RECV_OF = {"F": "RECV_F", "B": "RECV_B"}
+from oases.pipeline.actions import (_LINKS, _RECV_OF, COMPUTE, Action, ScheduleError,
+                                    check_structure, has_peer, is_fused)
 
 
 def _boundary(stage: int, a: Action) -> int:
     """The boundary (its lower stage) that action ``a`` of ``stage`` crosses."""
-    return min(stage, stage + _PEER[a.kind])
+    return min(stage, stage + _LINKS[a.kind].peer)
 
 
 def _group(stage: int, a: Action, shared: bool) -> tuple[int, str]:
@@ -75,7 +71,7 @@ def check_p2p(actions: list[list[Action]], fused: bool = False, shared: bool = F
             lo, hi = g[0], g[0] + 1
             while sides.get(lo) and sides.get(hi):
                 a, b = sides[lo][0], sides[hi][0]
-                if _PARTNER[a.kind] != b.kind or a.mb != b.mb:
+                if _LINKS[a.kind].partner != b.kind or a.mb != b.mb:
                     errors.append(f"group {_label(g)}: stage {lo} is at {a} while stage {hi} "
                                   f"is at {b}")
                     return moved

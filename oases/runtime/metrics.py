@@ -70,11 +70,6 @@ def peak_flops(device: torch.device, precision: str = "bf16") -> Optional[float]
     return peak_for(torch.cuda.get_device_name(device), precision)
 
 
-def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest ``value`` of any rank (collective over the world, if there is one)."""
-    return float(max_each([value], device)[0])
-
-
 def max_each(values: list[float], device: torch.device) -> list[float]:
     """Each entry's maximum over the ranks: one all-reduce over the world (when there
     is one), so every rank calls it at the same point with as many values."""

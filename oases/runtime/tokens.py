@@ -44,8 +44,8 @@ DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
 # Tokens checked per step of the vocabulary scan: 16M tokens is 32-64 MB of RAM,
 # which keeps the scan of a multi-GB file bounded in memory yet vectorized.
 _SCAN_CHUNK_TOKENS = 1 << 24
-# With the largest id recorded in meta.json, start-up reads only this sample of the
-# corpus: 16 chunks of 64K tokens (a few MB), whatever its size or shard count.
+# With the largest id recorded in meta.json, start-up reads only this sample of each
+# token file: 16 chunks of 64K tokens (a few MB per file), whatever its size.
 _SAMPLE_CHUNKS = 16
 _SAMPLE_CHUNK_TOKENS = 1 << 16
 
@@ -99,14 +99,13 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _sample_max(tokens, samples: int = _SAMPLE_CHUNKS,
+def _sample_max(tokens: np.ndarray, samples: int = _SAMPLE_CHUNKS,
                 chunk_tokens: int = _SAMPLE_CHUNK_TOKENS) -> int:
     """The largest id in ``samples`` chunks spread evenly over the stream (first and last
     included): a bounded read that catches a file changed after ``meta.json``."""
     n = len(tokens)
     starts = np.linspace(0, max(n - chunk_tokens, 0), samples).astype(np.int64)
-    return max(int(tokens.max_of(a, a + chunk_tokens) if isinstance(tokens, ShardedTokens)
-                   else tokens[a:a + chunk_tokens].max()) for a in np.unique(starts))
+    return max(int(tokens[a:a + chunk_tokens].max()) for a in np.unique(starts))
 
 
 def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
@@ -196,15 +195,6 @@ class ShardedTokens:
             sel = shard == k
             out[sel] = self.parts[int(k)][flat[sel] - self.starts[k]]
         return out.reshape(np.shape(offsets))
-
-    def max_of(self, a: int, b: int) -> int:
-        """The largest id in global ``[a, b)``."""
-        best = -1
-        for k, part in enumerate(self.parts):
-            lo, hi = max(a - self.starts[k], 0), min(b - self.starts[k], len(part))
-            if lo < hi:
-                best = max(best, int(part[lo:hi].max()))
-        return best
 
 
 @dataclass

@@ -331,8 +331,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 if ctx.pp > 1:
                     extra["pipeline_bubble"] = state.stats.bubble
                 if reducer.shards.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
-                    extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / max(
-                        1, cfg.train.log_interval)
+                    extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / len(taken)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
                            extra=extra, comm=comm_clock and comm_clock.per_step(len(taken)))
             if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:
