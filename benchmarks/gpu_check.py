@@ -113,7 +113,7 @@ def _build(cfg, ctx):
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, None)
     _fast_init(model)
-    return training_for(cfg, ctx, model, tracker, None)
+    return training_for(cfg, ctx, model, tracker)
 
 
 def _free(state) -> None:

@@ -58,7 +58,7 @@ def build(mode: str, ctx):
                       ).validate(1)
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, seed=cfg.seed)
-    state = training_for(cfg, ctx, model, tracker, None)
+    state = training_for(cfg, ctx, model, tracker)
     if split:  # what a run with dropout keeps at tp = 1: two sub-batches (run in turn)
         state.engine = OasesSchedule(ctx.tp_group, 2, rc, tracker, params=state.engine.params)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,

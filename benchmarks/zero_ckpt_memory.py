@@ -78,7 +78,7 @@ def start_rank(rank: int, world: int, store: str, out_dir: str, overrides: list[
     cfg = _config(out_dir, overrides, world)
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
     return ctx, cfg, tracker, model, ts, batches

@@ -44,7 +44,7 @@ def _protocol_members(proto) -> tuple[list[str], list[str]]:
 def test_engines_have_the_protocol(engine):
     methods, attrs = _protocol_members(Engine)
     assert sorted(methods) == ["backward", "backward_forward", "forward", "forward_backward"]
-    assert sorted(attrs) == ["name", "pairs", "tracer"]
+    assert sorted(attrs) == ["name", "pairs"]
     for name in methods:
         want = list(inspect.signature(getattr(Engine, name)).parameters)[1:]
         got = list(inspect.signature(getattr(engine, name)).parameters)

@@ -67,7 +67,7 @@ def _train(cfg, ctx, degrees=None, steps: int = 2):
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     opt = ts.opt
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.train.micro_batch_size,
                            0, 1, cfg.seed)
@@ -195,7 +195,7 @@ def _pipeline_body(rank: int, ref: tuple) -> None:
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.pipeline_batch, 0, 1,
                            cfg.seed)
     ref_losses, ref_norm, ref_grads = ref
@@ -350,7 +350,7 @@ def _no_kv_groups_body(ctx) -> None:
     cfg = _cfg(2, 2, extra=["model.n_kv_heads=1"])
     model = model_for(cfg, ctx, seed_tracker(cfg, ctx), None, cfg.seed)
     with pytest.raises(ValueError, match="replicated on 2 ranks but the kv replica group has 1"):
-        training_for(cfg, ctx, model, seed_tracker(cfg, ctx), None)
+        training_for(cfg, ctx, model, seed_tracker(cfg, ctx))
 
 
 def test_context_without_kv_replica_groups_is_refused():

@@ -180,7 +180,7 @@ def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
         ctx = build_pipeline_context(layout, torch.device("cpu"), True)
         tracker = seed_tracker(cfg, ctx)
         model = model_for(cfg, ctx, tracker, None, SEED)
-        ts = training_for(cfg, ctx, model, tracker, None)
+        ts = training_for(cfg, ctx, model, tracker)
         pipe = ts.pipe
         rows = cfg.pipeline_batch // ctx.dp  # this replica's share of a micro-batch
         # evaluation first (the weights are still the reference's)

@@ -92,3 +92,29 @@ def test_one_gpu_defaults_to_bf16_and_trains(tmp_path, data_args, run_single):
     assert "precision: bf16" in (out / "config.yaml").read_text()
     losses = _losses(out)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.parametrize("schedule", ["megatron", "oases"])
+def test_cuda_observability(schedule, tmp_path, data_args, run_train):
+    """On NCCL: the exposed TP time from CUDA events, the profiler trace with CUDA
+    activity, its view on the device's clock (labels' device ranges, NCCL kernels) and
+    the memory snapshot."""
+    out = tmp_path / schedule
+    run_train(_args(out, data_args, "parallel.tp=2", f"parallel.schedule={schedule}",
+                    "parallel.recompute=" + ("fine" if schedule == "oases" else "full"),
+                    "profile.steps=[2,2]", "profile.memory_snapshot=true",
+                    "parallel.trace=true"), nproc=2, env=ENV)
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["tp_comm_exposed_s"] < r["step_time_s"] for r in recs if "loss" in r)
+    assert all(r["peak_mem_gib"] > 0 for r in recs if "loss" in r)
+    for k in (0, 1):
+        raw = json.loads((out / "profile" / f"rank{k}.json").read_text())["traceEvents"]
+        assert any(e.get("cat") == "kernel" and "nccl" in e["name"].lower() for e in raw)
+        view = json.loads((out / f"trace_rank{k}.json").read_text())["traceEvents"]
+        names = {e["tid"]: set() for e in view}
+        for e in view:
+            names[e["tid"]].add(e["name"])
+        assert names.keys() == {"compute", "comm"}, k
+        assert ("Fa P1" if schedule == "oases" else "F 1") in names["compute"], k
+        assert (out / "profile" / f"memory_rank{k}.pickle").stat().st_size > 0

@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
+from oases.overlap.megatron import BlockLabels, MegatronSchedule
 from oases.runtime import metrics
 from oases.runtime.metric_keys import GROUPED, STEP_KEYS
 from tests.distributed import run_distributed
@@ -102,7 +104,7 @@ def _scalars(out: Path, key: str) -> dict[int, float]:
 
 def test_run_logs_grouped_averaged_and_traced(tmp_path):
     out, calls = tmp_path / "run", tmp_path / "wandb_calls.jsonl"
-    args = [*BASE, f"out_dir={out}", "profile.steps=[2,2]"]
+    args = [*BASE, f"out_dir={out}", "profile.steps=[2,2]", "parallel.trace=true"]
     run_distributed(_train, world=2, tp=None, args=(args, str(calls)))
 
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -134,6 +136,39 @@ def test_run_logs_grouped_averaged_and_traced(tmp_path):
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"sub-batch 0", "sub-batch 1", "launch all-reduce", "wait"} <= names, k
         assert any(n and n.startswith("Fa P") for n in names), k
+        view = json.loads((out / f"trace_rank{k}.json").read_text())["traceEvents"]
+        lanes = {e["tid"]: e["name"] for e in view}  # parallel.trace: the same events
+        assert lanes.keys() == {"compute", "comm"}, k
+        assert lanes["comm"].startswith("gloo:"), k
+        assert {e["name"] for e in view if e["tid"] == "compute"} <= names - {"wait"}, k
+
+
+def test_megatron_labels_each_block_under_a_profiler():
+    """Plain autograd has no engine code between blocks: hooks label each block's
+    forward (again in recompute) and backward, inside the step's own two ranges."""
+    cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layer=2", "model.seq_len=16",
+                             "parallel.recompute=full"]).validate()
+    model = build_model(cfg.model, cfg.padded_vocab_size, recompute="full").train()
+    engine = MegatronSchedule()
+    ids = torch.randint(0, 256, (2, 16))
+    engine.forward_backward(model, ids, ids)
+    assert model not in BlockLabels._models  # nothing installed until a profiler records
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.forward_backward(model, ids, ids)
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.name in ("forward", "backward") or e.name[:2] in ("F ", "B ")]
+    fwd = next(s for s in spans if s[0] == "forward")
+    bwd = next(s for s in spans if s[0] == "backward")
+    names = [n for n, _, _ in sorted(spans, key=lambda s: s[1])]
+    # embedding + 2 layers x (attn, mlp); the layers' blocks run again in recompute
+    assert sorted(n for n in names if n[0] == "F") == ["F 0"] + [f"F {i}" for i in
+                                                                  (1, 1, 2, 2, 3, 3, 4, 4)]
+    assert [n for n in names if n[0] == "B" and n != "backward"] == [
+        "B 4", "B 3", "B 2", "B 1", "B 0"]
+    for name, a, b in spans:
+        outer = fwd if a < bwd[1] else bwd
+        if name not in ("forward", "backward"):
+            assert outer[1] <= a <= b <= outer[2], (name, outer)
 
 
 def _logger(out: Path, resume: bool = False, start: int = 0) -> metrics.MetricsLogger:

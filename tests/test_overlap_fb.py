@@ -115,7 +115,7 @@ def _train(ctx, cfg, steps=2):
 
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     schedule, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)

@@ -90,7 +90,7 @@ def _run_case(rank: int, cfg, layout, steps: int, what: str) -> None:
     st = layout.stages[ctx.stage]
     degrees = [b.degree for layer in model.layers for b in (layer.attn, layer.mlp)]
     assert degrees == list(st.degrees or [st.tp] * len(degrees)), (what, degrees)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     ref_losses, ref_norm, ref_grads = _reference(cfg, steps)
@@ -164,7 +164,7 @@ def _nonfinite_body(rank: int) -> None:
                                  torch.device("cpu"), True)
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     if rank == 0:

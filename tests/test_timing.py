@@ -1,18 +1,17 @@
-"""Device-timeline timing (oases.parallel.timing) and its users: the tracer, the ZeRO
-store's gather wait. On the CPU a stamp is the host clock, which these tests replace
+"""Device-timeline timing (oases.parallel.timing) and its users: the ZeRO store's
+gather wait; the trace view of the profiler's events (oases.overlap.trace). On the CPU a stamp is the host clock, which these tests replace
 with a fake one, so every figure is exact; on CUDA a stamp is an event, and a timed
 interval holds the device's work, not the host's launch of it."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
 
 from oases.dp.store import ParamStore
-from oases.overlap.trace import Tracer
+from oases.overlap.trace import engine_view
 from oases.parallel import timing
 from oases.parallel.timing import IntervalTimer, between, stamp
 
@@ -79,27 +78,42 @@ def test_many_intervals_are_read_as_they_end(clock, monkeypatch):
     assert timer.take_each() == [float(i) for i in range(n)]  # in order, none merged
 
 
-def test_tracer_records_on_its_clock(clock, tmp_path):
-    # t0 | span start, end | collective launch (given), end (future done) | restart t0
-    clock(100.0, 101.0, 103.0, 104.5, 200.0, 201.0, 202.0, 202.5)
-    tr = Tracer(rank=3)
-    with tr.span("F0", "compute"):
-        pass
-    fut = torch.futures.Future()
-    work = type("Work", (), {"get_future": lambda self: fut})()
-    tr.collective("all-reduce", "comm", work, start=104.0)
-    assert len(tr.events) == 1  # not done yet
-    fut.set_result(None)
-    tr.save(tmp_path / "t.json")
-    ev = {e["name"]: e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
-    assert (ev["F0"]["ts"], ev["F0"]["dur"]) == (1e6, 2e6)
-    assert (ev["all-reduce"]["ts"], ev["all-reduce"]["dur"]) == (4e6, 0.5e6)
-    assert ev["all-reduce"]["cat"] == "comm" and ev["F0"]["pid"] == 3
-    tr.restart()  # 200.0: a later step traced alone
-    tr.collective("noop", "comm", object())  # no future: done at once (201.0, 202.0)
-    tr.save(tmp_path / "t.json")
-    (only,) = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    assert (only["name"], only["ts"], only["dur"]) == ("noop", 1e6, 1e6)
+def _x(name, cat, ts, dur, tid=1):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 9, "tid": tid}
+
+
+def test_trace_view_of_a_cpu_profile():
+    """The engines' segments and the pipeline's actions from the labels, the collectives
+    from gloo's own events on its threads; everything else is left out."""
+    raw = [_x("sub-batch 0", "user_annotation", 100.0, 50.0),
+           _x("Fa P3", "user_annotation", 105.0, 10.0),
+           _x("launch all-reduce", "user_annotation", 115.0, 1.0),
+           _x("gloo:all_reduce", "user_annotation", 116.0, 30.0, tid=2),
+           _x("aten::mm", "cpu_op", 106.0, 8.0),
+           _x("F 2", "user_annotation", 120.0, 4.0),
+           _x("pp wait B1", "user_annotation", 130.0, 5.0),
+           _x("wait", "user_annotation", 140.0, 5.0),
+           {"ph": "i", "name": "marker", "ts": 1.0}]
+    view = engine_view({"traceEvents": raw}, rank=3)["traceEvents"]
+    got = [(e["tid"], e["name"], e["cat"], e["ts"], e["dur"], e["pid"]) for e in view]
+    assert got == [("compute", "Fa P3", "compute", 0.0, 10.0, 3),
+                   ("comm", "gloo:all_reduce", "comm", 11.0, 30.0, 3),
+                   ("compute", "F 2", "compute", 15.0, 4.0, 3),
+                   ("pipeline", "wait B1", "compute", 25.0, 5.0, 3)]
+
+
+def test_trace_view_of_a_cuda_profile_is_on_the_device_clock():
+    """With kernels in the trace, the labels' device ranges and the NCCL kernels make
+    the lanes; the host's ranges of the same labels (launches) are left out."""
+    raw = [_x("Fa P3", "user_annotation", 10.0, 2.0),
+           _x("Fa P3", "gpu_user_annotation", 50.0, 20.0, tid=7),
+           _x("ampere_sgemm_128x64_tn", "kernel", 50.0, 18.0, tid=7),
+           _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 60.0, 25.0, tid=8),
+           _x("pp F0", "gpu_user_annotation", 45.0, 40.0, tid=7)]
+    view = engine_view({"traceEvents": raw}, rank=0)["traceEvents"]
+    got = [(e["tid"], e["name"], e["ts"], e["dur"]) for e in view]
+    assert got == [("pipeline", "F0", 0.0, 40.0), ("compute", "Fa P3", 5.0, 20.0),
+                   ("comm", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15.0, 25.0)]
 
 
 def test_store_gather_wait_is_taken_once(clock):

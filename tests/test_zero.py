@@ -64,7 +64,7 @@ def _build(cfg, ctx, rows=None):
     rank and micro-batch)."""
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker, None)
+    ts = training_for(cfg, ctx, model, tracker)
     engine, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            rows or cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)

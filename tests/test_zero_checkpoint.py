@@ -71,7 +71,7 @@ class _Run:
             rows = cfg.train.micro_batch_size
         self.tracker = seed_tracker(cfg, self.ctx)
         self.model = model_for(cfg, self.ctx, self.tracker, None, cfg.seed)
-        self.ts = training_for(cfg, self.ctx, self.model, self.tracker, None)
+        self.ts = training_for(cfg, self.ctx, self.model, self.tracker)
         self.shards = self.ts.reducer.shards
         self.batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, rows,
                                     self.ctx.dp_rank, self.ctx.dp, cfg.seed)

@@ -28,7 +28,7 @@ def _color(name: str, cat: str) -> str:
         return "tab:blue"
     if len(tag) == 2 and tag[1] == "b":
         return "tab:orange"
-    if tag == "backward":  # the megatron engine's spans: "forward", "backward"
+    if tag in ("backward", "B"):  # the megatron engine: "forward", "backward", "F 3", "B 3"
         return "dimgray"
     return "tab:gray"
 

@@ -93,11 +93,11 @@ from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
 from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Stashed, Wait, collect,
                                   run_joint, run_programs)
-from oases.overlap.trace import engine_span
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.region import Cut, CutRecorder
+from oases.parallel.timing import label
 
 __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
            "sub_batch_rng_streams"]
@@ -157,7 +157,7 @@ class OasesSchedule:
     pairs = True  # backward_forward interleaves the two passes' collectives
 
     def __init__(self, tp_group, sub_batches: int = 2, recompute: str = "none",
-                 tracker: Optional[TPRNGTracker] = None, tracer=None,
+                 tracker: Optional[TPRNGTracker] = None,
                  params: Optional[BlockParams] = None, whole_when_alone: bool = False) -> None:
         if recompute not in ("none", "full", "fine"):
             raise ValueError(f"recompute={recompute!r}")
@@ -168,7 +168,6 @@ class OasesSchedule:
         self.whole_when_alone = whole_when_alone
         self.recompute = recompute
         self.tracker = tracker
-        self.tracer = tracer
         self.params: BlockParams = WHOLE if params is None else params  # see _enter
         # Recompute the next block down while an input-gradient all-reduce is in flight
         # (it needs only the stash). Not under ``full``: its recompute re-issues forward
@@ -278,7 +277,7 @@ class OasesSchedule:
         yield from self._backward(run, sb, scale)
 
     def _span(self, name: str):
-        return engine_span(self.tracer, name)
+        return label(name)
 
     def _enter(self, block: int, toward: Optional[int] = None, span: Optional[str] = None):
         """The way into a block's compute, taken on entering it and again on resuming it
@@ -479,13 +478,13 @@ class OasesSchedule:
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
-                   tracker: Optional[TPRNGTracker] = None, tracer=None,
+                   tracker: Optional[TPRNGTracker] = None,
                    params: Optional[BlockParams] = None) -> Engine:
     """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
     business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
     if name == "megatron":
-        return MegatronSchedule(tracer)
+        return MegatronSchedule()
     if name == "oases":  # selective recompute is the model's (its attention cores)
         return OasesSchedule(tp_group, sub_batches, "none" if recompute == "selective" else
-                             recompute, tracker, tracer, params, whole_when_alone=True)
+                             recompute, tracker, params, whole_when_alone=True)
     raise ValueError(f"unknown schedule {name!r}")

@@ -1,91 +1,76 @@
-"""A per-rank event trace: compute spans and collective lifetimes, as Chrome trace JSON.
+"""``parallel.trace``: a per-rank timeline of one step, as a view of ``torch.profiler``'s events.
 
-Spans and collectives are stamped on the device's timeline (:mod:`oases.parallel.timing`):
-the host clock on the CPU, CUDA events on the current stream on CUDA, where a host
-clock would only see the launches. A collective lasts from its launch to its
-completion, the end stamped by the work's future callback: on the CPU it fires on the
-communication thread when the collective ends; on CUDA it runs on a stream that waits
-for the collective, so its event completes when the collective does. The trace shows
-which collectives ran while which compute did; the stamps are read when it is saved.
+The engines label their work as ``record_function`` ranges
+(:func:`oases.parallel.timing.label`) and the profiler records them with everything
+else (:mod:`oases.runtime.profiling`). :func:`engine_view` keeps what shows the
+overlap, in three lanes of a small Chrome trace (``trace_rank<k>.json``):
 
-The same names label ``torch.profiler`` ranges (:func:`engine_span`; ``profile.steps``,
-:mod:`oases.runtime.profiling`), where the device's own timeline shows the overlap.
+``compute``
+    the engines' segments. ``oases``: ``Fa P3`` (sub-batch a's forward of block 3 up
+    to its collective), ``Fa C3`` (its combine), ``Fa loss``, ``Rb 2`` (a recompute),
+    ``Bb 2`` (a backward); ``megatron``: ``forward``, ``backward`` and, inside them,
+    ``F 3`` and ``B 3`` per block.
+``comm``
+    the collectives while they run: gloo's work (``gloo:all_reduce``, ...) on its own
+    threads on the CPU, the NCCL kernels on their streams on CUDA.
+``pipeline``
+    the pipeline runner's actions and transfer waits (labels ``pp F2``, ``pp wait B1``,
+    shown without the ``pp`` prefix).
+
+On CUDA the compute and pipeline lanes are the device's ranges of the labels (the
+profiler's ``gpu_user_annotation``: the kernels each label launched), not the host's
+launches, so both lanes are on the device's clock. Times are microseconds from the
+first event kept. The runner's own labels (``sub-batch 0``, ``launch all-reduce``,
+``wait``) stay in the full profiler trace only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
+import re
 from pathlib import Path
 
-from oases.parallel.comm import CommObserver
-from oases.parallel.timing import DeviceLike, Stamp, between, label, stamp
+from oases.parallel.timing import PIPELINE_LABEL
+
+# the engines' segment labels: "forward", "backward", or a phase letter with an optional
+# sub-batch name, then the block ("Fa P3", "Bb loss", "F 3")
+_SEGMENT = re.compile(r"^(forward|backward|[FRB][a-z]? \S+)$")
 
 
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
-
-
-def engine_span(tracer, name: str, lane: str = "compute"):
-    """The engine's span ``name``: a profiler range (when one records) and, with a
-    tracer, a span on its ``lane``."""
-    if tracer is None:
-        return label(name)
-    return _both(label(name), tracer.span(name, lane))
-
-
-class Tracer(CommObserver):
-    """``with tracer:`` also records the collectives issued through
-    :func:`oases.parallel.comm.all_reduce` (e.g. inside autograd under ``megatron``).
-    ``device``: whose timeline the stamps are on (None: the host clock)."""
-
-    def __init__(self, rank: int, device: DeviceLike = None) -> None:
-        self.rank = rank
-        self.device = device
-        self._lock = threading.Lock()
-        self.restart()
-
-    def restart(self) -> None:
-        """Drop what was recorded; the trace's time 0 is now."""
-        with self._lock:
-            self.events: list[tuple[str, str, str, Stamp, Stamp]] = []
-            self.t0 = stamp(self.device)
-
-    def _add(self, name: str, cat: str, lane: str, start: Stamp, end: Stamp) -> None:
-        with self._lock:
-            self.events.append((name, cat, lane, start, end))
-
-    @contextlib.contextmanager
-    def span(self, name: str, lane: str):
-        start = stamp(self.device)
-        try:
-            yield
-        finally:
-            self._add(name, "compute", lane, start, stamp(self.device))
-
-    def collective(self, name: str, lane: str, work, start: Stamp | None = None) -> None:
-        """Record a collective from ``start`` (default: now) until ``work`` completes."""
-        if start is None:
-            start = stamp(self.device)
-
-        def done(_fut):
-            self._add(name, "comm", lane, start, stamp(self.device))
+def _lane(event: dict, on_cuda: bool) -> str | None:
+    name, cat = event.get("name", ""), event.get("cat", "")
+    if on_cuda:
+        if cat == "kernel" and "nccl" in name.lower():
+            return "comm"
+        if cat != "gpu_user_annotation":
             return None
+    elif name.startswith("gloo:"):
+        return "comm"
+    elif cat != "user_annotation":
+        return None
+    if name.startswith(PIPELINE_LABEL):
+        return "pipeline"
+    return "compute" if _SEGMENT.match(name) else None
 
-        fut = getattr(work, "get_future", None)
-        if fut is None:  # a skipped (no-op) collective
-            done(None)
-        else:
-            fut().then(done)
 
-    def save(self, path: Path) -> None:
-        with self._lock:
-            raw = list(self.events)
-        events = [{"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": lane,
-                   "ts": between(self.t0, a) * 1e6, "dur": between(a, b) * 1e6}
-                  for name, cat, lane, a, b in raw]
-        events.sort(key=lambda e: e["ts"])
-        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+def engine_view(trace: dict, rank: int) -> dict:
+    """The compute, comm and pipeline lanes of a ``torch.profiler`` Chrome trace."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    on_cuda = any(e.get("cat") == "kernel" for e in events)
+    kept = [(lane, e) for e in events if (lane := _lane(e, on_cuda)) is not None]
+    t0 = min((float(e["ts"]) for _, e in kept), default=0.0)
+    out = []
+    for lane, e in kept:
+        name = e["name"][len(PIPELINE_LABEL):] if lane == "pipeline" else e["name"]
+        out.append({"name": name, "cat": "comm" if lane == "comm" else "compute", "ph": "X",
+                    "pid": rank, "tid": lane, "ts": float(e["ts"]) - t0,
+                    "dur": float(e["dur"])})
+    out.sort(key=lambda e: e["ts"])
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_view(profile_json: Path, out: Path, rank: int) -> Path:
+    """Write :func:`engine_view` of the profiler trace ``profile_json`` to ``out``."""
+    view = engine_view(json.loads(Path(profile_json).read_text()), rank)
+    Path(out).write_text(json.dumps(view))
+    return Path(out)

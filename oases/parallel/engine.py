@@ -44,12 +44,6 @@ class StageRun:
     output: Optional[torch.Tensor] = None
 
 
-class SpanTracer(Protocol):
-    """Times named spans of host work on a lane of the trace (:mod:`oases.overlap.trace`)."""
-
-    def span(self, name: str, lane: str) -> ContextManager: ...
-
-
 class Engine(Protocol):
     """A schedule engine (``parallel.schedule``)."""
 
@@ -57,9 +51,6 @@ class Engine(Protocol):
     pairs: bool
     """True: :meth:`backward_forward` interleaves its two passes' collectives with each
     other's compute (``parallel.overlap_fb`` pays off); False: it runs them in turn."""
-    tracer: Optional[SpanTracer]
-    """Where the engine's compute spans go (None: untraced); the pipeline runner adds its
-    actions' spans to the same trace."""
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
                          scale: float = 1.0,

@@ -32,10 +32,20 @@ DeviceLike = Optional[Union[torch.device, str]]
 _FOLD_AT = 256
 
 
+# the prefix of the pipeline runner's labels (its actions and transfer waits), which the
+# trace view (oases.overlap.trace) puts in a lane of their own
+PIPELINE_LABEL = "pp "
+
+
+def profiling() -> bool:
+    """Whether a ``torch.profiler`` records now."""
+    return torch.autograd.profiler._is_profiler_enabled
+
+
 def label(name: str):
     """A ``record_function`` range called ``name`` while a ``torch.profiler`` records,
     else a no-op (the engines label every sub-batch segment, launch and wait)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiling():
         return torch.autograd.profiler.record_function(name)
     return contextlib.nullcontext()
 

@@ -44,14 +44,13 @@ on which the consuming F/B runs, after the transfer.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from oases.config import Config
-from oases.parallel.engine import AmpFactory, Engine, SpanTracer
-from oases.parallel.timing import IntervalTimer
+from oases.parallel.engine import AmpFactory, Engine
+from oases.parallel.timing import PIPELINE_LABEL, IntervalTimer, label
 from oases.pipeline.actions import is_fused, stage_actions
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
@@ -102,10 +101,9 @@ class PipelineRunner:
         micro-batch's mean loss over this replica's rows, in order, else None; the time
         spent in F/B compute, for the bubble fraction: an IntervalTimer on the device's
         timeline, read once the step is done). Gradients accumulate into ``.grad``.
-        With the engine's tracer active, each action and each wait for a transfer is a
-        span of the trace's "pipeline" lane."""
+        Each action and each wait for a transfer is a profiler range (``pp F3``,
+        ``pp wait B1``: the "pipeline" lane of :mod:`oases.overlap.trace`)."""
         ctx, dev = self.ctx, self.ctx.device
-        tracer = engine.tracer
         dtype = next(model.parameters()).dtype
         recvs: dict = {}
         sends: list = []
@@ -120,14 +118,14 @@ class PipelineRunner:
             if ctx.is_first_stage:
                 inp = x.to(dev)
             else:
-                with _span(tracer, f"wait F{m}"):
+                with _span(f"wait F{m}"):
                     inp = recvs.pop(("F", m)).wait()
             return inp, (y.to(dev) if ctx.is_last_stage else None)
 
         def grad_b(m):
             if ctx.is_last_stage:
                 return None
-            with _span(tracer, f"wait B{m}"):
+            with _span(f"wait B{m}"):
                 g = recvs.pop(("B", m)).wait()
             return g * self.grad_scale if self.grad_scale != 1.0 else g
 
@@ -147,7 +145,7 @@ class PipelineRunner:
             elif a.kind == "F":
                 inp, tgt = inputs_f(m)
                 t0 = busy.start()
-                with _span(tracer, f"F{m}"):
+                with _span(f"F{m}"):
                     runs[m] = engine.forward(model, inp, tgt, amp)
                 busy.stop(t0)
                 if ctx.is_last_stage:
@@ -158,7 +156,7 @@ class PipelineRunner:
                 g = grad_b(m)
                 inp, tgt = inputs_f(k)
                 t0 = busy.start()
-                with _span(tracer, f"B{m}+F{k}"):
+                with _span(f"B{m}+F{k}"):
                     gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
                                                            inp, tgt, amp)
                 busy.stop(t0)
@@ -172,12 +170,12 @@ class PipelineRunner:
                 if i == last_b:
                     before_last_backward()
                 t0 = busy.start()
-                with _span(tracer, f"B{m}"):
+                with _span(f"B{m}"):
                     gin = engine.backward(runs.pop(m), g, scales[m], amp)
                 busy.stop(t0)
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
-        with _span(tracer, "wait sends"):
+        with _span("wait sends"):
             for s in sends:  # the buffers were kept alive until now
                 s.wait()
         if recvs or runs:  # a schedule that the checker let through must leave nothing
@@ -200,5 +198,5 @@ class PipelineRunner:
         return None
 
 
-def _span(tracer: Optional[SpanTracer], name: str):
-    return tracer.span(name, "pipeline") if tracer is not None else contextlib.nullcontext()
+def _span(name: str):
+    return label(PIPELINE_LABEL + name)

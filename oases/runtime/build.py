@@ -54,7 +54,7 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
                        degree_groups=ctx.degree_groups() if degrees is not None else None)
 
 
-def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker, tracer,
+def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,
                  zero_levels: Optional[list[int]] = None) -> TrainState:
     """The run's state around ``model`` (put in training mode): engine, optimizer,
     gradient reducer and (pp > 1) pipeline runner. Collective when pipelined (the runner
@@ -98,7 +98,7 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.shards.optimizer_params(model))
     reducer.shards.seed_optimizer(opt)
     schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
-                              tracker, tracer, params=reducer.shards.params)
+                              tracker, params=reducer.shards.params)
     pipe = PipelineRunner.from_config(ctx, cfg) if ctx.layout is not None else None
     return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)
 
@@ -186,7 +186,7 @@ def throwaway_step(cfg: Config, ctx: ParallelContext,
     with recording_groups(made):
         tracker = seed_tracker(cfg, ctx)
         model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-        state = training_for(cfg, ctx, model, tracker, None)
+        state = training_for(cfg, ctx, model, tracker)
     # groups the context built on first use (its degree groups) are the context's
     own = [g for g in made if g not in ctx.groups]
     return ThrowawayStep(state, _FixedBatches(cfg), own)

@@ -22,7 +22,6 @@ from models import model_stats
 from oases.config import Config, save_config
 from oases.config.schema import resolve_precision
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
-from oases.overlap.trace import Tracer
 from oases.parallel.comm import NoopCollectives
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, init_kwargs,
                                    join_world, pick_device, prepare_backend)
@@ -202,9 +201,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         load_init_from(cfg, ctx, model)
     if cfg.data.reset_attention_at_eos:  # attention stays inside documents
         model.attend_within_documents(batches.eos_id)
-    tracer = Tracer(ctx.rank, ctx.device) if par.trace else None
-    state = training_for(cfg, ctx, model, tracker, tracer)
-    opt, reducer, schedule = state.opt, state.reducer, state.engine
+    state = training_for(cfg, ctx, model, tracker)
+    opt, reducer = state.opt, state.reducer
 
     if not reducer.shards.sharded and (par.zero or reducer.norm_by_terms) and ctx.is_main:
         print("parallel.zero: no gradient group of this layout has more than one rank "
@@ -276,8 +274,11 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     step_clock = IntervalTimer(ctx.device)
     # exposed and hidden TP communication
     comm_clock = comm_clock_for(model, ctx) if cfg.metrics.comm_clock else None
-    prof = StepProfiler(cfg.profile.window(), cfg.out_dir, ctx.rank, ctx.device,
-                        cfg.profile.memory_snapshot)
+    window = cfg.profile.window()
+    if par.trace and window is None:  # parallel.trace alone: one step after warm-up
+        window = (min(start + 3, cfg.train.steps),) * 2
+    prof = StepProfiler(window, cfg.out_dir, ctx.rank, ctx.device,
+                        cfg.profile.memory_snapshot, view=par.trace)
     noop = (NoopCollectives(ctx.tp_group) if par.tp_comm_noop and ctx.tp > 1
             else contextlib.nullcontext())
     if par.tp_comm_noop and ctx.is_main:
@@ -292,16 +293,14 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         for step in range(start, cfg.train.steps):
             t0 = step_clock.start()
             lr = lr_at(step, cfg.train)
-            traced = tracer is not None and step == min(start + 2, cfg.train.steps - 1)
-            if traced:  # trace one step after warm-up
-                tracer.restart()
             prof.before(step + 1)
-            with tracer if traced else contextlib.nullcontext(), \
-                    comm_clock if comm_clock is not None else contextlib.nullcontext():
+            with comm_clock if comm_clock is not None else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
             step_clock.stop(t0)
             if prof.after(step + 1) is not None and ctx.is_main:
-                print(f"wrote {out}/profile/rank*.json (steps {cfg.profile.steps})", flush=True)
+                view = f" and {out}/trace_rank*.json" if par.trace else ""
+                print(f"wrote {out}/profile/rank*.json{view} (steps {window[0]}-{window[1]})",
+                      flush=True)
             if saver is not None:
                 saver.poll()
             done = step + 1
@@ -316,11 +315,6 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 if ctx.is_main:
                     print(f"step {done}: non-finite loss ({loss}) or gradient norm ({norm}); "
                           f"step skipped ({skipped} so far, train.on_nonfinite=skip)", flush=True)
-            if traced:
-                tracer.save(out / f"trace_rank{ctx.rank}.json")
-                if ctx.is_main:
-                    print(f"wrote {out}/trace_rank*.json (step {done})", flush=True)
-                tracer = schedule.tracer = None
             if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
                 taken = step_clock.take_each()  # the steps since the last log
                 step_times += taken
