@@ -83,6 +83,19 @@ def test_shards_read_as_one_corpus_with_exact_resume(tmp_path):
         open_corpus(split, "uint16", 200)
 
 
+def test_many_shards_read_meta_json_a_bounded_number_of_times(tmp_path, monkeypatch):
+    """Start-up of a corpus of many shards reads its meta.json twice (resolving the
+    split, opening the shards), not once or twice per shard."""
+    from oases.runtime import tokens as TK
+
+    split = shards(tmp_path / "sh", np.random.default_rng(2).integers(1, 256, 4000), 40)
+    reads = []
+    real = TK.read_meta
+    monkeypatch.setattr(TK, "read_meta", lambda p: reads.append(p) or real(p))
+    corpus = open_corpus(split, "uint16", 256)
+    assert len(corpus.files) == 40 and len(reads) == 2
+
+
 def test_blend_of_sharded_corpora_resumes_exactly(tmp_path):
     rng = np.random.default_rng(1)
     a = shards(tmp_path / "a", rng.integers(1, 256, 1500), 3)

@@ -70,27 +70,34 @@ def read_meta(path: Path) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def _check_meta(path: Path, dtype: str) -> dict:
+def _check_meta(path: Path, dtype: str, meta: dict) -> None:
     """Catch the classic silent failure: reading a uint32 file as uint16 (or back)
-    gives garbage token ids that may well still be inside the vocabulary. Returns
-    ``meta.json`` (next to the file), or {} if there is none."""
-    meta = read_meta(path)
+    gives garbage token ids that may well still be inside the vocabulary."""
     meta_dtype = meta.get("dtype")
     if meta_dtype is not None and meta_dtype != dtype:
         raise DataError(f"{path} was written as {meta_dtype} (per {path.parent / 'meta.json'}) "
                         f"but data.dtype={dtype}; set data.dtype={meta_dtype}")
-    return meta
 
 
-def _recorded_max_id(meta: dict, path: Path, n_tokens: int) -> Optional[int]:
-    """The largest token id ``oases.prepare`` recorded for this file: its entry in
-    ``shards`` or ``<stem>_max_id`` (``train_max_id`` for train.bin), if the entry's
-    token count says the record is about this very file."""
+def _shard_entries(meta: dict) -> dict[str, dict]:
+    """``meta.json``'s shard records by file name (every split's)."""
+    out = {}
     for entries in (meta.get("shards") or {}).values():
         for e in entries if isinstance(entries, list) else ():
-            if isinstance(e, dict) and e.get("file") == path.name:
-                rec, count = e.get("max_id"), e.get("tokens")
-                return rec if _is_int(rec) and count == n_tokens else None
+            if isinstance(e, dict) and isinstance(e.get("file"), str):
+                out.setdefault(e["file"], e)
+    return out
+
+
+def _recorded_max_id(meta: dict, shards: dict[str, dict], path: Path,
+                     n_tokens: int) -> Optional[int]:
+    """The largest token id ``oases.prepare`` recorded for this file: its entry in
+    ``shards`` (:func:`_shard_entries`) or ``<stem>_max_id`` (``train_max_id`` for
+    train.bin), if the entry's token count says the record is about this very file."""
+    e = shards.get(path.name)
+    if e is not None:
+        rec, count = e.get("max_id"), e.get("tokens")
+        return rec if _is_int(rec) and count == n_tokens else None
     rec, count = meta.get(f"{path.stem}_max_id"), meta.get(f"{path.stem}_tokens")
     return rec if _is_int(rec) and count == n_tokens else None
 
@@ -154,20 +161,26 @@ def _check_recorded(tokens, recorded: int, vocab_size: int, where: PathLike) -> 
                         f"{recorded} or re-tokenize the data")
 
 
-def open_tokens(path: PathLike, dtype: str, vocab_size: int) -> np.ndarray:
+def open_tokens(path: PathLike, dtype: str, vocab_size: int,
+                meta: Optional[tuple[dict, dict]] = None) -> np.ndarray:
     """Open and validate one raw token file; returns a read-only 1-D memmap (or an empty
     array for an empty file, which ``np.memmap`` cannot map). The ids are checked from
     the largest id ``oases.prepare`` recorded in ``meta.json`` and a bounded sample of
     the file (a 100 GB corpus opens in milliseconds); a file without that record is
-    scanned whole."""
+    scanned whole. ``meta``: the directory's ``meta.json`` and its
+    :func:`_shard_entries`, when the caller has read them (a corpus of many shards
+    reads its ``meta.json`` once)."""
     p = Path(path)
     np_dtype(dtype)
     if not p.is_file():
         what = "is a directory, not a token file" if p.is_dir() else "does not exist"
         raise DataError(f"data file {p} {what}; {PREPARE_HINT}")
-    meta = _check_meta(p, dtype)
+    if meta is None:
+        raw = read_meta(p)
+        meta = (raw, _shard_entries(raw))
+    _check_meta(p, dtype, meta[0])
     tokens = _map_raw(p, dtype)
-    recorded = _recorded_max_id(meta, p, len(tokens))
+    recorded = _recorded_max_id(*meta, p, len(tokens))
     if recorded is None:
         _check_token_ids(tokens, vocab_size, p)
     elif len(tokens):
@@ -234,11 +247,16 @@ def resolve(path: PathLike) -> list[Path]:
     raise DataError(f"data file {p} {what}; {PREPARE_HINT}")
 
 
-def _open_one(p: Path, dtype: str, vocab_size: int) -> tuple[np.ndarray, Optional[int], dict]:
-    """One file's tokens, checked; its Megatron document count or None; its meta.json."""
+def _open_one(p: Path, dtype: str, vocab_size: int,
+              metas: dict) -> tuple[np.ndarray, Optional[int], dict]:
+    """One file's tokens, checked; its Megatron document count or None; its meta.json
+    (``metas``: those read so far, by directory)."""
     idx = idx_path(p)
     if idx is None:
-        return open_tokens(p, dtype, vocab_size), None, read_meta(p)
+        if p.parent not in metas:
+            raw = read_meta(p)
+            metas[p.parent] = (raw, _shard_entries(raw))
+        return open_tokens(p, dtype, vocab_size, metas[p.parent]), None, metas[p.parent][0]
     mc = MegatronCorpus(idx)
     _check_token_ids(mc.tokens, vocab_size, mc.bin)
     return mc.tokens, mc.num_docs, {}
@@ -249,9 +267,9 @@ def open_corpus(path: PathLike, dtype: str, vocab_size: int,
     """Open what ``path`` names (:func:`resolve`) as one checked token stream. ``eos_id``
     (``data.eos_id``) overrides the EOS id that ``meta.json`` records."""
     files = resolve(path)
-    parts, docs, metas = [], [], []
+    parts, docs, metas, read = [], [], [], {}
     for f in files:
-        tokens, n_docs, meta = _open_one(f, dtype, vocab_size)
+        tokens, n_docs, meta = _open_one(f, dtype, vocab_size, read)
         parts.append(tokens)
         docs.append(n_docs)
         metas.append(meta)
