@@ -8,13 +8,13 @@ import torch
 
 from models.common import CausalLM
 from models.gpt import GPT
-from models.llama import Llama
+from models.llama import Llama, Mistral, Qwen2
 from oases.config import ModelConfig
 from oases.parallel.comm import group_rank, group_size
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import init_parameters
 
-ARCHS = {"gpt": GPT, "llama": Llama}
+ARCHS = {"gpt": GPT, "llama": Llama, "qwen2": Qwen2, "mistral": Mistral}
 
 
 def build_model(cfg: ModelConfig, padded_vocab: int, tp_group=None,
@@ -42,4 +42,4 @@ def model_stats(cfg: ModelConfig, padded_vocab: int) -> tuple[int, float]:
     return model.num_params(), model.flops_per_token()
 
 
-__all__ = ["build_model", "model_stats", "CausalLM", "GPT", "Llama", "ARCHS"]
+__all__ = ["build_model", "model_stats", "CausalLM", "GPT", "Llama", "Qwen2", "Mistral", "ARCHS"]

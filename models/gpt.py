@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from models.common import CausalLM, GeluMLP, LayerNorm
+from models.blocks import GeluMLP
+from models.common import CausalLM
+from models.norms import LayerNorm
 
 
 class GPT(CausalLM):

@@ -1,10 +1,12 @@
-"""Hugging Face interop: load ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` weights into a
-TP-sharded oases model, and export an oases model as one.
+"""Hugging Face interop: load ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` / ``MistralForCausalLM`` weights into a TP-sharded oases model,
+and export an oases model as one.
 
     load_hf_weights(model, "ckpt/gpt2", ctx.tp_rank, ctx.tp)   # after build_model
     export_hf(full_state, model_cfg, "out/hf")                 # config.json + model.safetensors
 
-Name mapping (``L`` a layer; GPT-2 names under ``transformer.``, LLaMA under ``model.``):
+Name mapping (``L`` a layer; GPT-2 names under ``transformer.``, LLaMA under ``model.``;
+Qwen2 and Mistral use LLaMA's names, Qwen2 with q/k/v biases):
 
 | oases                     | GPT-2                          | LLaMA                              |
 |---------------------------|--------------------------------|------------------------------------|
@@ -43,9 +45,13 @@ from typing import Optional
 
 import torch
 
-from oases.config.hf import HF_FIELDS, hf_model_fields
+from oases.config.hf import GPT_UNUSED, HF_FIELDS, hf_model_fields
 from oases.errors import CheckpointError, UserError
 from oases.parallel.sharding import chunk_of
+
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+_HF_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "mistral": "MistralForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
                     {x + theirs + ".bias": (n_out,)}, bias)
         put("norm.weight", [_Part(t + "ln_f.weight")], {t + "ln_f.weight": (d,)})
         put("norm.bias", [_Part(t + "ln_f.bias")], {t + "ln_f.bias": (d,)})
-    elif f["arch"] == "llama":
+    elif f["arch"] in LLAMA_FAMILY:
         t = "model."
         put("embed.wte.weight", [_Part(t + "embed_tokens.weight", logical=V)],
             {t + "embed_tokens.weight": (V, d)})
@@ -115,17 +121,20 @@ def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
             put(o + "attn.qkv.weight", [_Part(a + n + ".weight", length=s) for n, s in sizes],
                 {a + n + ".weight": (s, d) for n, s in sizes})
             put(o + "attn.qkv.bias", [_Part(a + n + ".bias", length=s) for n, s in sizes],
-                {a + n + ".bias": (s,) for n, s in sizes}, bias)
+                {a + n + ".bias": (s,) for n, s in sizes}, bias or f["arch"] == "qwen2")
             put(o + "attn.proj.weight", [_Part(a + "o_proj.weight")],
                 {a + "o_proj.weight": (d, h * hd)})
             put(o + "attn.proj.bias", [_Part(a + "o_proj.bias")], {a + "o_proj.bias": (d,)}, bias)
             p = x + "mlp."
-            put(o + "mlp.fc.weight", [_Part(p + n + ".weight", length=F) for n in ("gate_proj", "up_proj")],
-                {p + n + ".weight": (F, d) for n in ("gate_proj", "up_proj")})
-            put(o + "mlp.fc.bias", [_Part(p + n + ".bias", length=F) for n in ("gate_proj", "up_proj")],
-                {p + n + ".bias": (F,) for n in ("gate_proj", "up_proj")}, bias)
-            put(o + "mlp.proj.weight", [_Part(p + "down_proj.weight")], {p + "down_proj.weight": (d, F)})
-            put(o + "mlp.proj.bias", [_Part(p + "down_proj.bias")], {p + "down_proj.bias": (d,)}, bias)
+            gu = ("gate_proj", "up_proj")
+            put(o + "mlp.fc.weight", [_Part(p + n + ".weight", length=F) for n in gu],
+                {p + n + ".weight": (F, d) for n in gu})
+            put(o + "mlp.fc.bias", [_Part(p + n + ".bias", length=F) for n in gu],
+                {p + n + ".bias": (F,) for n in gu}, bias)
+            put(o + "mlp.proj.weight", [_Part(p + "down_proj.weight")],
+                {p + "down_proj.weight": (d, F)})
+            put(o + "mlp.proj.bias", [_Part(p + "down_proj.bias")], {p + "down_proj.bias": (d,)},
+                bias)
         put("norm.weight", [_Part(t + "norm.weight")], {t + "norm.weight": (d,)})
     else:
         raise UserError(f"model.arch={f['arch']!r} has no Hugging Face mapping")
@@ -268,7 +277,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int, tp
     f = hf_model_fields(hf_dir)
     ours = model_fields(model.cfg)
     for k, v in f.items():
-        if k == "rope_theta" and f["arch"] == "gpt":
+        if k in GPT_UNUSED and f["arch"] == "gpt":
             continue
         if ours[k] != v and not (k == "seq_len" and ours[k] <= v):
             raise UserError(f"{where}: the model has {k}={ours[k]} but config.json says {v}")
@@ -314,23 +323,48 @@ def hf_config_dict(model_cfg) -> dict:
             "tie_word_embeddings": bool(c.tie_embeddings), "use_cache": True,
             "bos_token_id": special, "eos_token_id": special, "dtype": "float32",
         }
-    if c.arch == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": c.vocab_size, "hidden_size": c.d_model,
-            "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
-            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_heads,
-            "head_dim": c.d_model // c.n_head, "hidden_act": "silu",
-            "max_position_embeddings": c.seq_len, "rms_norm_eps": c.norm_eps,
-            # transformers < 5 reads rope_theta/rope_scaling, >= 5 rope_parameters
-            "rope_theta": c.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-            "attention_bias": bool(c.bias), "mlp_bias": bool(c.bias),
-            "attention_dropout": c.dropout, "initializer_range": c.init_std,
-            "tie_word_embeddings": bool(c.tie_embeddings), "use_cache": True,
-            "pretraining_tp": 1, "dtype": "float32",
-        }
+    if c.arch in LLAMA_FAMILY:
+        return _llama_config_dict(c)
     raise UserError(f"model.arch={c.arch!r} has no Hugging Face export")
+
+
+def _rope_json(c) -> dict:
+    """RoPE as both spellings: ``rope_theta`` + ``rope_scaling`` (transformers < 5,
+    published Llama 3.x) and ``rope_parameters`` (transformers >= 5)."""
+    rp = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type != "default":
+        rp["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rp.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                  original_max_position_embeddings=c.rope_original_max_len)
+    scaling = None if c.rope_type == "default" else {k: v for k, v in rp.items()
+                                                      if k != "rope_theta"}
+    return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": rp}
+
+
+def _llama_config_dict(c) -> dict:
+    if c.arch == "llama" and c.sliding_window:  # pragma: no cover - the config refuses it
+        raise UserError("export: LlamaForCausalLM has no sliding window")
+    out = {
+        "architectures": [_HF_NAMES[c.arch]], "model_type": c.arch,
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model,
+        "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.d_model // c.n_head, "hidden_act": "silu",
+        # dynamic RoPE rescales past max_position_embeddings: it is the original length
+        "max_position_embeddings": (c.rope_original_max_len if c.rope_type == "dynamic"
+                                    else c.seq_len),
+        "rms_norm_eps": c.norm_eps, **_rope_json(c),
+        "attention_dropout": c.dropout, "initializer_range": c.init_std,
+        "tie_word_embeddings": bool(c.tie_embeddings), "use_cache": True, "dtype": "float32",
+    }
+    if c.arch == "llama":
+        out.update(attention_bias=bool(c.bias), mlp_bias=bool(c.bias), pretraining_tp=1)
+    elif c.arch == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    else:
+        out.update(sliding_window=c.sliding_window or None)
+    return out
 
 
 def hf_tensors(name: str, t: torch.Tensor, parts) -> dict[str, torch.Tensor]:
@@ -380,7 +414,7 @@ def hf_state_dict(model_state_full: dict[str, torch.Tensor], model_cfg) -> dict[
 
 def export_hf(model_state_full: dict[str, torch.Tensor], model_cfg, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` loadable by
-    ``GPT2LMHeadModel`` / ``LlamaForCausalLM.from_pretrained(out_dir)``."""
+    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ... ``.from_pretrained(out_dir)``."""
     from safetensors.torch import save_file  # deferred: optional (oases[hf])
 
     cfg_json = hf_config_dict(model_cfg)

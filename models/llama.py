@@ -1,14 +1,19 @@
-"""LLaMA-like: RMSNorm, rotary embeddings (rotate-half, as HF), SwiGLU, grouped-query attention.
+"""LLaMA-like: RMSNorm, rotary embeddings (rotate-half, as HF), SwiGLU, grouped-query
+attention; Qwen2 adds q/k/v biases, Mistral a sliding attention window
+(``model.sliding_window``, honoured by the attention block of any architecture).
 
 With tensor parallelism the kv heads are split over the ranks while ``parallel.tp``
 divides ``model.n_kv_heads``; above that each kv head is replicated on the
 ``tp / n_kv_heads`` ranks whose query heads use it, and its gradient summed over
-them once per step (oases.config.heads, models.common.ParallelAttention).
+them once per step (oases.config.heads, models.attention.ParallelAttention).
 """
 
 from __future__ import annotations
 
-from models.common import CausalLM, RMSNorm, Rotary, SwiGLUMLP
+from models.blocks import SwiGLUMLP
+from models.common import CausalLM
+from models.norms import RMSNorm
+from models.rope import Rotary
 
 
 class Llama(CausalLM):
@@ -21,4 +26,12 @@ class Llama(CausalLM):
         return SwiGLUMLP(cfg, norm, tp_group)
 
     def make_rotary(self, cfg):
-        return Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        return Rotary.from_config(cfg)
+
+
+class Qwen2(Llama):
+    qkv_bias = True
+
+
+class Mistral(Llama):
+    pass

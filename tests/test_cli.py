@@ -12,8 +12,8 @@ import pytest
 from oases.cli.__main__ import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_COMMANDS = ["plan", "prepare", "launch", "export", "consolidate", "schedule", "config",
-                   "dashboard"]
+MODULE_COMMANDS = ["plan", "prepare", "launch", "export", "generate", "consolidate", "schedule",
+                   "config", "dashboard"]
 
 
 @pytest.mark.parametrize("name", MODULE_COMMANDS)

@@ -203,8 +203,8 @@ def make_targets() -> frozenset[str]:
 @lru_cache(maxsize=None)
 def config_fields() -> dict[str, frozenset[str]]:
     """Section -> its field names, from the dataclasses in oases/config/schema.py (and
-    the sections it imports from oases/config/observe.py)."""
-    classes = {n.name: n for page in ("schema.py", "observe.py")
+    the sections it imports from oases/config/model.py and observe.py)."""
+    classes = {n.name: n for page in ("schema.py", "model.py", "observe.py")
                for n in _tree(ROOT / "oases" / "config" / page).body
                if isinstance(n, ast.ClassDef)}
 

@@ -18,7 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing import assert_close
 
-import models.common as common
+import models.attention as attention
 from models import build_model
 from oases.config import ConfigError, load_config
 from oases.config.schema import resolve_precision
@@ -207,7 +207,7 @@ def test_gqa_expanded_kv_matches_grouped_sdpa(monkeypatch):
     attn, x = _attention(CPU)
     assert attn.n_kv < attn.n_head
     grouped = _run(attn, x)
-    monkeypatch.setattr(common, "_fused_gqa", lambda *a: False)  # as where no kernel takes it
+    monkeypatch.setattr(attention, "_fused_gqa", lambda *a: False)  # as where no kernel takes it
     expanded = _run(attn, x)
     for g, e in zip(grouped, expanded):
         assert_close(e, g, rtol=1e-5, atol=1e-6)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -40,6 +41,7 @@ from models.hf import load_hf_weights  # noqa: E402
 from oases.config import load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import CheckpointError, ConfigError  # noqa: E402
+from oases.parallel.loss import IGNORE_INDEX  # noqa: E402
 from oases.parallel.sharding import shard  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -48,20 +50,28 @@ ATOL = 1e-4
 B, T = 2, 32
 
 
-def make_hf_model(kind: str, seed: int = 0):
-    """A tiny, randomly initialised HF model: ``gpt2``, ``llama`` (GQA, tied) or
-    ``llama-untied`` (GQA, separate lm_head)."""
+_LLAMA_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+# kind -> (config class, model class, changes to the LLaMA shape); tests/test_hf_archs.py
+# adds Llama 3 RoPE, Qwen2 and Mistral
+HF_KINDS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "llama-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0, kinds: dict = HF_KINDS):
+    """A tiny, randomly initialised HF model: ``gpt2``, or one of ``kinds``
+    (``llama``: GQA, tied; ``llama-untied``: GQA, separate lm_head)."""
     torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
                          bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg)
     else:
-        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                          max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                          tie_word_embeddings=(kind == "llama"))
-        model = LlamaForCausalLM(cfg)
+        config_cls, model_cls, changes = kinds[kind]
+        model = model_cls(config_cls(**{**_LLAMA_SHAPE, **changes}))
         with torch.no_grad():  # norms are ones at init: make them count
             for n, p in model.named_parameters():
                 if "norm" in n:
@@ -110,14 +120,17 @@ def hf_dirs(tmp_path_factory):
 # config.json -> ModelConfig
 
 def test_fields_from_config_json(hf_dirs):
+    plain = dict(rope_theta=10000.0, rope_type="default", rope_factor=1.0,
+                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=64,
+                 sliding_window=0)
     g = hf_model_fields(hf_dirs["gpt2"][0])
     assert g == dict(arch="gpt", n_layer=2, d_model=64, n_head=4, n_kv_heads=4, ffn_hidden=256,
-                     vocab_size=VOCAB, seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
-                     tie_embeddings=True, bias=True)
+                     vocab_size=VOCAB, seq_len=64, norm_eps=1e-5, tie_embeddings=True,
+                     bias=True, **plain)
     lm = hf_model_fields(hf_dirs["llama-untied"][0])
     assert lm == dict(arch="llama", n_layer=2, d_model=64, n_head=4, n_kv_heads=2,
                       ffn_hidden=128, vocab_size=VOCAB, seq_len=64, norm_eps=1e-5,
-                      rope_theta=10000.0, tie_embeddings=False, bias=False)
+                      tie_embeddings=False, bias=False, **plain)
     assert hf_model_fields(hf_dirs["llama"][0])["tie_embeddings"] is True
 
 
@@ -156,11 +169,13 @@ def _edited(src: Path, dst: Path, **changes) -> Path:
     ("gpt2", {"activation_function": "relu"}, "activation_function='relu' is not supported"),
     ("llama", {"attention_bias": True}, "attention_bias=true is not supported"),
     ("llama", {"mlp_bias": True}, "mlp_bias=true is not supported"),
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling and rope_parameters disagree on rope_type \\('linear' vs 'default'\\)"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-     "rope_type='yarn' is not supported"),
-    ("llama", {"architectures": ["MistralForCausalLM"]},
-     "unsupported architecture MistralForCausalLM \\(supported: GPT2LMHeadModel, LlamaForCausalLM\\)"),
+     "rope_type='yarn' is not supported \\(supported: default, linear, dynamic, llama3\\)"),
+    ("llama", {"architectures": ["FalconForCausalLM"], "model_type": None},
+     "unsupported architecture FalconForCausalLM \\(supported: GPT2LMHeadModel, "
+     "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM\\)"),
     ("gpt2", {"architectures": None, "model_type": "t5"}, "unsupported architecture t5"),
 ])
 def test_unsupported_config_is_an_error(hf_dirs, tmp_path, kind, changes, msg):
@@ -197,12 +212,18 @@ def _import_body(ctx, hf_dir, ids, ref):
     load_hf_weights(model, hf_dir, ctx.tp_rank, ctx.tp)
     model.eval()
     assert_close(model.full_logits(ids), ref, rtol=0, atol=ATOL)
+    # the loss HF computes with labels=ids (next-token, shifted)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+    hf_loss = F.cross_entropy(ref[:, :-1].reshape(-1, ref.shape[-1]), ids[:, 1:].reshape(-1))
+    with torch.no_grad():
+        assert_close(model(ids, targets), hf_loss, rtol=0, atol=ATOL)
     # every shard is exactly shard(full) of the unsharded import
     full = build_model(cfg.model, cfg.padded_vocab_size, None, seed=None)
     load_hf_weights(full, hf_dir, 0, 1)
     fp = dict(full.named_parameters())
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), shard(fp[name].detach(), p.tp_spec, ctx.tp_rank, ctx.tp)), name
+        want = shard(fp[name].detach(), p.tp_spec, ctx.tp_rank, ctx.tp)
+        assert torch.equal(p.detach(), want), name
     # the padded vocabulary rows are zero
     wte = fp["embed.wte.weight"]
     assert wte.shape[0] == cfg.padded_vocab_size > VOCAB and not wte[VOCAB:].any()
@@ -245,7 +266,8 @@ def test_bad_hf_input_is_one_line_exit_2(hf_dirs, tmp_path, run_single):
     shapes = _edited(hf_dirs["gpt2"][0], tmp_path / "shapes", n_inner=128)
     cases = [
         (tmp_path / "nope", "init_from hf:.*nope: directory does not exist"),
-        (bert, "unsupported architecture bert \\(supported: GPT2LMHeadModel, LlamaForCausalLM\\)"),
+        (bert, "unsupported architecture bert \\(supported: GPT2LMHeadModel, LlamaForCausalLM, "
+               "Qwen2ForCausalLM, MistralForCausalLM\\)"),
         (shapes, r"c_fc\.(bias|weight) has shape \((64, )?256\) in the weights but config\.json "
                  r"implies \((64, )?128\)"),
     ]

@@ -64,7 +64,8 @@ def _layers() -> list[str]:
 
 
 # `python -m oases.<command>` keeps working through these: each only forwards to oases.cli
-FORWARDERS = {"plan", "prepare", "launch", "export", "consolidate", "schedule", "dashboard"}
+FORWARDERS = {"plan", "prepare", "launch", "export", "generate", "consolidate", "schedule",
+              "dashboard"}
 
 
 def test_every_package_stands_on_a_floor():

@@ -277,3 +277,62 @@ def _dropout_body(ctx):
 def test_dropout_rng_and_recompute_tp2():
     # world 4 = dp 2 x tp 2: masks shared within a TP group, different across DP
     run_distributed(_dropout_body, world=4, tp=2)
+
+
+# ---------------------------------------------------------------------------
+# Decoding with a key/value cache (models.decode): a prompt, then one token at a time,
+# gives the logits of one full forward over the whole sequence. Same weights, same
+# sums in another grouping (a query's keys in one SDPA call either way), so rounding
+# only: 1e-5 absolute on logits of magnitude ~1.
+
+DECODE_VARIANTS = {
+    "gpt": ["model.name=gpt-tiny"],
+    "llama-gqa-llama3": ["model.name=llama-tiny", "model.rope_type=llama3", "model.rope_factor=8",
+                         "model.rope_original_max_len=16"],
+    "llama-kv-replicated": ["model.name=llama-tiny", "model.n_kv_heads=1",
+                            "model.rope_type=linear", "model.rope_factor=2"],
+    "qwen2": ["model.name=llama-tiny", "model.arch=qwen2"],
+    "mistral-window": ["model.name=llama-tiny", "model.arch=mistral", "model.sliding_window=5"],
+}
+
+
+def _decode_body(ctx, names):
+    torch.manual_seed(SEED)
+    ids = torch.randint(0, 256, (B, 20))
+    pad = torch.tensor([0, 3])
+    padded = torch.cat([torch.zeros(1, 20, dtype=torch.long),
+                        torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[1:, :17]], 1)])
+    for name in names:
+        cfg = _cfg("gpt-tiny", ctx.tp, ctx.world_size,
+                   [*DECODE_VARIANTS[name], "model.n_layer=2", "model.d_model=64",
+                    "model.seq_len=32"])
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED).eval()
+        with torch.no_grad():  # biases start at zero: make them count
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        cache = model.new_kv_cache(B, 32)
+        steps = [model.decode(ids[:, :12], cache)]
+        steps += [model.decode(ids[:, i:i + 1], cache) for i in range(12, 20)]
+        assert cache.length == 20
+        assert_close(torch.cat(steps, 1), model.full_logits(ids), rtol=0, atol=1e-5, msg=name)
+        # row 1 left-padded by 3 slots: its logits are those of its 17 tokens alone
+        cache = model.new_kv_cache(B, 32)
+        got = torch.cat([model.decode(padded[:, :8], cache, pad)]
+                        + [model.decode(padded[:, i:i + 1], cache) for i in range(8, 20)], 1)
+        assert_close(got[1, 3:], model.full_logits(ids[1:, :17])[0], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_matches_full_forward(tp):
+    run_distributed(_decode_body, world=tp, tp=tp, args=(list(DECODE_VARIANTS),))
+
+
+def test_decode_refuses_a_plan_and_an_oversized_cache():
+    cfg = _cfg("llama-tiny", 1, 1)
+    model = build_model(cfg.model, cfg.padded_vocab_size, seed=SEED)
+    with pytest.raises(ValueError, match="1 to model.seq_len=128"):
+        model.new_kv_cache(1, 129)
+    model.resharder = object()  # as a per-block plan sets it
+    with pytest.raises(ValueError, match="one TP degree for every block"):
+        model.new_kv_cache(1, 8)

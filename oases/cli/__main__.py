@@ -3,7 +3,7 @@
     oases train --config configs/gpt-tiny.yaml          one process; torchrun train.py for more
     oases plan --config ... --cluster ... --out plan.yaml
     oases prepare --builtin pydoc --out data/pydoc
-    oases launch | export | consolidate | schedule | config | dashboard ...
+    oases launch | export | generate | consolidate | schedule | config | dashboard ...
 
 Each command is also ``python -m oases.<command>``; ``oases <command> --help`` prints its
 options. An unknown command prints one line and exits with status 2.
@@ -23,7 +23,9 @@ COMMANDS = {
     "prepare": ("oases.cli.prepare", "tokenize a text into token files (data.kind=tokens)"),
     "launch": ("oases.cli.launch", "start one node's share of a multi-node job (Slurm)"),
     "export": ("oases.cli.export", "export a checkpoint as a Hugging Face model directory"),
-    "consolidate": ("oases.cli.consolidate", "write a checkpoint's model as one file of full tensors"),
+    "generate": ("oases.cli.generate", "generate text with a checkpoint or an HF directory"),
+    "consolidate": ("oases.cli.consolidate",
+                    "write a checkpoint's model as one file of full tensors"),
     "schedule": ("oases.cli.schedule", "print and simulate a pipeline schedule"),
     "config": ("oases.cli.config", "check a config for a world of N processes"),
     "dashboard": ("oases.cli.dashboard", "create a W&B workspace for a project's runs"),

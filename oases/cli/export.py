@@ -3,8 +3,11 @@
     python -m oases.export runs/gpt-tiny --to-hf out/gpt-tiny-hf             # the run's latest
     python -m oases.export runs/gpt-tiny/checkpoints/step_000200 --to-hf out/hf
 
-writes ``config.json`` and ``model.safetensors`` that ``GPT2LMHeadModel`` /
-``LlamaForCausalLM.from_pretrained(out)`` load. It reads the DCP checkpoint in one
+writes ``config.json`` and ``model.safetensors`` that ``AutoModelForCausalLM.from_pretrained(out)``
+loads, and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``: :mod:`oases.cli.tokenizer`) that ``AutoTokenizer`` loads: the
+one ``oases.prepare`` recorded for the run's corpus (its sha256 checked), or
+``--tokenizer PATH``. It reads the DCP checkpoint in one
 process, without a process group, whatever the layout and ZeRO level it was saved
 with, one tensor at a time (``oases.runtime.checkpoint.iter_model_tensors``: fused
 QKV / gate-up parts reassembled, vocabulary padding removed; optimizer state is not
@@ -22,42 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
-import yaml
 
 from models.hf import hf_config_dict, hf_layout, hf_tensors, model_fields
-from oases.config import ModelConfig
-from oases.config.typed_yaml import build_dataclass
-from oases.errors import EXIT_USER_ERROR, CheckpointError, UserError
+from oases.cli import tokenizer as toks
+from oases.errors import EXIT_USER_ERROR, UserError
 from oases.progress import io_progress
 from oases.runtime import checkpoint as ckpt
-
-
-def _model_config(ck: Path, meta: dict):
-    """The run's ModelConfig: shape from meta.json, the other fields from config.yaml."""
-
-    run_cfg = ck.parent.parent / "config.yaml"
-    if not run_cfg.is_file():
-        raise CheckpointError(f"no config.yaml of the run next to {ck.parent} (needed for "
-                              f"norm_eps and rope_theta)")
-    try:
-        data = dict((yaml.safe_load(run_cfg.read_text()) or {}).get("model") or {})
-    except (yaml.YAMLError, AttributeError, TypeError, ValueError):
-        raise CheckpointError(f"{run_cfg} is not a valid run config") from None
-    data["init_from"] = ""  # the weights come from the checkpoint, not from HF
-    mc = build_dataclass(ModelConfig, data, "model.")
-    shape = meta.get("model_shape") or {}
-    for k, v in shape.items():
-        setattr(mc, k, v)
-    mc.resolve()
-    mc.validate()
-    return mc
-
+from oases.runtime.generate import checkpoint_model_config
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.float64: "F64"}
@@ -98,15 +79,37 @@ def _write_safetensors(ck: Path, mc, path: Path) -> None:
                 f.write(h.contiguous().view(-1).view(torch.uint8).numpy().data)  # no copy
 
 
-def export_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
+def _tokenizer(ck: Path, choice: Optional[str]):
+    """(tokenizer or None, a line saying why none) for ``--tokenizer``: none, a path, or
+    (None) the one recorded for the run's corpus."""
+    if choice == "none":
+        return None, "no tokenizer written (--tokenizer none)"
+    if choice:
+        return toks.from_path(choice), ""
+    t = toks.recorded(ck.parent.parent)
+    if t is None:
+        return None, ("no tokenizer written: the run's data records none (synthetic or "
+                      "unprepared tokens); pass --tokenizer PATH to add one")
+    return t, ""
+
+
+def export_checkpoint(src: str | Path, out_dir: str | Path,
+                      tokenizer: Optional[str] = None) -> tuple[Path, str]:
+    """Write the HF directory ``out_dir`` for the checkpoint ``src``; returns (the
+    checkpoint, a note when no tokenizer was written)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to-hf {out} exists and is not an empty directory; refusing to "
                         f"overwrite it")
     ck = ckpt.resolve_checkpoint(src)
     meta = ckpt.read_meta(ck)
-    mc = _model_config(ck, meta)
+    mc = checkpoint_model_config(ck, meta)
+    tok, note = _tokenizer(ck, tokenizer)
+    if tok is not None:
+        toks.check_fits(tok, mc.vocab_size)
     cfg_json = hf_config_dict(mc)
+    if tok is not None:
+        cfg_json.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
@@ -114,14 +117,20 @@ def export_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
             warnings.simplefilter("ignore", UserWarning)
             _write_safetensors(ck, mc, tmp)
-    except BaseException:  # leave the directory as it was
-        tmp.unlink(missing_ok=True)
+        if tok is not None:
+            toks.write_hf_files(tok, out, mc.vocab_size, mc.seq_len)
+    except BaseException:  # leave the directory as it was (empty, or absent)
+        for p in out.iterdir():
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
         if made:
             out.rmdir()
         raise
     tmp.rename(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    return ck
+    return ck, note
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -130,16 +139,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("checkpoint", help="checkpoints/step_N directory, or a run directory "
                                       "(uses checkpoints/latest)")
     p.add_argument("--to-hf", required=True, metavar="OUT_DIR",
-                   help="new (or empty) directory for config.json + model.safetensors")
+                   help="new (or empty) directory for config.json, model.safetensors and "
+                        "the tokenizer files")
+    p.add_argument("--tokenizer", metavar="none|bytes|PATH",
+                   help="the tokenizer to write (a tokenizer.json, a directory holding one, a "
+                        "tiktoken file, bytes); default: the one oases.prepare recorded for "
+                        "the run's data; none: the weights alone")
     p.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
     args = p.parse_args(argv)
     try:
-        ck = export_checkpoint(args.checkpoint, args.to_hf)
+        ck, note = export_checkpoint(args.checkpoint, args.to_hf, args.tokenizer)
     except UserError as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    if note:
+        print(note, flush=True)
     print(f"exported {ck} to {args.to_hf} (Hugging Face format)", flush=True)
     return 0
 

@@ -5,10 +5,12 @@ Pure (json only, no torch): ``oases.config`` uses it to resolve
 
     hf_model_fields("ckpt/gpt2")  ->  {"arch": "gpt", "n_layer": 12, "d_model": 768, ...}
 
-Supported: ``GPT2LMHeadModel`` (``model_type: gpt2``) and ``LlamaForCausalLM``
-(``model_type: llama``). Anything oases cannot reproduce exactly (another
-activation, biased LLaMA projections, RoPE scaling, ...) is refused with a
-one-line :class:`~oases.errors.ConfigError` rather than imported approximately.
+Supported: ``GPT2LMHeadModel`` (``model_type: gpt2``), ``LlamaForCausalLM``
+(``llama``), ``Qwen2ForCausalLM`` (``qwen2``) and ``MistralForCausalLM`` (``mistral``),
+with RoPE types default, linear, dynamic and llama3. Anything oases cannot reproduce
+exactly (another activation, biased LLaMA projections, YaRN, Qwen2's windowed layers,
+...) is refused with a one-line :class:`~oases.errors.ConfigError` naming the field
+rather than imported approximately.
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ from typing import Any
 
 from oases.errors import ConfigError
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM")
-_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "MistralForCausalLM": "mistral"}
 
 # Fields whose value comes from config.json (all of ModelConfig's shape fields).
 HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
-             "seq_len", "norm_eps", "rope_theta", "tie_embeddings", "bias")
+             "seq_len", "norm_eps", "rope_theta", "rope_type", "rope_factor",
+             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
+             "sliding_window", "tie_embeddings", "bias")
+# ... of which a GPT (learned positions) has no use
+GPT_UNUSED = ("rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
+              "rope_high_freq_factor", "rope_original_max_len")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
 def hf_dir_of(init_from: str) -> str:
@@ -101,43 +112,97 @@ def _gpt2(cfg: dict, where: str) -> dict:
                 vocab_size=int(_get(cfg, "vocab_size", where)),
                 seq_len=int(_get(cfg, "n_positions", where)),
                 norm_eps=float(_get(cfg, "layer_norm_epsilon", where, 1e-5)),
-                rope_theta=10000.0,  # unused by GPT
+                rope_theta=10000.0, rope_type="default", rope_factor=1.0,  # unused by GPT
+                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                rope_original_max_len=int(_get(cfg, "n_positions", where)), sliding_window=0,
                 tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, True)),
                 bias=True)
 
 
-def _llama(cfg: dict, where: str) -> dict:
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise ConfigError(f"{where}: {key}=true is not supported (oases LLaMA has no "
-                              f"projection biases)")
+def _rope(cfg: dict, where: str, max_pos: int) -> dict:
+    """The RoPE fields from ``rope_scaling`` + ``rope_theta`` (transformers < 5, published
+    Llama 3.x) or ``rope_parameters`` (transformers >= 5); both where they agree."""
+    params: dict = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        got = cfg.get(key)
+        if got is None:
+            continue
+        if not isinstance(got, dict):
+            raise ConfigError(f"{where}: {key}={got!r} is not a JSON object")
+        got = dict(got)
+        if "type" in got and "rope_type" not in got:
+            got["rope_type"] = got.pop("type")
+        for k, v in got.items():
+            if k in params and params[k] != v:
+                raise ConfigError(f"{where}: rope_scaling and rope_parameters disagree on "
+                                  f"{k} ({params[k]!r} vs {v!r})")
+            params[k] = v
+    kind = params.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type={kind!r} is not supported "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if prf != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor={prf} is not supported "
+                          f"(oases rotates the whole head)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    out = dict(rope_theta=float(theta if theta is not None else 10000.0), rope_type=kind,
+               rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+               rope_original_max_len=max_pos)
+    need = {"linear": ("factor",), "dynamic": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}.get(kind, ())
+    for k in need:
+        if params.get(k) is None:
+            raise ConfigError(f"{where}: rope_type={kind!r} needs {k} in rope_scaling")
+    if need:
+        out["rope_factor"] = float(params["factor"])
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_len=int(params["original_max_position_embeddings"]))
+    return out
+
+
+def _llama(cfg: dict, where: str, arch: str) -> dict:
+    """LLaMA, Qwen2 (q/k/v biases) and Mistral (sliding window) configs."""
+    name = _ARCHS[arch]
+    if name == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ConfigError(f"{where}: {key}=true is not supported (oases LLaMA has no "
+                                  f"projection biases)")
     act = _get(cfg, "hidden_act", where, "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act={act!r} is not supported (SwiGLU needs silu)")
-    if cfg.get("rope_scaling") is not None:
-        raise ConfigError(f"{where}: rope_scaling={cfg['rope_scaling']!r} is not supported "
-                          f"(only plain RoPE)")
-    theta = cfg.get("rope_theta")
-    rp = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and the type here
-    if isinstance(rp, dict):
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"{where}: rope_type={kind!r} is not supported (only plain RoPE)")
-        theta = rp.get("rope_theta", theta)
     d = int(_get(cfg, "hidden_size", where))
     n_head = int(_get(cfg, "num_attention_heads", where))
     head_dim = cfg.get("head_dim")
     if head_dim is not None and n_head and int(head_dim) * n_head != d:
         raise ConfigError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != "
                           f"hidden_size={d} is not supported")
-    return dict(arch="llama", n_layer=int(_get(cfg, "num_hidden_layers", where)), d_model=d,
-                n_head=n_head,
+    n_layer = int(_get(cfg, "num_hidden_layers", where))
+    window = 0
+    if name == "qwen2":
+        sliding = [t for t in cfg.get("layer_types") or () if t != "full_attention"]
+        if cfg.get("use_sliding_window") and int(cfg.get("max_window_layers", 0)) < n_layer:
+            raise ConfigError(f"{where}: use_sliding_window=true is not supported (Qwen2's "
+                              f"windowed layers from max_window_layers on)")
+        if sliding:
+            raise ConfigError(f"{where}: layer_types={sliding[0]!r} is not supported "
+                              f"(every layer attends fully)")
+    elif name == "mistral":
+        window = int(cfg.get("sliding_window") or 0)
+    elif cfg.get("sliding_window"):
+        raise ConfigError(f"{where}: sliding_window={cfg['sliding_window']} is not supported "
+                          f"for {arch}")
+    max_pos = int(_get(cfg, "max_position_embeddings", where))
+    return dict(arch=name, n_layer=n_layer, d_model=d, n_head=n_head,
                 n_kv_heads=int(_get(cfg, "num_key_value_heads", where, n_head)),
                 ffn_hidden=int(_get(cfg, "intermediate_size", where)),
-                vocab_size=int(_get(cfg, "vocab_size", where)),
-                seq_len=int(_get(cfg, "max_position_embeddings", where)),
+                vocab_size=int(_get(cfg, "vocab_size", where)), seq_len=max_pos,
                 norm_eps=float(_get(cfg, "rms_norm_eps", where, 1e-6)),
-                rope_theta=float(theta if theta is not None else 10000.0),
+                **_rope(cfg, where, max_pos), sliding_window=window,
                 tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, False)),
                 bias=False)
 
@@ -147,7 +212,7 @@ def hf_model_fields(hf_dir: str | Path) -> dict:
     where = f"init_from hf:{hf_dir}"
     cfg = read_hf_config(hf_dir)
     arch = _architecture(cfg, where)
-    return _gpt2(cfg, where) if arch == "GPT2LMHeadModel" else _llama(cfg, where)
+    return _gpt2(cfg, where) if arch == "GPT2LMHeadModel" else _llama(cfg, where, arch)
 
 
 def apply_init_from(model_cfg) -> None:
@@ -168,8 +233,8 @@ def apply_init_from(model_cfg) -> None:
             continue
         if k == "seq_len" and 0 < mine <= hf:
             continue
-        if k == "rope_theta" and fields["arch"] == "gpt":
-            continue  # unused by GPT
+        if k in GPT_UNUSED and fields["arch"] == "gpt":
+            continue
         same = (float(mine) == float(hf)) if isinstance(hf, float) else mine == hf
         if not same:
             extra = " (it may be smaller, not larger)" if k == "seq_len" else ""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +23,11 @@ import yaml
 
 from oases.config.blend_spec import check_blend
 from oases.config.heads import heads_problem
-from oases.config.hf import apply_init_from
+from oases.config.model import SHAPE_KEYS, ModelConfig
 from oases.config.observe import MetricsConfig, ProfileConfig, WandbConfig
-from oases.config.section import _Section
-from oases.config.sizes import MODEL_SIZES
+from oases.config.section import _choice, _positive, _Section
 from oases.config.typed_yaml import build_dataclass, set_dotted
 from oases.errors import ConfigError
-
-
-def _choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
-
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -47,86 +39,6 @@ def resolve_precision(precision: str, device_type: str) -> str:
     if precision != "auto":
         return precision
     return "bf16" if device_type == "cuda" else "fp32"
-
-
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0  # False for NaN too
-    if not ok:
-        raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
-
-# The model fields that fix the parameters' shapes: a checkpoint or a plan made for one
-# model is refused by another that differs in any of them.
-SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
-              "seq_len", "tie_embeddings", "bias")
-
-
-@dataclass
-class ModelConfig(_Section):
-    # A named size from oases.config.sizes; any field left None is taken from it.
-    name: str = "gpt-tiny"
-    arch: Optional[str] = None          # "gpt" | "llama"
-    n_layer: Optional[int] = None
-    d_model: Optional[int] = None
-    n_head: Optional[int] = None
-    n_kv_heads: Optional[int] = None    # < n_head: grouped-query attention
-    ffn_hidden: Optional[int] = None
-    vocab_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    norm_eps: Optional[float] = None
-    rope_theta: Optional[float] = None
-    tie_embeddings: Optional[bool] = None
-    bias: Optional[bool] = None
-    dropout: float = 0.0
-    init_std: float = 0.02
-    # The embedding/head vocabulary is padded to a multiple of vocab_pad_to * tp;
-    # padded logits are masked out of the loss, so padding never changes results.
-    vocab_pad_to: int = 64
-    # "hf:<dir>": initialise from a local Hugging Face checkpoint directory; the shape
-    # fields then come from its config.json
-    init_from: str = ""
-
-    def resolve(self) -> None:
-        """Fill the None fields from ``init_from=hf:<dir>``'s config.json, then from the
-        named size."""
-        if self.init_from:
-            apply_init_from(self)
-        if self.name not in MODEL_SIZES:
-            near = difflib.get_close_matches(self.name, MODEL_SIZES, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"model.name={self.name!r} is not a known size{hint}; "
-                              f"known: {', '.join(MODEL_SIZES)}")
-        size = MODEL_SIZES[self.name]
-        kv_given = self.n_kv_heads is not None
-        for k, v in size.items():
-            if getattr(self, k) is None:
-                setattr(self, k, v)
-        if not kv_given and self.arch == "gpt":
-            self.n_kv_heads = self.n_head  # GPT has no GQA: follow an overridden n_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    def validate(self) -> None:
-        _choice("model.arch", self.arch, ("gpt", "llama"))
-        for k in ("n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
-                  "seq_len", "vocab_pad_to"):
-            _positive(f"model.{k}", getattr(self, k))
-        if self.d_model % self.n_head:
-            raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
-                              f"model.n_head={self.n_head}")
-        if self.n_head % self.n_kv_heads:
-            raise ConfigError(f"model.n_head={self.n_head} is not divisible by "
-                              f"model.n_kv_heads={self.n_kv_heads}")
-        if self.arch == "gpt" and self.n_kv_heads != self.n_head:
-            raise ConfigError("model.n_kv_heads must equal model.n_head for arch=gpt")
-        if self.arch == "llama" and self.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        _positive("model.init_std", self.init_std)
-        _positive("model.norm_eps", self.norm_eps)
-        _positive("model.rope_theta", self.rope_theta)
 
 
 @dataclass
@@ -177,7 +89,7 @@ class ParallelConfig(_Section):
     # Timing only: replace every TP collective by a no-op of the same shape (results are
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
-    trace: bool = False             # write a per-rank event trace (trace_rank{r}.json) to out_dir
+    trace: bool = False             # trace_rank{r}.json: a profiler view of one step
     # Per-block TP degrees: a Plan YAML path (python -m oases.plan), or "auto": profile
     # this cluster, solve on rank 0 and broadcast. Empty: every block at degree tp.
     plan: str = ""
@@ -239,7 +151,7 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0          # 0 disables clipping
     precision: str = "auto"         # "auto" (resolve_precision) | "fp32" | "bf16" (autocast)
     log_interval: int = 1
-    on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (clear message) | "skip" the step
+    on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (a clear message) | "skip"
 
     def validate(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
@@ -472,3 +384,8 @@ def save_config(cfg: Config, path: Path) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))
     tmp.replace(path)
+
+
+__all__ = ["SHAPE_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
+           "ModelConfig", "ParallelConfig", "TrainConfig", "WandbConfig", "load_config",
+           "resolve_precision", "save_config"]

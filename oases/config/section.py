@@ -1,8 +1,11 @@
-"""The base of every config section (:mod:`oases.config.schema`)."""
+"""The base of every config section (:mod:`oases.config.schema`) and the checks they share."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+from oases.errors import ConfigError
 
 
 class _Section:
@@ -23,3 +26,14 @@ class _Section:
             if isinstance(v, _Section):
                 v._set_frozen(frozen)
         object.__setattr__(self, "_frozen", frozen)
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0  # False for NaN too
+    if not ok:
+        raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from models import ARCHS, build_model
-from models.common import ParallelAttention, Rotary
+from models.attention import ParallelAttention
 from oases.config import Config, ModelConfig
 from oases.config.heads import local_kv_heads
 from oases.config.schema import resolve_precision
@@ -156,8 +156,7 @@ def _block(kind: str, cfg: ModelConfig, t: int):
     lm = proto.__new__(proto)  # only for make_norm / make_mlp / make_rotary
     if kind == "attn":
         rot = proto.make_rotary(lm, cfg)
-        return ParallelAttention(sc, proto.make_norm(lm, cfg), None, None,
-                                 Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if rot else None)
+        return ParallelAttention(sc, proto.make_norm(lm, cfg), None, None, rot, proto.qkv_bias)
     return proto.make_mlp(lm, sc, proto.make_norm(lm, cfg), None)
 
 

@@ -1,0 +1,181 @@
+"""The residual block and the tensor-parallel attention block (GQA, RoPE, q/k/v biases,
+sliding windows, document masks); :mod:`models.decode` reuses its steps."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.rope import Rotary
+from oases.config import ModelConfig
+from oases.config.heads import heads_problem, local_kv_heads
+from oases.parallel.block import TPBlock
+from oases.parallel.comm import group_size
+from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.recompute import recompute
+
+
+class ResidualBlock(TPBlock):
+    """x + dropout(proj(...) reduced + bias): the combine of attention and MLP.
+
+    The residual dropout is in the replicated region: its mask comes from the default
+    generator, which is the same on all TP ranks. A block below the full TP degree
+    (a plan's degree t < T) runs on part ``g`` of ``k = T/t`` parts of the batch, and
+    all parts start from the same generator state; drawing the part's mask directly
+    would give every part the same mask (correlated noise). Instead each part draws
+    the mask of the whole (sub-)batch, as the block at degree T would, and keeps its
+    rows: the masks are then exactly those of the uniform model.
+    """
+
+    proj: RowParallelLinear
+
+    def __init__(self, tp_group, dropout: float) -> None:
+        super().__init__(tp_group)
+        self.dropout = nn.Dropout(dropout)  # replicated region: default generator, same on TP ranks
+        self.batch_part = (0, 1)            # (g, k): this rank's part of the batch (plans)
+
+    def combine(self, x, reduced):
+        y = self.proj.add_bias(reduced)
+        g, k = self.batch_part
+        if k == 1 or not self.training or self.dropout.p == 0.0:
+            return x + self.dropout(y)
+        whole = y.new_ones((k * y.shape[0], *y.shape[1:]))          # (k B, T, d)
+        mask = self.dropout(whole).narrow(0, g * y.shape[0], y.shape[0])  # 0 or 1/(1-p)
+        return x + y * mask
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal attention within a sliding window, as transformers' Mistral: query ``i``
+    sees key ``j`` iff ``i - window < j <= i``. Positions broadcast: (..., Tq), (..., Tk)
+    -> (..., Tq, Tk) bool; ``window`` 0: no window (plain causal)."""
+    d = q_pos[..., :, None] - k_pos[..., None, :]
+    return (d >= 0) & (d < window) if window else d >= 0
+
+
+class ParallelAttention(ResidualBlock):
+    """Pre-norm causal self-attention; heads split over TP ranks (GQA: kv heads too).
+
+    Over more ranks than kv heads, each kv head is replicated on the ``r = tp /
+    n_kv_heads`` ranks whose query heads use it (oases.config.heads): the fused qkv keeps
+    its k and v parts whole per head (``units``), so those r ranks hold the same kv
+    rows (and q/k/v bias entries, which shard with their columns). Their gradients then
+    need one more sum, over the *kv replica group*:
+
+        forward, rank j of replica group h:   K_j = X W_h^T   (V alike), used only by
+                                              rank j's own query heads
+        dL/dW_h = sum_j dL/dK_j^T X  over the r ranks j of group h
+
+    each rank's backward computes only its own term (its query heads' share), so the
+    kv rows' gradients are summed over the group (oases.dp.replicas, with the
+    DP reduction) and the replicas stay identical. The input gradient needs nothing
+    new: dL/dX = sum over all tp ranks of dL/dY_j W_j, and each rank's term -- its
+    q, its kv share -- is distinct, so the column-parallel all-reduce of dX over the
+    TP group already adds every replica's term exactly once.
+
+    ``qkv_bias``: q/k/v biases without output/MLP biases (Qwen2); ``model.bias`` gives
+    every projection one. ``model.sliding_window`` w > 0: each query sees its last w
+    keys (itself included), combined with the document mask where that is on.
+    """
+
+    def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group, tracker: Optional[TPRNGTracker],
+                 rotary: Optional[Rotary], qkv_bias: bool = False) -> None:
+        super().__init__(tp_group, cfg.dropout)
+        tp = group_size(tp_group)
+        hd = cfg.head_dim
+        problem = heads_problem(cfg.n_head, cfg.n_kv_heads, tp)
+        if problem:
+            raise ValueError(f"attention at TP degree {tp}: the degree {problem}")
+        self.n_head, self.n_kv = cfg.n_head // tp, local_kv_heads(cfg.n_kv_heads, tp)  # local
+        self.head_dim = hd
+        self.norm = norm
+        self.qkv = ColumnParallelLinear(
+            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_heads) * hd, tp_group,
+            bias=cfg.bias or qkv_bias,
+            parts=(cfg.n_head * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
+            units=(cfg.n_head, cfg.n_kv_heads, cfg.n_kv_heads), init_std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.n_head * hd, cfg.d_model, tp_group, bias=cfg.bias,
+                                      reduce_output=False,
+                                      init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        self.rotary = rotary
+        self.window = cfg.sliding_window or 0
+        self.tracker = tracker
+        self.attn_dropout = cfg.dropout
+        self.selective = False  # recompute=selective: the core is recomputed in backward
+        # (B, 1, T, T) bool: attend within documents only (CausalLM.attend_within_documents);
+        # set from the token ids by each forward, read again by a recompute in its backward
+        self.doc_mask: Optional[torch.Tensor] = None
+
+    def qkv_heads(self, x, positions: Optional[torch.Tensor] = None):
+        """(B, T, d) -> q (B, nh, T, hd), k, v (B, nkv, T, hd): norm, projection and
+        rotary at positions 0..T-1 or the (B, T) ``positions`` given."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(self.qkv.local_parts, dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, positions)
+        return q, k, v
+
+    def out_partial(self, y):
+        """(B, nh, T, hd) attention output -> this rank's partial sum of the projection."""
+        B, _, T, _ = y.shape
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        return self.proj.partial(y)
+
+    def partial(self, x):
+        q, k, v = self.qkv_heads(x)
+        if self.selective and self.training and torch.is_grad_enabled():
+            y = recompute(self._core, q, k, v, tracker=self.tracker)  # keeps q, k, v only
+        else:
+            y = self._core(q, k, v)
+        return self.out_partial(y)
+
+    def train_mask(self, T: int, device) -> Optional[torch.Tensor]:
+        """The mask of a T-token forward: None for plain causal attention, else bool
+        (T, T) or (B, 1, T, T): the sliding window and the document mask combined."""
+        if not self.window or self.window >= T:
+            return self.doc_mask
+        pos = torch.arange(T, device=device)
+        band = window_mask(pos, pos, self.window)  # (T, T)
+        return band if self.doc_mask is None else self.doc_mask & band
+
+    def _core(self, q, k, v, mask: Optional[torch.Tensor] = None):
+        """softmax(q k^T / sqrt(d)) v with dropout: what ``recompute=selective`` recomputes
+        (its saved tensors grow with T^2 where the math kernel keeps the probabilities).
+        ``mask``: bool, True where a query may attend (None: :meth:`train_mask`)."""
+        if mask is None:
+            mask = self.train_mask(q.shape[-2], q.device)
+        p = self.attn_dropout if self.training else 0.0
+        gqa = self.n_kv != self.n_head
+        if gqa and not _fused_gqa(q, k, v, p, mask):
+            # no fused kernel takes unequal head counts here (CUDA's memory-efficient one
+            # in fp32, on many versions; flash wants bf16/fp16), and SDPA would fall back
+            # to the math kernel, which keeps the T^2 probabilities: give each query head
+            # its kv head instead (the same values; backward sums the copies' gradients)
+            r = self.n_head // self.n_kv
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # (B, nh, T, hd)
+            gqa = False
+        # a mask: SDPA's boolean mask (CPU; CUDA's memory-efficient kernel)
+        kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
+        if p > 0.0 and self.tracker is not None:
+            with self.tracker.fork():  # sharded region: each rank's heads get their own masks
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, **kw)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, **kw)
+
+
+def _fused_gqa(q, k, v, dropout: float, mask: Optional[torch.Tensor] = None) -> bool:
+    """Whether a fused CUDA kernel (flash, memory-efficient or cuDNN) takes this
+    grouped-query call as it is (``enable_gqa``; causal, or ``mask`` where given); torch's
+    own dispatch checks answer. Off CUDA: True (the CPU flash kernel takes grouped heads)."""
+    if q.device.type != "cuda":
+        return True
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, mask is None, True)
+    return any(can(params, False) for can in (torch.backends.cuda.can_use_flash_attention,
+                                              torch.backends.cuda.can_use_efficient_attention,
+                                              torch.backends.cuda.can_use_cudnn_attention))

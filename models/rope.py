@@ -1,0 +1,81 @@
+"""Rotary position embeddings (rotate-half, as HF LLaMA) and their frequency scalings.
+
+``rope_inv_freq`` reproduces transformers' ``modeling_rope_utils`` for the types
+oases supports (``model.rope_type``):
+
+    default   inv_freq_i = theta^(-2i/hd)
+    linear    inv_freq / factor                      (positions stretched by ``factor``)
+    dynamic   NTK-aware: theta grows once a sequence exceeds ``original_max_len``
+              positions; oases trains and decodes within them (the config refuses a
+              longer ``seq_len``), where it equals ``default``
+    llama3    Llama 3.1: wavelengths above original_max_len / low_freq_factor are
+              divided by ``factor``, those below original_max_len / high_freq_factor
+              kept, and the band between interpolated smoothly
+
+None of these scales the attention (transformers' ``attention_factor`` is 1 for them).
+The frequencies are computed in float64 and the cos/sin tables cast to float32 once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from oases.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig, head_dim: Optional[int] = None) -> torch.Tensor:
+    """(hd/2,) float64 inverse frequencies of ``cfg``'s RoPE (see the module doc)."""
+    hd = head_dim or cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    kind = cfg.rope_type
+    if kind in ("default", "dynamic"):
+        return inv
+    if kind == "linear":
+        return inv / cfg.rope_factor
+    if kind == "llama3":
+        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old = cfg.rope_original_max_len
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"model.rope_type={kind!r} has no frequencies")  # validated before
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings, rotate-half convention (as HF LLaMA): no weight permutation.
+    Tables for positions 0 .. max_len-1; a forward rotates positions 0..T-1, or the
+    (B, T) ``positions`` it is given (decoding with a cache, left padding)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_len: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)                                    # (T, hd)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "Rotary":
+        return cls(rope_inv_freq(cfg), cfg.seq_len)
+
+    @staticmethod
+    def _rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    def forward(self, q, k, positions: Optional[torch.Tensor] = None):
+        """q (B, nh, T, hd), k (B, nkv, T, hd); ``positions`` (B, T) long or None."""
+        if positions is None:
+            T = q.shape[-2]
+            cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hd)
+        else:
+            cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (B, 1, T, hd)
+            sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return (q * cos + self._rotate_half(q) * sin,
+                k * cos + self._rotate_half(k) * sin)

@@ -1,0 +1,168 @@
+"""Generate text with an oases checkpoint or a Hugging Face directory, at any TP degree.
+
+    python -m oases.generate runs/my-run --prompt "The meaning of" --max-new-tokens 32
+    python -m oases.generate --hf out/my-run-hf --prompt "a" --prompt "bc" --temperature 0.8
+    torchrun --standalone --nproc_per_node 2 -m oases.generate runs/my-run --prompt "x"
+    python -m oases.generate runs/my-run --ids 1,2,3 --json
+
+The prompts are encoded with the run's tokenizer (the one ``oases.prepare`` recorded for
+its corpus, the HF directory's ``tokenizer.json``, or ``--tokenizer``); with ``--ids``
+they are token ids. Under torchrun the model is split over TP = the world size, each
+rank loading its shard; rank 0 prints. Decoding, the KV cache and sampling are
+:mod:`oases.runtime.generate`'s. Bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from oases.cli import tokenizer as toks
+from oases.cli.train import report
+from oases.errors import EXIT_USER_ERROR, UserError
+from oases.parallel.groups import ParallelContext, init_distributed, pick_device
+from oases.progress import progress, rank
+from oases.runtime.generate import Sampling, generate, model_from_checkpoint, model_from_hf
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--ids {text!r} is not a comma-separated list of token ids") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m oases.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", nargs="?", help="a run directory (its latest checkpoint) or "
+                                                 "a checkpoints/step_N directory")
+    p.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory instead")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeat for a batch)")
+    p.add_argument("--ids", action="append", default=[], metavar="1,2,3",
+                   help="a prompt as token ids (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default): off")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 (default): off")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    p.add_argument("--tokenizer", metavar="none|bytes|PATH",
+                   help="tokenizer (default: the run's recorded one or the HF directory's)")
+    p.add_argument("--eos-id", type=int, metavar="ID",
+                   help="stop a row at this id (default: the tokenizer's EOS; -1: never)")
+    p.add_argument("--tp", type=int, metavar="N", help="TP degree (default: the world size)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence at each step (no KV cache)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
+    return p
+
+
+def _tokenizer(args) -> Optional[toks.Tok]:
+    if args.tokenizer == "none":
+        return None
+    if args.tokenizer:
+        return toks.from_path(args.tokenizer)
+    if args.hf:
+        return toks.from_hf_dir(Path(args.hf))
+    src = Path(args.checkpoint)
+    run = src if (src / "config.yaml").is_file() else src.parent.parent
+    return toks.recorded(run)
+
+
+def _context(args) -> ParallelContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = args.tp or world
+    if tp != world:
+        raise UserError(f"--tp {tp} must equal the world size {world} (start one process per "
+                        f"TP rank: torchrun --nproc_per_node {tp})")
+    if world == 1:
+        return ParallelContext.single(pick_device(args.device))
+    return init_distributed(tp, args.device)
+
+
+def run(args) -> dict:
+    """Generate as ``args`` say; returns the JSON record (every rank; rank 0 prints)."""
+    if (args.checkpoint is None) == (args.hf is None):
+        raise UserError("give a checkpoint (a run directory or checkpoints/step_N) or --hf "
+                        "DIR, not both")
+    if args.prompt and args.ids:
+        raise UserError("give --prompt or --ids, not both")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    tok = _tokenizer(args)
+    if args.prompt and tok is None:
+        raise UserError("no tokenizer to encode --prompt: the run's data records none; pass "
+                        "--tokenizer PATH, or --ids")
+    prompts = [tok.encode(t) for t in args.prompt] if args.prompt else [_ids(t) for t in args.ids]
+    if args.eos_id is not None:
+        eos = args.eos_id
+    else:
+        eos = tok.eos_id if tok is not None else toks.hf_eos(Path(args.hf)) if args.hf else None
+    eos = None if eos is not None and eos < 0 else eos
+    ctx = _context(args)
+    if args.hf:
+        model, cfg = model_from_hf(args.hf, ctx)
+    else:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
+            warnings.simplefilter("ignore", UserWarning)
+            model, cfg, _ = model_from_checkpoint(args.checkpoint, ctx)
+    with progress(total=args.max_new_tokens, desc="generating", unit="token") as bar:
+        out = generate(model, prompts, args.max_new_tokens, sampling, eos,
+                       eos if eos is not None else 0, ctx, cache=not args.no_cache,
+                       on_step=bar.update)
+    rows = []
+    for p, ids in zip(prompts, out.rows()):
+        row = {"prompt_ids": p, "ids": ids, "finished": eos is not None and eos in ids}
+        if tok is not None:  # the continuation alone, and decoded with its prompt
+            row["text"], row["full_text"] = tok.decode(ids), tok.decode(p + ids)
+        rows.append(row)
+    return {"outputs": rows, "new_tokens": sum(out.lengths), "seconds": round(out.seconds, 4),
+            "tokens_per_s": round(out.tokens_per_s, 2), "batch": len(prompts), "tp": ctx.tp,
+            "device": ctx.device.type, "kv_cache": not args.no_cache}
+
+
+def _print(rec: dict, as_json: bool, ids_only: bool) -> None:
+    if as_json:
+        print(json.dumps(rec), flush=True)
+        return
+    for i, row in enumerate(rec["outputs"]):
+        if i:
+            print("---")
+        if ids_only or "text" not in row:
+            print(",".join(map(str, row["ids"])))
+        else:
+            print(row["full_text"])
+    print(f"generated {rec['new_tokens']} tokens in {rec['seconds']:.2f} s: "
+          f"{rec['tokens_per_s']:.1f} tokens/s (batch {rec['batch']}, tp {rec['tp']}, "
+          f"{rec['device']})", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        rec = run(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        report("error", e, alike=True)
+        return EXIT_USER_ERROR
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank() == 0:
+        _print(rec, args.json, bool(args.ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

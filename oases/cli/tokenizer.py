@@ -1,0 +1,224 @@
+"""The tokenizer of a run (the one ``python -m oases.prepare`` recorded in its corpus's
+``meta.json``), of a ``--tokenizer PATH`` or of a Hugging Face directory, as one
+``tokenizers.Tokenizer`` with its EOS and BOS ids; and the Hugging Face files that make
+an exported model directory complete (``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``).
+
+Every kind ``oases.prepare`` knows becomes a ``tokenizers`` tokenizer with the same ids:
+
+* ``bytes``: byte-level BPE without merges, id ``b`` = byte ``b`` (GPT-2's byte-to-
+  character table); id 0, the EOS, is the special token ``<|endoftext|>`` (text holds
+  no byte 0);
+* an HF ``tokenizer.json``: loaded as it is, after its sha256 is checked against the
+  record;
+* a tiktoken BPE file: converted (``transformers``' ``TikTokenConverter``) with the
+  split pattern ``oases.prepare`` used and ``<|endoftext|>`` after the ranks.
+
+The written ``tokenizer.json`` must encode a sample text to the source's ids; other ids
+are an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from oases.cli.prepare_encode import (TIKTOKEN_PATTERN, _load_hf, _load_tiktoken, _sha256,
+                                      resolve_tokenizer)
+from oases.errors import DataError, UserError
+from oases.runtime.tokens import read_meta, resolve
+
+EOT = "<|endoftext|>"
+SAMPLE = "Hello, wörld! 1234 Ā 漢字\n\ttabs  and\r\nlines <b>x</b> don't."
+_PASS = "pass --tokenizer PATH (or --tokenizer none for the weights alone)"
+
+
+@dataclass
+class Tok:
+    tok: object                   # tokenizers.Tokenizer
+    eos_id: Optional[int]
+    bos_id: Optional[int]
+    source: str                   # for messages: bytes, a path
+    reference: Optional[object] = None   # text -> ids of the original (round-trip check)
+    chat_template: Optional[str] = None
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as the training data had them: the BOS (if any) first, no EOS."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+def _hf():
+    """The optional packages (the hf and data extras) a tokenizer needs here."""
+    try:
+        import tokenizers  # deferred: optional, only where a tokenizer is used
+        import transformers  # deferred: as above
+
+        # the module, not transformers' function of the same name
+        convert = importlib.import_module("transformers.convert_slow_tokenizer")
+    except ImportError as e:
+        raise UserError(f"a tokenizer needs the 'tokenizers' and 'transformers' packages "
+                        f"({e}): pip install tokenizers transformers") from None
+    return tokenizers, transformers, (convert.TikTokenConverter, convert.bytes_to_unicode)
+
+
+def _bytes_tokenizer():
+    tk, _, convert = _hf()
+    table = convert[1]()
+    models, pre_tokenizers, decoders = tk.models, tk.pre_tokenizers, tk.decoders
+    vocab = {table[b]: b for b in range(1, 256)}
+    vocab[EOT] = 0
+    tok = tk.Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tk.AddedToken(EOT, special=True, normalized=False)])
+    return tok
+
+
+def _tiktoken_tokenizer(path: str):
+    return _hf()[2][0](path, pattern=TIKTOKEN_PATTERN,
+                             extra_special_tokens=[EOT]).converted()
+
+
+def _chat_template(tokenizer_json: Path) -> Optional[str]:
+    cfg = tokenizer_json.parent / "tokenizer_config.json"
+    try:
+        return json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load(kind: str, path: str, eos_id: Optional[int], bos_id: Optional[int]) -> Tok:
+    if kind == "bytes":
+        return Tok(_bytes_tokenizer(), eos_id, bos_id, "bytes",
+                   lambda s: list(s.encode("utf-8")))
+    if kind == "tiktoken":
+        enc = _load_tiktoken(path)
+        return Tok(_tiktoken_tokenizer(path), eos_id, bos_id, path, enc.encode_ordinary)
+    tok = _load_hf(path)
+    return Tok(tok, eos_id, bos_id, path, chat_template=_chat_template(Path(path)))
+
+
+def from_path(name: str) -> Tok:
+    """``--tokenizer``: ``bytes``, a tokenizer.json, a directory holding one, or a tiktoken
+    file; EOS and BOS as ``oases.prepare`` would find them."""
+    spec = resolve_tokenizer(name, None, "auto")
+    return load(spec.kind, spec.path, spec.eos_id, spec.bos_id)
+
+
+def _data_paths(run_dir: Path) -> list[str]:
+    try:
+        data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    if data.get("kind", "synthetic") != "tokens":
+        return []
+    paths = [e.get("path") for e in data.get("train_paths") or [] if isinstance(e, dict)]
+    return [str(p) for p in [data.get("train_path"), *paths, data.get("val_path")] if p]
+
+
+def recorded(run_dir: Path) -> Optional[Tok]:
+    """The tokenizer recorded for the run's corpus (None: the run trained on synthetic
+    tokens or on files without a record). A recorded file that is missing or has
+    changed (sha256) is an error."""
+    records = {}
+    for p in _data_paths(run_dir):
+        try:
+            files = resolve(p)
+        except DataError:
+            raise UserError(f"the run's data path {p} is gone, so its tokenizer is unknown; "
+                            f"{_PASS}") from None
+        meta = read_meta(files[0])
+        if meta.get("tokenizer_kind"):
+            key = (meta["tokenizer_kind"], meta.get("tokenizer_sha256"))
+            records.setdefault(key, (p, meta))
+    if not records:
+        return None
+    if len(records) > 1:
+        names = ", ".join(f"{m.get('tokenizer')} ({p})" for p, m in records.values())
+        raise UserError(f"the run's corpora were prepared with different tokenizers: "
+                        f"{names}; {_PASS}")
+    (kind, sha), (p, meta) = next(iter(records.items()))
+    path = str(meta.get("tokenizer") or "")
+    if kind != "bytes":
+        f = Path(path)
+        if not f.is_file():
+            raise UserError(f"tokenizer {path} (recorded for {p}) does not exist; {_PASS}")
+        if sha and _sha256(f) != sha:
+            raise UserError(f"tokenizer {path} has changed since {p} was prepared (sha256 "
+                            f"differs); {_PASS}")
+    eos, bos = meta.get("eos_id"), meta.get("bos_id")
+    return load(kind, path, eos if isinstance(eos, int) else None,
+                bos if isinstance(bos, int) else None)
+
+
+def hf_eos(hf_dir: Path) -> Optional[int]:
+    """The EOS id of a Hugging Face directory: its ``generation_config.json``'s, else its
+    ``config.json``'s (the first of a list), else None."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((hf_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int):
+            return eos
+    return None
+
+
+def from_hf_dir(hf_dir: Path) -> Optional[Tok]:
+    """A Hugging Face directory's ``tokenizer.json`` with the BOS its template adds and
+    the directory's EOS (:func:`hf_eos`); None: no tokenizer.json."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        return None
+    t = from_path(str(hf_dir))
+    eos = hf_eos(hf_dir)
+    t.eos_id = eos if eos is not None else t.eos_id
+    return t
+
+
+def check_fits(t: Tok, vocab_size: int) -> None:
+    """The tokenizer's ids (its EOS and BOS too) are ids of the model's vocabulary."""
+    ids = [i for i in (t.eos_id, t.bos_id) if i is not None]
+    if t.vocab_size > vocab_size or any(i >= vocab_size for i in ids):
+        raise UserError(f"tokenizer {t.source} has {t.vocab_size} tokens (EOS {t.eos_id}, "
+                        f"BOS {t.bos_id}) but the model's vocabulary is {vocab_size}")
+
+
+def write_hf_files(t: Tok, out: Path, vocab_size: int, seq_len: int) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json into ``out``,
+    after checking that the tokenizer fits the model's vocabulary; the written
+    tokenizer.json must encode a sample as the source does."""
+    tk, tf, _ = _hf()
+    check_fits(t, vocab_size)
+    ids = [i for i in (t.eos_id, t.bos_id) if i is not None]
+    name = {i: t.tok.id_to_token(i) for i in ids}
+    eos = name.get(t.eos_id) if t.eos_id is not None else None
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=t.tok, model_max_length=seq_len, padding_side="left",
+        eos_token=eos, pad_token=eos,
+        bos_token=name.get(t.bos_id) if t.bos_id is not None else None)
+    if t.chat_template:
+        fast.chat_template = t.chat_template
+    fast.save_pretrained(str(out))
+    written = tk.Tokenizer.from_file(str(out / "tokenizer.json"))
+    want = t.reference(SAMPLE) if t.reference else t.tok.encode(SAMPLE,
+                                                                add_special_tokens=False).ids
+    got = written.encode(SAMPLE, add_special_tokens=False).ids
+    if list(got) != list(want):
+        raise UserError(f"the tokenizer.json written for {t.source} encodes text differently "
+                        f"from it; {_PASS}")
+    tf.GenerationConfig(bos_token_id=t.bos_id, eos_token_id=t.eos_id,
+                     pad_token_id=t.eos_id).save_pretrained(str(out))
