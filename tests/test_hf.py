@@ -33,8 +33,8 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
-from transformers import (BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM)
+from transformers import (AutoModelForCausalLM, BertConfig, GPT2Config,  # noqa: E402
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
 
 from models import build_model  # noqa: E402
 from models.hf import load_hf_weights  # noqa: E402
@@ -290,14 +290,19 @@ def test_bad_hf_input_is_one_line_exit_2(hf_dirs, tmp_path, run_single):
 # ---------------------------------------------------------------------------
 # Export: train from HF under TP, export the checkpoint, load it with HF
 
-@pytest.fixture(scope="module")
-def trained_gpt2(hf_dirs, tmp_path_factory, run_train):
-    out = tmp_path_factory.mktemp("run") / "gpt2"
-    run_train([f"model.init_from=hf:{hf_dirs['gpt2'][0]}", "parallel.tp=2", f"out_dir={out}",
+def train_from_hf(run_train, hf_dir: Path, out: Path, *extra: str) -> Path:
+    """3 steps from ``hf_dir`` under torchrun at tp=2 (and ``extra``); checkpoints at
+    steps 2 and 3."""
+    run_train([f"model.init_from=hf:{hf_dir}", "parallel.tp=2", f"out_dir={out}",
                "model.seq_len=32", "train.steps=3", "train.micro_batch_size=2",
                "train.warmup_steps=0", "train.lr=1e-2", "checkpoint.interval=2",
-               "wandb.mode=disabled", "data.kind=synthetic"])
+               "wandb.mode=disabled", "data.kind=synthetic", *extra])
     return out
+
+
+@pytest.fixture(scope="module")
+def trained_gpt2(hf_dirs, tmp_path_factory, run_train):
+    return train_from_hf(run_train, hf_dirs["gpt2"][0], tmp_path_factory.mktemp("run") / "gpt2")
 
 
 def _oases_from_checkpoint(run_dir: Path, ck: Path):
@@ -318,23 +323,29 @@ def _oases_from_checkpoint(run_dir: Path, ck: Path):
 _SINGLE = "ignore:torch.distributed is disabled:UserWarning"  # ckpt.load without a group
 
 
-@pytest.mark.filterwarnings(_SINGLE)
-def test_export_roundtrip(trained_gpt2, hf_dirs, tmp_path):
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "oases.export", str(trained_gpt2), "--to-hf",
+def export_and_compare(run_dir: Path, out: Path, ids: torch.Tensor, before: torch.Tensor):
+    """``python -m oases.export`` of ``run_dir``'s latest (step 3) checkpoint: HF loads it
+    with the logits of the checkpoint loaded into oases, moved by training."""
+    proc = subprocess.run([sys.executable, "-m", "oases.export", str(run_dir), "--to-hf",
                            str(out)], cwd=Path(__file__).resolve().parent.parent,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "step_000003" in proc.stdout  # a run dir exports its latest checkpoint
-    hf = GPT2LMHeadModel.from_pretrained(out).eval()
-    ours, meta = _oases_from_checkpoint(trained_gpt2,
-                                        trained_gpt2 / "checkpoints" / "step_000003")
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ours, meta = _oases_from_checkpoint(run_dir, run_dir / "checkpoints" / "step_000003")
     assert meta["step"] == 3
-    _, ids, before = hf_dirs["gpt2"]
     with torch.no_grad():
         theirs = hf(ids).logits
     assert_close(theirs, ours.full_logits(ids), rtol=0, atol=ATOL)
     assert (theirs - before).abs().max() > 1e-2  # training moved the weights
+    return hf
+
+
+@pytest.mark.filterwarnings(_SINGLE)
+def test_export_roundtrip(trained_gpt2, hf_dirs, tmp_path):
+    out = tmp_path / "hf"
+    _, ids, before = hf_dirs["gpt2"]
+    assert isinstance(export_and_compare(trained_gpt2, out, ids, before), GPT2LMHeadModel)
     assert len(load_file(out / "model.safetensors")) == len(
         load_file(hf_dirs["gpt2"][0] / "model.safetensors"))  # tied: no lm_head written
 

@@ -31,8 +31,8 @@ from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import ConfigError  # noqa: E402
 from oases.parallel.loss import IGNORE_INDEX  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.test_hf import (ATOL, VOCAB, B, T, _edited, _import_body, make_hf_model,  # noqa: E402
-                           save_hf)
+from tests.test_hf import (_SINGLE, ATOL, VOCAB, B, T, _edited, _import_body,  # noqa: E402
+                           export_and_compare, make_hf_model, save_hf, train_from_hf)
 
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=16)
@@ -113,6 +113,16 @@ def test_train_export_roundtrip(arch_dirs, kind, tmp_path):
     assert_close(got.logits, ours, rtol=0, atol=ATOL)
     assert_close(got.loss, our_loss, rtol=0, atol=ATOL)
     assert (ours - before).abs().max() > 1e-2  # training moved the weights
+
+
+@pytest.mark.filterwarnings(_SINGLE)
+def test_qwen2_trained_at_tp2_exports_through_its_checkpoint(arch_dirs, tmp_path, run_train):
+    """Its q/k/v biases sharded with their columns, its one kv head (and bias) replicated
+    on both ranks, saved in a checkpoint and exported by ``python -m oases.export``."""
+    d, ids, before = arch_dirs["qwen2"]
+    run = train_from_hf(run_train, d, tmp_path / "run")
+    hf = export_and_compare(run, tmp_path / "hf", ids, before)
+    assert isinstance(hf, Qwen2ForCausalLM)
 
 
 @pytest.mark.parametrize("kind, changes, msg", [
