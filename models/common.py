@@ -216,11 +216,12 @@ class CausalLM(nn.Module):
         ``max_len`` slots, this rank's local kv heads, the model's dtype and device."""
         return new_kv_cache(self, batch, max_len)
 
-    def decode(self, ids: torch.Tensor, cache: KVCache,
-               pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None,
+               last_only: bool = False) -> torch.Tensor:
         """(B, t) token ids appended to ``cache`` -> (B, t, vocab_size) logits (gathered
-        over TP, padding removed); see :func:`models.decode.decode`."""
-        return decode(self, ids, cache, pad)
+        over TP, padding removed; ``last_only``: (B, 1, vocab_size), the last slot's);
+        see :func:`models.decode.decode`."""
+        return decode(self, ids, cache, pad, last_only)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters of the full (unsharded) model; optionally without the embedding

@@ -4,6 +4,7 @@ takes through a model.
     cache = model.new_kv_cache(batch, max_len)
     logits = model.decode(prompt, cache, pad)   # (B, T0) -> (B, T0, V): fills slots 0..T0-1
     logits = model.decode(next_ids, cache)      # (B, 1) -> (B, 1, V): slot T0, T0+1, ...
+    logits = model.decode(prompt, cache, pad, last_only=True)   # (B, T0) -> (B, 1, V)
 
 Rows of unequal length are left-padded: ``pad[b]`` slots at the start of row ``b``
 hold no token. The token in slot ``s`` of row ``b`` is at position ``s - pad[b]``
@@ -61,11 +62,12 @@ def new_kv_cache(model, batch: int, max_len: int) -> KVCache:
 
 
 @torch.no_grad()
-def decode(model, ids: torch.Tensor, cache: KVCache,
-           pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode(model, ids: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None,
+           last_only: bool = False) -> torch.Tensor:
     """Append the (B, t) ``ids`` to ``cache`` (slots ``length .. length+t-1``) and
-    return their (B, t, vocab_size) float logits. ``pad`` (B,) long: the left padding
-    of each row (given once, with the prompt, or with every call)."""
+    return their (B, t, vocab_size) float logits; with ``last_only``, those of the last
+    slot alone, (B, 1, vocab_size) (the head runs on it only). ``pad`` (B,) long: the
+    left padding of each row (given once, with the prompt, or with every call)."""
     _check(model)
     B, t = ids.shape
     s0, s1 = cache.length, cache.length + t
@@ -96,6 +98,8 @@ def decode(model, ids: torch.Tensor, cache: KVCache,
             y = a._core(q, cache.k[i][:, :, :s1], cache.v[i][:, :, :s1], mask)
             x = a.combine(x, reduce_from_tp(a.out_partial(y), a.tp_group))
             x = layer.mlp(x)
+        if last_only:
+            x = x[:, -1:]
         logits = gather_from_tp(model.head_logits(x), model.tp_group, dim=-1)
     finally:
         model.train(was_training)

@@ -45,13 +45,13 @@ from typing import Optional
 
 import torch
 
-from oases.config.hf import GPT_UNUSED, HF_FIELDS, hf_model_fields
+from oases.config.hf import GPT_UNUSED, HF_FIELDS, LLAMA_ARCHS, hf_model_fields
 from oases.errors import CheckpointError, UserError
 from oases.parallel.sharding import chunk_of
 
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
-_HF_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "mistral": "MistralForCausalLM"}
+# model.arch -> its HF class, for the LLaMA-like architectures
+_HF_NAMES = {arch: name for name, arch in LLAMA_ARCHS.items()}
+LLAMA_FAMILY = tuple(_HF_NAMES)
 
 
 @dataclass(frozen=True)

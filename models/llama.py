@@ -1,6 +1,6 @@
 """LLaMA-like: RMSNorm, rotary embeddings (rotate-half, as HF), SwiGLU, grouped-query
 attention; Qwen2 adds q/k/v biases, Mistral a sliding attention window
-(``model.sliding_window``, honoured by the attention block of any architecture).
+(``model.sliding_window``, which the config accepts for arch=mistral only).
 
 With tensor parallelism the kv heads are split over the ranks while ``parallel.tp``
 divides ``model.n_kv_heads``; above that each kv head is replicated on the

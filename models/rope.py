@@ -13,7 +13,11 @@ oases supports (``model.rope_type``):
               kept, and the band between interpolated smoothly
 
 None of these scales the attention (transformers' ``attention_factor`` is 1 for them).
-The frequencies are computed in float64 and the cos/sin tables cast to float32 once.
+Everything is float32 and computed as transformers computes it (``modeling_rope_utils``,
+``LlamaRotaryEmbedding``): the exponents ``arange(0, hd, 2)`` as int64 then float32, the
+scaling in float32, the angles ``position * inv_freq`` as float32 products, cos and sin
+of them; so the tables are transformers' at every position (float64 angles would
+differ from them more and more with the position: 1e-2 in cos near position 131072).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from oases.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig, head_dim: Optional[int] = None) -> torch.Tensor:
-    """(hd/2,) float64 inverse frequencies of ``cfg``'s RoPE (see the module doc)."""
+    """(hd/2,) float32 inverse frequencies of ``cfg``'s RoPE (see the module doc)."""
     hd = head_dim or cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     kind = cfg.rope_type
     if kind in ("default", "dynamic"):
         return inv
@@ -55,10 +59,11 @@ class Rotary(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, max_len: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)                                    # (T, hd)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        positions = torch.arange(max_len, device=inv_freq.device).float()
+        freqs = positions[:, None] * inv_freq.float()[None, :]      # (T, hd/2), as HF's
+        emb = torch.cat([freqs, freqs], dim=-1)                     # (T, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "Rotary":

@@ -3,8 +3,9 @@
 Greedy decoding through the KV cache must give exactly the tokens of ``transformers``'
 ``generate(do_sample=False)`` on the same weights, at tp = 1 and 2, for a batch of two
 prompts of unequal length (left-padded; HF takes the padding from ``attention_mask``),
-with an EOS that one row reaches (then it is padded) and the other does not, for GPT-2,
-LLaMA (GQA), Qwen2 and LLaMA with Llama 3 RoPE scaling. The tiny
+with an EOS that one row reaches (then it is padded) and the other does not, and with
+no EOS, for GPT-2, LLaMA (GQA), Qwen2, LLaMA with Llama 3 RoPE scaling and Mistral (a
+sliding window the rows outgrow). The tiny
 models have their weight matrices redrawn with std 0.2: at HF's init (std 0.02) a tiny
 model repeats one token, which would hide a wrong position or mask.
 
@@ -27,6 +28,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from tokenizers.processors import TemplateProcessing  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from oases.cli import tokenizer as toks  # noqa: E402
@@ -37,7 +39,7 @@ from oases.parallel.groups import ParallelContext  # noqa: E402
 from oases.runtime.generate import Sampling, generate, model_from_hf  # noqa: E402
 from tests.conftest import REPO, subprocess_env  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.test_hf import HF_KINDS, make_hf_model, save_hf  # noqa: E402
+from tests.test_hf import HF_KINDS, VOCAB, make_hf_model, save_hf  # noqa: E402
 from tests.test_hf_archs import ARCH_KINDS  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41]]
@@ -65,7 +67,8 @@ def hf_generate(model, prompts, eos):
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """kind -> (HF directory, EOS id, HF's greedy tokens with that EOS), made on first use."""
+    """kind -> (HF directory, EOS id, HF's greedy tokens with that EOS and without an EOS),
+    made on first use."""
     root, made = tmp_path_factory.mktemp("gen"), {}
 
     def get(kind):
@@ -74,26 +77,51 @@ def cases(tmp_path_factory):
             free = hf_generate(model, PROMPTS, None)
             eos = free[0][3]  # row 0 ends at its 4th token
             assert eos not in free[1], "pick prompts whose second row does not stop"
-            made[kind] = (str(save_hf(model, root / kind)), eos, hf_generate(model, PROMPTS, eos))
+            made[kind] = (str(save_hf(model, root / kind)), eos, hf_generate(model, PROMPTS, eos),
+                          free)
         return made[kind]
     return get
 
 
-def _greedy_body(ctx, hf_dir, eos, want):
+def _greedy_body(ctx, hf_dir, eos, want, free):
     model, _ = model_from_hf(hf_dir, ctx)
-    out = generate(model, PROMPTS, NEW, eos_id=eos, pad_id=0, ctx=ctx)
+    out = generate(model, PROMPTS, NEW, eos_ids=[eos], pad_id=0, ctx=ctx)
     assert out.tokens.tolist() == want, (out.tokens.tolist(), want)
     assert out.lengths == [4, NEW]
+    assert generate(model, PROMPTS, NEW, ctx=ctx).tokens.tolist() == free
 
 
 # llama: GQA; qwen2: q/k/v biases, one kv head (replicated at tp=2); llama3: Llama 3 RoPE
-# scaling (factor 8, low 1, high 4, original_max_position_embeddings 16)
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "llama3"])
+# scaling (factor 8, low 1, high 4, original_max_position_embeddings 16); mistral: a
+# sliding window of 8, shorter than prompt + new tokens
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "llama3", "mistral"])
 def test_greedy_matches_transformers(cases, kind):
-    hf_dir, eos, want = cases(kind)
+    hf_dir, eos, want, free = cases(kind)
     assert want[0][4:] == [0] * (NEW - 4)  # HF padded the finished row too
-    _greedy_body(ParallelContext.single(), hf_dir, eos, want)
-    run_distributed(_greedy_body, world=2, tp=2, args=(hf_dir, eos, want))
+    _greedy_body(ParallelContext.single(), hf_dir, eos, want, free)
+    run_distributed(_greedy_body, world=2, tp=2, args=(hf_dir, eos, want, free))
+
+
+def test_generation_stops_at_any_eos_id(cases, tmp_path, capsys):
+    hf_dir, eos, want, _ = cases("gpt2")
+    other = next(i for i in range(VOCAB) if i not in want[0] + want[1])
+    model, _ = model_from_hf(hf_dir, ParallelContext.single())
+    out = generate(model, PROMPTS, NEW, eos_ids=[other, eos])
+    assert out.lengths == [4, NEW] and out.tokens[0, 4:].tolist() == [other] * (NEW - 4)
+    assert out.tokens[:, :4].tolist() == [w[:4] for w in want]
+    capsys.readouterr()
+    args = ["--hf", hf_dir, "--json", "--max-new-tokens", str(NEW)]
+    for p in PROMPTS:
+        args += ["--ids", ",".join(map(str, p))]
+    assert generate_main(args + ["--eos-id", str(other), "--eos-id", str(eos)]) == 0
+    rows = json.loads(capsys.readouterr().out)["outputs"]
+    assert [r["ids"] for r in rows] == [want[0][:4], want[1]]
+    assert [r["finished"] for r in rows] == [True, False]
+    # an HF directory's list of EOS ids: generation_config.json's, else config.json's
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert toks.hf_eos(tmp_path) == [3, 7]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert toks.hf_eos(tmp_path) == [5]
 
 
 def _sampled(ctx, hf_dir):
@@ -129,7 +157,10 @@ def test_bad_generate_input_is_one_line_exit_2(cases, tmp_path, capsys):
         (["--hf", hf_dir, "--ids", "1", "--max-new-tokens", "64"],
          "exceeds the model's seq_len 64"),
         (["--hf", hf_dir, "--ids", "1", "--tp", "2"], "--tp 2 must equal the world size 1"),
-        (["--hf", hf_dir, "--prompt", "hi"], "no tokenizer to encode --prompt"),
+        (["--hf", hf_dir, "--prompt", "hi"],
+         f"no tokenizer to encode --prompt: {hf_dir} has no tokenizer.json"),
+        (["--hf", hf_dir, "--ids", "1", "--eos-id", "250"],
+         "EOS id 250 is outside the model's vocabulary 0..249"),
         (["--hf", hf_dir, "--ids", "1", "--top-p", "0"], "--top-p 0.0 must be in"),
         ([str(tmp_path / "nope"), "--ids", "1"], "does not exist"),
         (["--ids", "1"], "give a checkpoint"),
@@ -162,6 +193,23 @@ def test_bytes_and_tiktoken_tokenizers_export_round_trip(tmp_path):
     text = "the thing is in the theatre, ünï!\n"
     assert hf(text)["input_ids"] == t.reference(text) and hf.eos_token_id == len(ranks)
     assert len(hf(text)["input_ids"]) < len(text.encode())  # the merges were applied
+
+
+def test_exported_tokenizer_adds_the_corpus_bos(tmp_path):
+    """A corpus prepared with ``--bos 1`` and the bytes tokenizer (whose template adds
+    nothing): AutoTokenizer of the export puts the 1 first, as the training ids have it,
+    and still encodes the text of id 1's token as its bytes."""
+    t = toks.load("bytes", "", 0, 1)
+    toks.write_hf_files(t, tmp_path / "bos", 256, 64)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "bos")
+    text = "hi ā Ā\x01"
+    assert hf(text)["input_ids"] == t.encode(text) == [1] + list(text.encode())
+    assert t.tok.encode(text).ids == list(text.encode())  # the source is left as it was
+    # the other way round: a template that adds a BOS the corpus was prepared without
+    t = toks.load("bytes", "", 0, None)
+    t.tok.post_processor = TemplateProcessing(single="ā $A", special_tokens=[("ā", 1)])
+    with pytest.raises(UserError, match="encodes text differently from the run's data"):
+        toks.write_hf_files(t, tmp_path / "drop", 256, 64)
 
 
 # ---------------------------------------------------------------------------

@@ -23,10 +23,13 @@ pytest.importorskip("safetensors")
 from torch.testing import assert_close  # noqa: E402
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,  # noqa: E402
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
 from models import build_model  # noqa: E402
 from models.hf import export_hf, load_hf_weights  # noqa: E402
-from oases.config import load_config  # noqa: E402
+from models.rope import Rotary, rope_inv_freq  # noqa: E402
+from oases.config import ModelConfig, load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import ConfigError  # noqa: E402
 from oases.parallel.loss import IGNORE_INDEX  # noqa: E402
@@ -144,6 +147,35 @@ def test_unsupported_fields_are_refused_by_name(arch_dirs, tmp_path, kind, chang
         load_config(None, [f"model.init_from=hf:{d}"]).validate(1)
 
 
+_L3 = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+           original_max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("size, overrides, head_dim, rope", [
+    ("llama3-8b", {}, 128, dict(_L3, factor=8.0)),                  # Llama-3.1-8B
+    ("llama3-1b", {}, 64, dict(_L3, factor=32.0)),                  # Llama-3.2-1B
+    ("llama3-8b", dict(rope_type="linear", rope_factor=4.0), 128,
+     dict(rope_type="linear", factor=4.0)),
+    ("llama-1b", {}, 64, dict(rope_type="default")),
+])
+def test_rope_tables_are_transformers(size, overrides, head_dim, rope):
+    """The inverse frequencies and the cos/sin tables of positions 0..16383 are exactly
+    transformers' for the published parameters (theta 500000)."""
+    n = 16384
+    mc = ModelConfig(name=size, seq_len=n, **overrides)
+    mc.resolve()
+    hf_cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=131072,
+                         rope_parameters=dict(rope, rope_theta=500000.0))
+    init = ROPE_INIT_FUNCTIONS.get(rope["rope_type"],
+                                   LlamaRotaryEmbedding.compute_default_rope_parameters)
+    assert torch.equal(rope_inv_freq(mc), init(hf_cfg)[0])
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), torch.arange(n)[None])
+    ours = Rotary.from_config(mc)
+    assert_close(ours.cos, cos[0], rtol=0, atol=1e-6)
+    assert_close(ours.sin, sin[0], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides, msg", [
     (["model.name=llama-tiny", "model.rope_type=yarn"], "model.rope_type='yarn' is not one of"),
     (["model.name=llama-tiny", "model.sliding_window=8"], "model.sliding_window=8 needs arch"),
@@ -151,6 +183,8 @@ def test_unsupported_fields_are_refused_by_name(arch_dirs, tmp_path, kind, chang
       "model.rope_original_max_len=64"], "model.seq_len=128 exceeds model.rope_original_max_len"),
     (["model.name=gpt-tiny", "model.rope_type=linear"], "arch=gpt has learned positions"),
     (["model.name=qwen2-0.5b", "model.bias=true"], "model.bias=true is not supported"),
+    (["model.name=llama-tiny", "model.arch=mistral", "model.bias=true"],
+     "model.bias=true is not supported for arch=mistral"),
 ])
 def test_bad_model_fields(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

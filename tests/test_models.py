@@ -321,6 +321,9 @@ def _decode_body(ctx, names):
         got = torch.cat([model.decode(padded[:, :8], cache, pad)]
                         + [model.decode(padded[:, i:i + 1], cache) for i in range(8, 20)], 1)
         assert_close(got[1, 3:], model.full_logits(ids[1:, :17])[0], rtol=0, atol=1e-5, msg=name)
+        last = model.decode(padded[:, :8], model.new_kv_cache(B, 32), pad, last_only=True)
+        assert last.shape == (B, 1, cfg.model.vocab_size)
+        assert_close(last, got[:, 7:8], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

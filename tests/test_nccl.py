@@ -116,5 +116,7 @@ def test_cuda_observability(schedule, tmp_path, data_args, run_train):
         for e in view:
             names[e["tid"]].add(e["name"])
         assert names.keys() == {"compute", "comm"}, k
-        assert ("Fa P1" if schedule == "oases" else "F 1") in names["compute"], k
+        want = {"Fa P1", "Ba 1"} if schedule == "oases" else {"F 1", "B 1", "backward"}
+        assert want <= names["compute"], k
+        assert all(e["dur"] > 0 for e in view if e["name"] in want), k
         assert (out / "profile" / f"memory_rank{k}.pickle").stat().st_size > 0

@@ -1,7 +1,8 @@
 """Device-timeline timing (oases.parallel.timing) and its users: the ZeRO store's
-gather wait; the trace view of the profiler's events (oases.overlap.trace). On the CPU a stamp is the host clock, which these tests replace
-with a fake one, so every figure is exact; on CUDA a stamp is an event, and a timed
-interval holds the device's work, not the host's launch of it."""
+gather wait; the trace view of the profiler's events (oases.overlap.trace). On the CPU a
+stamp is the host clock, which these tests replace with a fake one, so every figure is
+exact; on CUDA a stamp is an event, and a timed interval holds the device's work, not the
+host's launch of it."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_trace_view_of_a_cpu_profile():
            _x("gloo:all_reduce", "user_annotation", 116.0, 30.0, tid=2),
            _x("aten::mm", "cpu_op", 106.0, 8.0),
            _x("F 2", "user_annotation", 120.0, 4.0),
+           _x("Ba 2 in", "user_annotation", 125.0, 2.0),
+           _x("gloo:recv", "user_annotation", 126.0, 9.0, tid=3),
            _x("pp wait B1", "user_annotation", 130.0, 5.0),
            _x("wait", "user_annotation", 140.0, 5.0),
            {"ph": "i", "name": "marker", "ts": 1.0}]
@@ -99,21 +102,27 @@ def test_trace_view_of_a_cpu_profile():
     assert got == [("compute", "Fa P3", "compute", 0.0, 10.0, 3),
                    ("comm", "gloo:all_reduce", "comm", 11.0, 30.0, 3),
                    ("compute", "F 2", "compute", 15.0, 4.0, 3),
+                   ("compute", "Ba 2 in", "compute", 20.0, 2.0, 3),
                    ("pipeline", "wait B1", "compute", 25.0, 5.0, 3)]
 
 
 def test_trace_view_of_a_cuda_profile_is_on_the_device_clock():
     """With kernels in the trace, the labels' device ranges and the NCCL kernels make
-    the lanes; the host's ranges of the same labels (launches) are left out."""
+    the lanes; the host's ranges of the same labels (launches) are left out, and a label
+    with no device range (a backward launched from autograd's thread) keeps its host
+    range, marked so."""
     raw = [_x("Fa P3", "user_annotation", 10.0, 2.0),
+           _x("Ba 3", "user_annotation", 90.0, 5.0),
            _x("Fa P3", "gpu_user_annotation", 50.0, 20.0, tid=7),
            _x("ampere_sgemm_128x64_tn", "kernel", 50.0, 18.0, tid=7),
            _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 60.0, 25.0, tid=8),
            _x("pp F0", "gpu_user_annotation", 45.0, 40.0, tid=7)]
     view = engine_view({"traceEvents": raw}, rank=0)["traceEvents"]
-    got = [(e["tid"], e["name"], e["ts"], e["dur"]) for e in view]
-    assert got == [("pipeline", "F0", 0.0, 40.0), ("compute", "Fa P3", 5.0, 20.0),
-                   ("comm", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15.0, 25.0)]
+    got = [(e["tid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in view]
+    assert got == [("pipeline", "F0", "compute", 0.0, 40.0),
+                   ("compute", "Fa P3", "compute", 5.0, 20.0),
+                   ("comm", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "comm", 15.0, 25.0),
+                   ("compute", "Ba 3", "host", 45.0, 5.0)]
 
 
 def test_store_gather_wait_is_taken_once(clock):

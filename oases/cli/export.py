@@ -109,7 +109,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path,
         toks.check_fits(tok, mc.vocab_size)
     cfg_json = hf_config_dict(mc)
     if tok is not None:
-        cfg_json.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+        cfg_json.update(bos_token_id=tok.bos_id, eos_token_id=toks.eos_json(tok))
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"

@@ -57,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
     p.add_argument("--tokenizer", metavar="none|bytes|PATH",
                    help="tokenizer (default: the run's recorded one or the HF directory's)")
-    p.add_argument("--eos-id", type=int, metavar="ID",
-                   help="stop a row at this id (default: the tokenizer's EOS; -1: never)")
+    p.add_argument("--eos-id", type=int, action="append", metavar="ID",
+                   help="stop a row at this id; repeat for several, the first pads (default: "
+                        "the tokenizer's or the HF directory's EOS ids; -1: never)")
     p.add_argument("--tp", type=int, metavar="N", help="TP degree (default: the world size)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--no-cache", action="store_true",
@@ -69,12 +70,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _tokenizer(args) -> Optional[toks.Tok]:
+    eos = args.eos_id[0] if args.eos_id and args.eos_id[0] >= 0 else None
     if args.tokenizer == "none":
         return None
     if args.tokenizer:
-        return toks.from_path(args.tokenizer)
+        return toks.from_path(args.tokenizer, eos)
     if args.hf:
-        return toks.from_hf_dir(Path(args.hf))
+        return toks.from_hf_dir(Path(args.hf), eos)
     src = Path(args.checkpoint)
     run = src if (src / "config.yaml").is_file() else src.parent.parent
     return toks.recorded(run)
@@ -101,14 +103,15 @@ def run(args) -> dict:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     tok = _tokenizer(args)
     if args.prompt and tok is None:
-        raise UserError("no tokenizer to encode --prompt: the run's data records none; pass "
-                        "--tokenizer PATH, or --ids")
+        whose = ("--tokenizer none" if args.tokenizer == "none" else
+                 f"{args.hf} has no tokenizer.json" if args.hf else "the run's data records none")
+        raise UserError(f"no tokenizer to encode --prompt: {whose}; pass --tokenizer PATH, "
+                        f"or --ids")
     prompts = [tok.encode(t) for t in args.prompt] if args.prompt else [_ids(t) for t in args.ids]
-    if args.eos_id is not None:
-        eos = args.eos_id
+    if args.eos_id:
+        eos = [] if args.eos_id == [-1] else args.eos_id
     else:
-        eos = tok.eos_id if tok is not None else toks.hf_eos(Path(args.hf)) if args.hf else None
-    eos = None if eos is not None and eos < 0 else eos
+        eos = tok.eos_ids if tok is not None else toks.hf_eos(Path(args.hf)) if args.hf else []
     ctx = _context(args)
     if args.hf:
         model, cfg = model_from_hf(args.hf, ctx)
@@ -117,12 +120,11 @@ def run(args) -> dict:
             warnings.simplefilter("ignore", UserWarning)
             model, cfg, _ = model_from_checkpoint(args.checkpoint, ctx)
     with progress(total=args.max_new_tokens, desc="generating", unit="token") as bar:
-        out = generate(model, prompts, args.max_new_tokens, sampling, eos,
-                       eos if eos is not None else 0, ctx, cache=not args.no_cache,
-                       on_step=bar.update)
+        out = generate(model, prompts, args.max_new_tokens, sampling, eos, ctx=ctx,
+                       cache=not args.no_cache, on_step=bar.update)
     rows = []
     for p, ids in zip(prompts, out.rows()):
-        row = {"prompt_ids": p, "ids": ids, "finished": eos is not None and eos in ids}
+        row = {"prompt_ids": p, "ids": ids, "finished": any(i in eos for i in ids)}
         if tok is not None:  # the continuation alone, and decoded with its prompt
             row["text"], row["full_text"] = tok.decode(ids), tok.decode(p + ids)
         rows.append(row)

@@ -14,8 +14,13 @@ Every kind ``oases.prepare`` knows becomes a ``tokenizers`` tokenizer with the s
 * a tiktoken BPE file: converted (``transformers``' ``TikTokenConverter``) with the
   split pattern ``oases.prepare`` used and ``<|endoftext|>`` after the ranks.
 
-The written ``tokenizer.json`` must encode a sample text to the source's ids; other ids
-are an error.
+A BOS the corpus was prepared with (``oases.prepare --bos``) that the tokenizer's own
+template does not add is added by the written ``tokenizer.json``'s template, so that
+``AutoTokenizer`` encodes a text to the ids the model was trained on: the written
+``tokenizer.json`` must encode a sample text, special tokens added, to the source's ids
+after that BOS; other ids are an error. The EOS ids of a source's Hugging Face directory
+(``generation_config.json``'s ``eos_token_id``, an id or a list) are kept: generation
+stops at any of them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Optional
 import yaml
 
 from oases.cli.prepare_encode import (TIKTOKEN_PATTERN, _load_hf, _load_tiktoken, _sha256,
-                                      resolve_tokenizer)
+                                      _template_bos, resolve_tokenizer)
 from oases.errors import DataError, UserError
 from oases.runtime.tokens import read_meta, resolve
 
@@ -46,6 +51,13 @@ class Tok:
     source: str                   # for messages: bytes, a path
     reference: Optional[object] = None   # text -> ids of the original (round-trip check)
     chat_template: Optional[str] = None
+    more_eos: tuple[int, ...] = ()       # other ids that end a generation (an HF directory's)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The ids that end a generation: the EOS first, then :attr:`more_eos`."""
+        first = [] if self.eos_id is None else [self.eos_id]
+        return first + [i for i in self.more_eos if i not in first]
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` as the training data had them: the BOS (if any) first, no EOS."""
@@ -108,13 +120,14 @@ def load(kind: str, path: str, eos_id: Optional[int], bos_id: Optional[int]) -> 
         enc = _load_tiktoken(path)
         return Tok(_tiktoken_tokenizer(path), eos_id, bos_id, path, enc.encode_ordinary)
     tok = _load_hf(path)
-    return Tok(tok, eos_id, bos_id, path, chat_template=_chat_template(Path(path)))
+    return Tok(tok, eos_id, bos_id, path, chat_template=_chat_template(Path(path)),
+               more_eos=tuple(hf_eos(Path(path).parent)))
 
 
-def from_path(name: str) -> Tok:
+def from_path(name: str, eos_id: Optional[int] = None) -> Tok:
     """``--tokenizer``: ``bytes``, a tokenizer.json, a directory holding one, or a tiktoken
-    file; EOS and BOS as ``oases.prepare`` would find them."""
-    spec = resolve_tokenizer(name, None, "auto")
+    file; EOS (unless ``eos_id`` is given) and BOS as ``oases.prepare`` would find them."""
+    spec = resolve_tokenizer(name, eos_id, "auto")
     return load(spec.kind, spec.path, spec.eos_id, spec.bos_id)
 
 
@@ -164,61 +177,97 @@ def recorded(run_dir: Path) -> Optional[Tok]:
                 bos if isinstance(bos, int) else None)
 
 
-def hf_eos(hf_dir: Path) -> Optional[int]:
-    """The EOS id of a Hugging Face directory: its ``generation_config.json``'s, else its
-    ``config.json``'s (the first of a list), else None."""
+def hf_eos(hf_dir: Path) -> list[int]:
+    """The EOS ids of a Hugging Face directory: its ``generation_config.json``'s
+    ``eos_token_id`` (an id or a list), else its ``config.json``'s, else none."""
     for name in ("generation_config.json", "config.json"):
         try:
             eos = json.loads((hf_dir / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        if isinstance(eos, int):
-            return eos
-    return None
+        ids = [i for i in (eos if isinstance(eos, list) else [eos])
+               if isinstance(i, int) and not isinstance(i, bool)]
+        if ids:
+            return ids
+    return []
 
 
-def from_hf_dir(hf_dir: Path) -> Optional[Tok]:
+def from_hf_dir(hf_dir: Path, eos_id: Optional[int] = None) -> Optional[Tok]:
     """A Hugging Face directory's ``tokenizer.json`` with the BOS its template adds and
-    the directory's EOS (:func:`hf_eos`); None: no tokenizer.json."""
+    the directory's EOS ids (:func:`hf_eos`; ``eos_id`` first where given); None: no
+    tokenizer.json."""
     if not (hf_dir / "tokenizer.json").is_file():
         return None
-    t = from_path(str(hf_dir))
-    eos = hf_eos(hf_dir)
-    t.eos_id = eos if eos is not None else t.eos_id
+    t = from_path(str(hf_dir), eos_id)
+    if eos_id is None and t.more_eos:
+        t.eos_id = t.more_eos[0]
     return t
 
 
 def check_fits(t: Tok, vocab_size: int) -> None:
-    """The tokenizer's ids (its EOS and BOS too) are ids of the model's vocabulary."""
-    ids = [i for i in (t.eos_id, t.bos_id) if i is not None]
+    """The tokenizer's ids (its EOS ids and BOS too) are ids of the model's vocabulary."""
+    ids = t.eos_ids + ([] if t.bos_id is None else [t.bos_id])
     if t.vocab_size > vocab_size or any(i >= vocab_size for i in ids):
-        raise UserError(f"tokenizer {t.source} has {t.vocab_size} tokens (EOS {t.eos_id}, "
+        eos = eos_json(t)
+        raise UserError(f"tokenizer {t.source} has {t.vocab_size} tokens (EOS {eos}, "
                         f"BOS {t.bos_id}) but the model's vocabulary is {vocab_size}")
+
+
+def eos_json(t: Tok):
+    """``eos_token_id`` for config.json and generation_config.json: the EOS id, or the
+    list of them where the source has several, or None."""
+    ids = t.eos_ids
+    return ids if len(ids) > 1 else ids[0] if ids else None
+
+
+def _special(tok, i: Optional[int]) -> Optional[str]:
+    """The text of token ``i`` where it is a special token of ``tok`` (None otherwise: as
+    a special token of the written tokenizer it would stop matching its text)."""
+    added = tok.get_added_tokens_decoder()
+    return added[i].content if i in added and added[i].special else None
+
+
+def _with_bos(tk, tok, bos_id: int, source: str):
+    """A copy of ``tok`` whose post-processor puts the BOS ``bos_id`` before a text:
+    after its own one where that adds no token (ByteLevel's offsets), instead of it where
+    it does."""
+    bos = tok.id_to_token(bos_id)
+    if bos is None:
+        raise UserError(f"the BOS id {bos_id} the corpus was prepared with is no token of "
+                        f"tokenizer {source}; {_PASS}")
+    tok = tk.Tokenizer.from_str(tok.to_str())
+    template = tk.processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    old, adds = tok.post_processor, tok.encode("", add_special_tokens=True).ids
+    tok.post_processor = (template if old is None or adds
+                          else tk.processors.Sequence([old, template]))
+    return tok
 
 
 def write_hf_files(t: Tok, out: Path, vocab_size: int, seq_len: int) -> None:
     """tokenizer.json, tokenizer_config.json and generation_config.json into ``out``,
     after checking that the tokenizer fits the model's vocabulary; the written
-    tokenizer.json must encode a sample as the source does."""
+    tokenizer.json must encode a sample, special tokens added, as the run's data has it
+    (the BOS, then the source's ids)."""
     tk, tf, _ = _hf()
     check_fits(t, vocab_size)
-    ids = [i for i in (t.eos_id, t.bos_id) if i is not None]
-    name = {i: t.tok.id_to_token(i) for i in ids}
-    eos = name.get(t.eos_id) if t.eos_id is not None else None
+    tok = t.tok
+    if t.bos_id is not None and _template_bos(tok) != t.bos_id:
+        tok = _with_bos(tk, tok, t.bos_id, t.source)
+    eos = _special(tok, t.eos_id)
     fast = tf.PreTrainedTokenizerFast(
-        tokenizer_object=t.tok, model_max_length=seq_len, padding_side="left",
-        eos_token=eos, pad_token=eos,
-        bos_token=name.get(t.bos_id) if t.bos_id is not None else None)
+        tokenizer_object=tok, model_max_length=seq_len, padding_side="left",
+        eos_token=eos, pad_token=eos, bos_token=_special(tok, t.bos_id))
     if t.chat_template:
         fast.chat_template = t.chat_template
     fast.save_pretrained(str(out))
     written = tk.Tokenizer.from_file(str(out / "tokenizer.json"))
-    want = t.reference(SAMPLE) if t.reference else t.tok.encode(SAMPLE,
-                                                                add_special_tokens=False).ids
-    got = written.encode(SAMPLE, add_special_tokens=False).ids
-    if list(got) != list(want):
+    want = ([] if t.bos_id is None else [t.bos_id]) + list(
+        t.reference(SAMPLE) if t.reference else t.tok.encode(SAMPLE, add_special_tokens=False).ids)
+    got = written.encode(SAMPLE, add_special_tokens=True).ids
+    if list(got) != want:
         raise UserError(f"the tokenizer.json written for {t.source} encodes text differently "
-                        f"from it; {_PASS}")
-    tf.GenerationConfig(bos_token_id=t.bos_id, eos_token_id=t.eos_id,
-                     pad_token_id=t.eos_id).save_pretrained(str(out))
+                        f"from the run's data (ids {got[:3]}... where it has {want[:3]}...); "
+                        f"{_PASS}")
+    tf.GenerationConfig(bos_token_id=t.bos_id, eos_token_id=eos_json(t),
+                        pad_token_id=t.eos_id).save_pretrained(str(out))

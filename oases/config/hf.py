@@ -24,8 +24,9 @@ from oases.errors import ConfigError
 SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-          "MistralForCausalLM": "mistral"}
+# the LLaMA-like architectures and the oases model.arch of each
+LLAMA_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+               "MistralForCausalLM": "mistral"}
 
 # Fields whose value comes from config.json (all of ModelConfig's shape fields).
 HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
@@ -35,6 +36,7 @@ HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden",
 # ... of which a GPT (learned positions) has no use
 GPT_UNUSED = ("rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_len")
+# the RoPE types oases reproduces (models.rope), by transformers' names
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -166,7 +168,7 @@ def _rope(cfg: dict, where: str, max_pos: int) -> dict:
 
 def _llama(cfg: dict, where: str, arch: str) -> dict:
     """LLaMA, Qwen2 (q/k/v biases) and Mistral (sliding window) configs."""
-    name = _ARCHS[arch]
+    name = LLAMA_ARCHS[arch]
     if name == "llama":
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from oases.config.hf import apply_init_from
+from oases.config.hf import ROPE_TYPES, apply_init_from
 from oases.config.section import _choice, _positive, _Section
 from oases.config.sizes import MODEL_SIZES
 from oases.errors import ConfigError
@@ -21,7 +21,6 @@ SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden"
               "seq_len", "tie_embeddings", "bias")
 
 ARCHS = ("gpt", "llama", "qwen2", "mistral")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 # what a field neither the size nor config.json sets defaults to
 _DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_low_freq_factor=1.0,
                  rope_high_freq_factor=4.0, sliding_window=0)
@@ -105,6 +104,9 @@ class ModelConfig(_Section):
         if self.arch == "qwen2" and self.bias:
             raise ConfigError("model.bias=true is not supported for arch=qwen2 (Qwen2 has "
                               "q/k/v biases only, and always)")
+        if self.arch == "mistral" and self.bias:
+            raise ConfigError("model.bias=true is not supported for arch=mistral (Mistral "
+                              "has no projection biases)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         _positive("model.init_std", self.init_std)

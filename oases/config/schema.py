@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -90,6 +90,9 @@ class ParallelConfig(_Section):
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
     trace: bool = False             # trace_rank{r}.json: a profiler view of one step
+    # torch.compile each block's partial and combine (oases.parallel.compile): false | true
+    # | "strict" (a segment that does not compile is an error, not an eager fallback)
+    compile: Union[bool, str] = False
     # Per-block TP degrees: a Plan YAML path (python -m oases.plan), or "auto": profile
     # this cluster, solve on rank 0 and broadcast. Empty: every block at degree tp.
     plan: str = ""
@@ -121,6 +124,9 @@ class ParallelConfig(_Section):
         if self.sub_batches < (1 if self.overlap_fb else 2):
             raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= "
                               f"{1 if self.overlap_fb else 2}")
+        if self.compile not in (False, True, "strict"):
+            raise ConfigError(f"parallel.compile={self.compile!r} is not one of false, true, "
+                              f"strict")
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _positive("parallel.timeout_s", self.timeout_s)

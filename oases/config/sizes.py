@@ -26,6 +26,9 @@ MODEL_SIZES: dict[str, dict] = {
                      vocab_size=50257, seq_len=2048),
     "llama-tiny": dict(_LLAMA, n_layer=4, d_model=128, n_head=4, n_kv_heads=2, ffn_hidden=384,
                        vocab_size=256, seq_len=128, rope_theta=10000.0, tie_embeddings=False),
+    # Llama-3.2-1B shape, plain RoPE (theta 500000, no Llama 3 scaling; llama3-1b has it)
+    "llama-1b": dict(_LLAMA, n_layer=16, d_model=2048, n_head=32, n_kv_heads=8, ffn_hidden=8192,
+                     vocab_size=128256, seq_len=2048, rope_theta=500000.0, tie_embeddings=True),
     # Llama 3.2 1B / 3B and 3.1 8B (their config.json), trained at a shorter seq_len than
     # their 131072 positions; RoPE scaled as published (rope_type llama3)
     "llama3-1b": dict(_LLAMA3, n_layer=16, d_model=2048, n_head=32, n_kv_heads=8,
@@ -42,5 +45,3 @@ MODEL_SIZES: dict[str, dict] = {
     "llama-7b": dict(_LLAMA, n_layer=32, d_model=4096, n_head=32, n_kv_heads=32, ffn_hidden=11008,
                      vocab_size=32000, seq_len=4096, rope_theta=10000.0, tie_embeddings=False),
 }
-# the name the docs and benchmarks have used for the Llama-3.2-1B shape
-MODEL_SIZES["llama-1b"] = MODEL_SIZES["llama3-1b"]

@@ -26,7 +26,12 @@ def _coerce(key: str, value: Any, hint) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(key, value, args[0])
+        for a in args[:-1]:  # Union[bool, str]: the first type that takes the value
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        return _coerce(key, value, args[-1])
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -41,7 +41,7 @@ Ordering: all DP ranks run the same graph, so the hooks fire, and buckets
 launch, in the same order on every rank (gloo and NCCL need that).
 On CUDA, the hooks run on autograd's device thread: a bucket launched there goes out in
 the comm scope ``arm()`` captured (:class:`~oases.parallel.comm.CommScope`), so the
-step's counters and tracer see it. Its all-reduce waits for the default stream (which
+step's counters and observers see it. Its all-reduce waits for the default stream (which
 produced the gradients) on NCCL's stream; ``work.wait()`` in ``finish()`` makes the
 current stream, which the optimizer then runs on, wait for it. Both hold only while
 the whole step runs on the default stream, which ``arm()`` checks.

@@ -199,7 +199,7 @@ class ParamStore:
     def _on_output(self, out, u: int, nxt: int) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             # on CUDA the hook runs on autograd's device thread: its gathers belong to the
-            # forward's comm scope (counters, tracer)
+            # forward's comm scope (counters, observers)
             scope = current_scope()
 
             def hook(g):

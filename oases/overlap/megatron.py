@@ -20,7 +20,6 @@ runs on the default stream (:func:`~oases.parallel.comm.require_default_stream`)
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Optional
 
 import torch
@@ -36,31 +35,42 @@ __all__ = ["AmpFactory", "BlockLabels", "MegatronSchedule", "StageRun"]
 
 class BlockLabels:
     """Profiler ranges per block under plain autograd, where no engine code runs between
-    blocks: forward hooks put ``F <i>`` around block i's forward, and a hook on its
-    output's gradient opens ``B <i>`` when its backward starts; that range ends when the
-    next block's backward starts (whose output is block i's input) or at
-    :meth:`close`, after the backward. Installed on a model the first time a step runs
-    under a profiler; each hook returns at once when none records."""
-
-    _models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+    blocks. For the length of a labelled pass (:meth:`around`; the recompute inside a
+    backward included) while a profiler records, forward hooks put ``F <i>`` around block
+    i's forward, and a hook on its output's gradient opens ``B <i>`` when its backward
+    starts. That range ends when the next block's backward starts (whose output is block
+    i's input), on the same autograd thread, or when that backward pass ends (a callback
+    queued on the autograd engine, so on its thread too). The hooks are removed after the
+    pass: a step that no profiler records runs none of them."""
 
     def __init__(self) -> None:
-        self._open = None  # the running backward range
+        self._open = None     # the running backward range
+        self._queued = False  # its end-of-backward callback is queued
 
-    def install(self, model: nn.Module) -> None:
-        if model in BlockLabels._models or not hasattr(model, "blocks"):
+    @contextlib.contextmanager
+    def around(self, model: Optional[nn.Module]):
+        if model is None or not profiling() or not hasattr(model, "blocks"):
+            yield
             return
-        BlockLabels._models.add(model)
+        handles = []
         for i, blk in enumerate(model.blocks()):
-            blk.register_forward_pre_hook(self._enter_forward(i))
-            blk.register_forward_hook(self._exit_forward(i))
+            handles.append(blk.register_forward_pre_hook(self._enter_forward(i)))
+            # always: a recompute stopped early by checkpoint still closes its range
+            handles.append(blk.register_forward_hook(self._exit_forward(i), always_call=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     @staticmethod
     def _enter_forward(i: int):
         def hook(module, args):
-            if profiling():
-                module._oases_range = label(f"F {i}")
-                module._oases_range.__enter__()
+            stale = module.__dict__.pop("_oases_range", None)
+            if stale is not None:
+                stale.__exit__(None, None, None)
+            module._oases_range = label(f"F {i}")
+            module._oases_range.__enter__()
         return hook
 
     def _exit_forward(self, i: int):
@@ -69,20 +79,26 @@ class BlockLabels:
             if rng is None:
                 return
             rng.__exit__(None, None, None)
+            if isinstance(out, (tuple, list)):
+                out = next((o for o in out if isinstance(o, torch.Tensor) and o.requires_grad),
+                           None)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g: self._backward_of(i))
         return hook
 
     def _backward_of(self, i: int) -> None:
         self.close()
-        if profiling():
-            self._open = label(f"B {i}")
-            self._open.__enter__()
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.close)
+            self._queued = True
+        self._open = label(f"B {i}")
+        self._open.__enter__()
 
     def close(self) -> None:
         if self._open is not None:
             self._open.__exit__(None, None, None)
             self._open = None
+        self._queued = False
 
 
 class MegatronSchedule:
@@ -95,22 +111,18 @@ class MegatronSchedule:
         self.labels = BlockLabels()
 
     @contextlib.contextmanager
-    def _span(self, name: str, model: Optional[nn.Module] = None):
-        if model is not None and profiling():
-            self.labels.install(model)
-        with label(name):
-            try:
-                yield
-            finally:
-                self.labels.close()  # the last block's backward ends inside ``name``
+    def _span(self, name: str, model: Optional[nn.Module]):
+        with label(name), self.labels.around(model):
+            yield
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+                         scale: float = 1.0,
+                         amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
         require_default_stream(ids.device, "the megatron engine")
         with self._span("forward", model), amp():
             loss = model(ids, targets)
         SavedTensorMeter.end_of_forward()
-        with self._span("backward"):
+        with self._span("backward", model):
             (loss * scale).backward()
         return loss.detach()
 
@@ -125,7 +137,7 @@ class MegatronSchedule:
         with self._span("forward", model), amp():
             out = model(x, targets)
         last = targets is not None
-        return StageRun(state=(x, out), loss=out.detach() if last else None,
+        return StageRun(state=(x, out, model), loss=out.detach() if last else None,
                         output=None if last else out.detach())
 
     def backward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
@@ -133,9 +145,9 @@ class MegatronSchedule:
         """Backward of a :meth:`forward` run: from the loss (``grad`` None, scaled by
         ``scale``) or from the gradient of the output; returns the input's gradient
         (None on the first stage)."""
-        x, out = run.state
+        x, out, model = run.state
         run.state = None
-        with self._span("backward"):
+        with self._span("backward", model):
             if grad is None:
                 (out * scale).backward()
             else:

@@ -185,7 +185,7 @@ def _launch(reqs: list[tuple]) -> list:
     place; ("ag", t, group) all-gathers ``t`` along dim 0 into a new tensor.
     A strided ``buf`` (a user block's partial sum or cut gradient may be a view) is
     reduced as a contiguous copy, which is what the program gets back.
-    (An active Tracer sees them through the comm functions.)"""
+    (Active observers see them through the comm functions.)"""
     out = []
     for kind, t, group in reqs:
         if _trivial(group):

@@ -11,9 +11,9 @@
 ``group=None`` or a group of size 1 makes every op an identity, so the same
 model code runs unsharded. Collectives issued here can be counted
 (:class:`CommCounter`, tests count collectives per step), observed
-(:class:`CommObserver`, the tracer) or skipped (:class:`NoopCollectives`); what is
-active is per thread and travels with the autograd graph into backward
-(:class:`CommScope`). No mutable state here is process-global.
+(:class:`CommObserver`, the exposed-communication clock) or skipped
+(:class:`NoopCollectives`); what is active is per thread and travels with the autograd
+graph into backward (:class:`CommScope`). No mutable state here is process-global.
 
 Who all-reduces the gradient of a TP region's input (:func:`copy_to_tp`,
 :func:`column_linear`) is up to the entry a schedule entered
@@ -151,7 +151,7 @@ class CommCounter(_Watcher):
 
 
 class CommObserver(_Watcher):
-    """Base for observers of collective lifetimes (the schedule tracer): while one is
+    """Base for observers of collective lifetimes (the comm clock): while one is
     entered (``with obs:``), :func:`all_reduce` reports each collective of its scope
     (:class:`CommScope`) to ``obs.collective(name, lane, work, start)``."""
 

@@ -46,7 +46,9 @@ def _recompute_contexts(tracker: Optional[TPRNGTracker]):
     return contextlib.nullcontext(), replay()
 
 
+@torch.compiler.disable
 def recompute(fn: Callable, *args, tracker: Optional[TPRNGTracker] = None) -> torch.Tensor:
-    """Run ``fn(*args)`` saving only its inputs; re-run it in backward."""
+    """Run ``fn(*args)`` saving only its inputs; re-run it in backward. Compiled code
+    (``parallel.compile``) calls it eagerly: its RNG replay is Python state."""
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=lambda: _recompute_contexts(tracker))

@@ -12,6 +12,7 @@ from oases.config import Config
 from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum
 from oases.overlap.engines import build_schedule
+from oases.parallel.compile import compile_blocks
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.ranks import destroy_groups, recording_groups
@@ -45,13 +46,18 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
         st = ctx.layout.stages[ctx.stage]
         degrees = list(st.degrees) if st.degrees is not None else None
         mixed = degrees is not None and set(degrees) != {ctx.tp}
-        return build_model(cfg.model, cfg.padded_vocab(ctx.tp), ctx.tp_group, tracker,
-                           recompute, seed=seed, device=ctx.device,
-                           degrees=degrees if mixed else None,
-                           degree_groups=ctx._degree_groups if mixed else None, stage=st.layers)
-    return build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, recompute,
-                       seed=seed, device=ctx.device, degrees=degrees,
-                       degree_groups=ctx.degree_groups() if degrees is not None else None)
+        model = build_model(cfg.model, cfg.padded_vocab(ctx.tp), ctx.tp_group, tracker,
+                            recompute, seed=seed, device=ctx.device,
+                            degrees=degrees if mixed else None,
+                            degree_groups=ctx._degree_groups if mixed else None,
+                            stage=st.layers)
+    else:
+        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, recompute,
+                            seed=seed, device=ctx.device, degrees=degrees,
+                            degree_groups=ctx.degree_groups() if degrees is not None else None)
+    if par.compile:  # each block's segments; compiled at their first call
+        compile_blocks(model, strict=par.compile == "strict")
+    return model
 
 
 def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,

@@ -2,7 +2,7 @@
 
     model, cfg = model_from_checkpoint(path, ctx)        # or model_from_hf(dir, ctx)
     out = generate(model, [[5, 9, 2], [7]], 32, Sampling(temperature=0.8, top_k=50),
-                   eos_id=0, pad_id=0, ctx=ctx)
+                   eos_ids=[0], ctx=ctx)
     out.tokens                                           # (B, n) new tokens, pad after EOS
 
 The loop over the model's KV cache (``models.common.CausalLM.new_kv_cache`` and
@@ -19,8 +19,9 @@ the whole vocabulary:
                  broadcast over the TP group, so the ranks agree even where their
                  gathered logits differed in the last bit
 
-A row that produced the EOS id is finished: from then on it receives ``pad_id``; the
-loop ends when every row is finished or after ``max_new_tokens``.
+A row that produced one of the EOS ids is finished: from then on it receives ``pad_id``
+(by default the first EOS id); the loop ends when every row is finished or after
+``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,11 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int,
-                  seq_len: int) -> None:
+                  seq_len: int, eos_ids: Sequence[int] = ()) -> None:
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise UserError(f"EOS id {bad[0]} is outside the model's vocabulary 0..{vocab_size - 1} "
+                        f"(--eos-id ID sets the EOS ids; -1: none)")
     if not prompts:
         raise UserError("no prompt: pass --prompt TEXT or --ids 1,2,3")
     for i, p in enumerate(prompts):
@@ -144,16 +149,20 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int,
-             sampling: Sampling = Sampling(), eos_id: Optional[int] = None, pad_id: int = 0,
-             ctx: Optional[ParallelContext] = None, cache: bool = True,
-             on_step: Optional[Callable[[], None]] = None) -> Generation:
-    """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens. Collective
-    over ``ctx.tp_group``: every TP rank calls it with the same arguments. ``cache``
-    False recomputes the whole sequence at each step (a fresh cache per step; for
-    comparison). ``on_step`` is called after each new token (progress)."""
+             sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (),
+             pad_id: Optional[int] = None, ctx: Optional[ParallelContext] = None,
+             cache: bool = True, on_step: Optional[Callable[[], None]] = None) -> Generation:
+    """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens; a row stops
+    at any of ``eos_ids``. ``pad_id`` (default: the first EOS id, else 0) pads the
+    prompts and the finished rows. Collective over ``ctx.tp_group``: every TP rank calls
+    it with the same arguments. ``cache`` False recomputes the whole sequence at each
+    step (a fresh cache per step; for comparison). ``on_step`` is called after each new
+    token (progress)."""
     ctx = ctx or ParallelContext.single(next(model.parameters()).device)
     model.eval()
-    check_prompts(prompts, model.vocab_size, max_new_tokens, model.cfg.seq_len)
+    eos_ids = list(eos_ids)
+    pad_id = pad_id if pad_id is not None else eos_ids[0] if eos_ids else 0
+    check_prompts(prompts, model.vocab_size, max_new_tokens, model.cfg.seq_len, eos_ids)
     ids, pad = left_pad(prompts, pad_id)
     ids, pad = ids.to(ctx.device), pad.to(ctx.device)
     B, L = ids.shape
@@ -162,10 +171,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=ctx.device)
     done = torch.zeros(B, dtype=torch.bool, device=ctx.device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=ctx.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=ctx.device)
     _sync(ctx.device)
     t0 = time.perf_counter()
     kv = model.new_kv_cache(B, L + max_new_tokens)
-    logits = model.decode(ids, kv, pad=pad)[:, -1]                           # (B, V)
+    logits = model.decode(ids, kv, pad=pad, last_only=True)[:, -1]           # (B, V)
     n = 0
     for n in range(1, max_new_tokens + 1):
         tok = sample(logits, sampling, gen)                                  # (B,)
@@ -175,8 +185,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
         out[:, n - 1] = tok
         if on_step is not None:
             on_step()
-        if eos_id is not None:
-            ended = ~done & (tok == eos_id)
+        if eos_ids:
+            ended = ~done & torch.isin(tok, eos)
             lengths = torch.where(ended, n, lengths)
             done |= ended
         # every rank decides alike: ``done`` is built from the broadcast tokens
@@ -186,7 +196,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
             logits = model.decode(tok[:, None], kv)[:, -1]
         else:
             kv = model.new_kv_cache(B, L + max_new_tokens)
-            logits = model.decode(torch.cat([ids, out[:, :n]], dim=1), kv, pad=pad)[:, -1]
+            logits = model.decode(torch.cat([ids, out[:, :n]], dim=1), kv, pad=pad,
+                                  last_only=True)[:, -1]
     _sync(ctx.device)
     return Generation(out[:, :n].cpu(), lengths.clamp(max=n).tolist(), L,
                       time.perf_counter() - t0)

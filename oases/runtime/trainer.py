@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from oases.config import Config, save_config
 from oases.config.schema import resolve_precision
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.parallel.comm import NoopCollectives
+from oases.parallel.compile import CompileLog
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, init_kwargs,
                                    join_world, pick_device, prepare_backend)
 from oases.parallel.timing import IntervalTimer
@@ -275,7 +277,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     # exposed and hidden TP communication
     comm_clock = comm_clock_for(model, ctx) if cfg.metrics.comm_clock else None
     window = cfg.profile.window()
-    if par.trace and window is None:  # parallel.trace alone: one step after warm-up
+    if par.trace and (window is None or window[1] <= start):  # one step after warm-up
         window = (min(start + 3, cfg.train.steps),) * 2
     prof = StepProfiler(window, cfg.out_dir, ctx.rank, ctx.device,
                         cfg.profile.memory_snapshot, view=par.trace)
@@ -284,6 +286,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     if par.tp_comm_noop and ctx.is_main:
         print("parallel.tp_comm_noop=true: TP collectives are skipped; losses are NOT valid "
               "(timing only)", flush=True)
+    compiled = CompileLog() if par.compile else None
     stop = StopSignals()
     try:
         noop.__enter__()
@@ -294,9 +297,12 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             t0 = step_clock.start()
             lr = lr_at(step, cfg.train)
             prof.before(step + 1)
+            t_host = time.perf_counter()
             with comm_clock if comm_clock is not None else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
             step_clock.stop(t0)
+            if compiled is not None and step == start and ctx.is_main:
+                print(compiled.first_step(time.perf_counter() - t_host), flush=True)
             if prof.after(step + 1) is not None and ctx.is_main:
                 view = f" and {out}/trace_rank*.json" if par.trace else ""
                 print(f"wrote {out}/profile/rank*.json{view} (steps {window[0]}-{window[1]})",
@@ -328,6 +334,9 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                     extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / len(taken)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
                            extra=extra, comm=comm_clock and comm_clock.per_step(len(taken)))
+                again = compiled.since(done) if compiled is not None else None
+                if again and ctx.is_main:
+                    print(again, flush=True)
             if val is not None and cfg.eval.interval and done % cfg.eval.interval == 0:
                 logger.log_eval(done, run_eval())
             saved = None
