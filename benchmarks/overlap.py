@@ -20,6 +20,8 @@ Modes (``--modes``):
     oases+fine             two sub-batches, fine-grained recompute
     nocomm                 oases+fine with parallel.tp_comm_noop=true: no TP communication
                            at all (timing only, the upper bound)
+    megatron+full+compile, oases+fine+compile, nocomm+compile
+                           the same with parallel.compile=true
     megatron+full+nocomm   megatron+full without TP communication: its comm share
     dtensor                benchmarks.peers.dtensor_gpt (torch DTensor TP)
     megatron-core          benchmarks.peers.megatron_core_gpt (Megatron-Core TP)
@@ -70,6 +72,13 @@ TRAIN_MODES = {
     "oases+fine+fb1": ["parallel.schedule=oases", "parallel.recompute=fine",
                        "parallel.overlap_fb=true", "parallel.sub_batches=1"],
     "oases+selective": ["parallel.schedule=oases", "parallel.recompute=selective"],
+    # parallel.compile: each block's partial and combine through torch.compile
+    "megatron+full+compile": ["parallel.schedule=megatron", "parallel.recompute=full",
+                              "parallel.compile=true"],
+    "oases+fine+compile": ["parallel.schedule=oases", "parallel.recompute=fine",
+                           "parallel.compile=true"],
+    "nocomm+compile": ["parallel.schedule=oases", "parallel.recompute=fine",
+                       "parallel.tp_comm_noop=true", "parallel.compile=true"],
 }
 PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
               "megatron-core": "benchmarks.peers.megatron_core_gpt"}
