@@ -118,6 +118,42 @@ def test_compiled_tp2_equals_eager_with_dropout():
     run_distributed(_tp2_body, world=2, tp=2)
 
 
+def test_a_user_block_compiles_with_no_code_of_its_own():
+    """The block of docs/custom-blocks.md, built from the parallel layers: compiled as it
+    is, it gives eager's output and gradients."""
+    import copy
+
+    from oases.parallel.compile import graphs_compiled
+    from oases.parallel.sharding import init_parameters
+    from tests.test_custom_block import _example_namespace
+
+    class Holder(torch.nn.Module):
+        def __init__(self, blk):
+            super().__init__()
+            self.blk = blk
+
+        def blocks(self):
+            return [self.blk]
+
+    eager = _example_namespace()["ParallelReluMLP"](16, 32, None)
+    init_parameters(eager, seed=7, tp_rank=0, tp=1)
+    comp = copy.deepcopy(eager)
+    before = graphs_compiled()
+    assert compile_blocks(Holder(comp), strict=True) == 2
+    x = torch.randn(3, 5, 16)
+    outs = []
+    for blk in (eager, comp):
+        xi = x.clone().requires_grad_(True)
+        y = blk(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, [p.grad for p in blk.parameters()]))
+    assert graphs_compiled() > before and isinstance(comp.partial, CompiledSegment)
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=TOL)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=TOL)
+    for a, b in zip(outs[1][2], outs[0][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+
+
 def test_a_segment_that_does_not_compile(monkeypatch):
     model = _model(["model.dropout=0"])
     compile_blocks(model)

@@ -91,7 +91,8 @@ def graphs_compiled() -> int:
 
 class CompileLog:
     """What a run says of compiling: the graphs of its first step and the time it took,
-    then each time more graphs were compiled (recompiles for new input shapes)."""
+    then each time more graphs were compiled (the first evaluation's, which runs without
+    gradients; recompiles for new input shapes)."""
 
     def __init__(self) -> None:
         self.seen = graphs_compiled()
@@ -104,8 +105,8 @@ class CompileLog:
 
     def since(self, step: int) -> str | None:
         n, self.seen = graphs_compiled() - self.seen, graphs_compiled()
-        return (f"parallel.compile: {n} graphs recompiled by step {step} (new input shapes)"
-                if n else None)
+        return (f"parallel.compile: {n} more graphs compiled by step {step} (evaluation "
+                f"without gradients, or new input shapes)" if n else None)
 
 
 def segments_failed(model: nn.Module) -> list[str]:
