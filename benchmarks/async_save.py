@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from benchmarks.lib.ranks import spawn_ranks, write_result
 from benchmarks.zero_ckpt_memory import MODEL, REPO, start_rank
 
 STEPS, SAVE_AT = 8, 4
@@ -68,19 +67,14 @@ def _worker(rank: int, world: int, store: str, out_dir: str, mode: str, override
         saver.wait()
         write_s = done[0] if done else float("nan")
     if rank == 0:
-        Path(result_dir, "r.json").write_text(json.dumps({"times": times, "write_s": write_s}))
+        write_result(result_dir, rank, {"times": times, "write_s": write_s})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _run(mode: str, world: int, overrides: list[str]) -> dict:
-    import torch.multiprocessing as mp  # deferred: as in _worker
-
-    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), out_dir, mode,
-                                          overrides, d),
-                           nprocs=world, join=True, start_method="spawn")
-        return json.loads(Path(d, "r.json").read_text())
+    with tempfile.TemporaryDirectory() as out_dir:
+        return spawn_ranks(_worker, world, out_dir, mode, overrides)[0]  # rank 0's
 
 
 def summarize(runs: list[dict]) -> dict:

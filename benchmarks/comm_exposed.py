@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.comm_exposed                 # 3 repeats, 500 Mbit/s
     sudo .venv/bin/python -m benchmarks.comm_exposed --repeats 3 --clusters configs/cluster/two-nodes-300m.yaml
+    .venv/bin/python -m benchmarks.comm_exposed --from-json benchmarks/results/comm_exposed.json
 
 Runs megatron+full, oases+fine and nocomm (oases+fine with ``parallel.tp_comm_noop``)
 as :mod:`benchmarks.overlap` does (same shape, tp=2 across two network namespaces over a
@@ -14,7 +15,7 @@ more than megatron+full. Writes ``benchmarks/results/comm_exposed.{md,json}``.
 
 from __future__ import annotations
 
-import shutil
+import datetime
 import statistics
 import sys
 from functools import partial
@@ -24,16 +25,10 @@ from benchmarks import overlap
 from benchmarks.lib import driver
 from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
 from benchmarks.lib.machine import machine_info
-from benchmarks.lib.train_run import metrics
+from benchmarks.lib.train_run import timed_run
 
 MODES = ["megatron+full", "oases+fine", "nocomm"]
 FIGURES = ("tp_comm_exposed_s", "tp_comm_s", "tp_comm_hidden_frac")
-
-
-def _figures(out_dir: Path, warmup: int) -> dict:
-    recs = [r for r in metrics(out_dir) if r.get("step", 0) > warmup and "step_time_s" in r]
-    return {k: statistics.median(r[k] for r in recs) if all(k in r for r in recs) else None
-            for k in FIGURES}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -62,8 +57,7 @@ def render(out: Path, data: dict):
     def cell(v, pct=False):
         return "n/a" if v is None else (f"{100 * v:.0f}%" if pct else f"{v:.3f}")
 
-    L = ["# Exposed TP communication, as the run logs it", "",
-         driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
+    L = [*driver.report_head("# Exposed TP communication, as the run logs it", meta),
          f"Emulated cluster {meta['cluster']}: 2 nodes x 1 CPU process, tp=2 across the shaped "
          f"link (benchmarks.overlap's shape {meta['model']}). Per mode: median over "
          f"{meta['repeats']} repeats of each run's median of steps {meta['warmup'] + 1}.."
@@ -92,21 +86,22 @@ def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     args = overlap.parse_args(["--modes", *MODES, "--repeats", "3", "--clusters",
                                overlap.DEFAULT_CLUSTERS[0], *argv])
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render)
     try:
         check_prerequisites()
         spec = ClusterSpec.load(args.clusters[0])
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    workdir = Path(args.workdir) if args.workdir else driver.REPO / "runs" / "bench-comm-exposed"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    workdir = (Path(args.workdir) if args.workdir
+               else driver.REPO / "runs" / "bench-comm-exposed" / stamp)
 
     def one(cluster, mode, rnd):
         rdir = workdir / mode.replace("+", "-") / f"r{rnd}"
-        shutil.rmtree(rdir, ignore_errors=True)  # an earlier invocation's run: not resumed
-        rec = overlap.run_one(cluster, mode, args.model_shape, args, rdir)
-        if rec["ok"]:
-            rec.update(_figures(rdir, args.warmup))
-        return rec
+        return timed_run(cluster, mode, overlap.TRAIN_MODES[mode], args.model_shape, args, rdir,
+                         fields=FIGURES)
 
     def line(rec, minutes):
         return driver.run_line(f"r{rec['round']}", rec, minutes, 16)

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.compile_block                 # ~6 min on 2 cores
     .venv/bin/python -m benchmarks.compile_block --rounds 3 --reps 3 --seq 512
+    .venv/bin/python -m benchmarks.compile_block --from-json benchmarks/results/compile_block.json
 
 A gpt-125m layer (d 768, 12 heads, MLP 3072) at tp = 1 on a sub-batch of ``--batch``
 (4) sequences of ``--seq`` (1024) tokens: the attention and MLP blocks' forward and
@@ -83,8 +84,8 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, args.batch, args.seq, args.warmup, args.reps)))
         return 0
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        return report(saved["runs"], saved["args"], Path(args.out))
+        return driver.rerender(Path(args.from_json), render)
+    t0 = time.monotonic()
     runs: dict[str, list] = {m: [] for m in args.modes}
     for r in range(args.rounds):
         for mode in args.modes:
@@ -95,13 +96,16 @@ def main(argv=None) -> int:
             runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1}/{args.rounds} {mode}: steps "
                   f"{[round(s, 3) for s in runs[mode][-1]['steps']]}", flush=True)
-    meta = {"cmd": "python -m benchmarks.compile_block " + " ".join(argv or sys.argv[1:]),
-            "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "reps": args.reps,
-            "machine": machine_info()}
-    return report(runs, meta, Path(args.out))
+    meta = {"command": driver.command("benchmarks.compile_block", argv),
+            "machine": machine_info(), "batch": args.batch, "seq": args.seq,
+            "rounds": args.rounds, "reps": args.reps, "warmup": args.warmup,
+            "elapsed_min": (time.monotonic() - t0) / 60}
+    driver.save(Path(args.out), {"meta": meta, "rows": summarize(runs), "runs": runs}, render)
+    return 0
 
 
-def report(runs: dict, meta: dict, out: Path) -> int:
+def summarize(runs: dict) -> list[dict]:
+    """Per mode: the median step, the speed-up against its eager twin, the warm-up times."""
     base = {"eager": "eager", "compiled": "eager", "eager-drop": "eager-drop",
             "compiled-drop": "eager-drop", "compiled-drop-inductor-rng": "eager-drop"}
     med = {m: statistics.median(s for run in v for s in run["steps"]) for m, v in runs.items()}
@@ -111,24 +115,24 @@ def report(runs: dict, meta: dict, out: Path) -> int:
         rows.append({"mode": m, "step_s": med[m], "vs_eager": med[ref] / med[m],
                      "first_round_warmup_s": runs[m][0]["warmup_s"],
                      "warmup_s": statistics.median(r["warmup_s"] for r in runs[m])})
-    info = ", ".join(f"{k} {v}" for k, v in meta["machine"].items())
-    lines = ["# `parallel.compile`: one gpt-125m layer, forward + backward, CPU", "",
-             f"`{meta['cmd'].strip()}`: batch {meta['batch']} x {meta['seq']} tokens, tp 1, "
-             f"fp32; {meta['rounds']} rounds x {meta['reps']} timed steps per mode, modes "
-             f"interleaved, medians. Machine: {info}.", "",
-             "The two warm-up steps include compiling. In round 1 the graphs were compiled; "
+    return rows
+
+
+def render(out: Path, data: dict) -> None:
+    meta, w = data["meta"], data["meta"]["warmup"]
+    lines = [*driver.report_head("# `parallel.compile`: one gpt-125m layer, forward + backward, "
+                                 "CPU", meta),
+             f"Batch {meta['batch']} x {meta['seq']} tokens, tp 1, fp32; {meta['rounds']} "
+             f"rounds x {meta['reps']} timed steps per mode, modes interleaved, medians.", "",
+             f"The {w} warm-up steps include compiling. In round 1 the graphs were compiled; "
              "later rounds (new processes) found them in inductor's on-disk cache.", "",
-             "| mode | step (s) | speed-up vs eager | 2 warm-up steps, round 1 (s) | "
-             "2 warm-up steps, median (s) |",
+             f"| mode | step (s) | speed-up vs eager | {w} warm-up steps, round 1 (s) | "
+             f"{w} warm-up steps, median (s) |",
              "|---|---|---|---|---|"]
-    for row in rows:
+    for row in data["rows"]:
         lines.append(f"| {row['mode']} | {row['step_s']:.3f} | {row['vs_eager']:.2f}x | "
                      f"{row['first_round_warmup_s']:.1f} | {row['warmup_s']:.1f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": meta, "rows": rows, "runs": runs},
-                                                   indent=1))
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,20 +7,22 @@ Each layout trains gpt-tiny for 4 steps with dropout 0.1 through ``torchrun
 pipelines (pp = 2, 1F1B), ZeRO-3 (dp = 2), ``overlap_fb``, bf16 autocast and per-block TP
 degrees (a plan file). Dropout draws eager's masks in compiled code, so the losses agree
 to float rounding (fused float32 kernels: ~1e-7 relative; bf16: ~1e-5). Writes
-``benchmarks/results/compile_compose.{md,json}``.
+``benchmarks/results/compile_compose.{md,json}``; ``--from-json`` writes the .md again from
+the .json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from benchmarks.lib import driver
 from benchmarks.lib.machine import machine_info
+from benchmarks.lib.train_run import metrics
 
 BASE = ["--config", "configs/gpt-tiny.yaml", "train.steps=4", "train.log_interval=1",
         "eval.interval=0", "checkpoint.save_final=false", "wandb.mode=disabled", "resume=none",
@@ -38,14 +40,17 @@ LAYOUTS = {
 
 
 def losses(out: Path) -> list[float]:
-    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in ln]
+    return [r["loss"] for r in metrics(out) if "loss" in r]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(driver.RESULTS / "compile_compose"))
+    p.add_argument("--from-json", help="re-render the report from a result's .json")
     args = p.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render)
+    t0 = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         plan = Path(d) / "plan.yaml"
@@ -65,21 +70,23 @@ def main(argv=None) -> int:
             diff = max(abs(a - b) / abs(a) for a, b in zip(e, c))
             rows.append({"layout": name, "eager": e, "compiled": c, "max_rel_diff": diff})
             print(f"{name}: max relative loss difference {diff:.2e}", flush=True)
-    info = ", ".join(f"{k} {v}" for k, v in machine_info().items())
-    lines = ["# `parallel.compile` with the other parallel paths", "",
-             "`python -m benchmarks.compile_compose`: gpt-tiny, dropout 0.1, 4 steps, "
-             f"2 processes, eager then compiled. Machine: {info}.", "",
+    meta = {"command": driver.command("benchmarks.compile_compose", argv),
+            "machine": machine_info(), "elapsed_min": (time.monotonic() - t0) / 60}
+    driver.save(Path(args.out), {"meta": meta, "rows": rows}, render)
+    return 0
+
+
+def render(out: Path, data: dict) -> None:
+    lines = [*driver.report_head("# `parallel.compile` with the other parallel paths",
+                                 data["meta"]),
+             "gpt-tiny, dropout 0.1, 4 steps, 2 processes, eager then compiled.", "",
              "| layout | eager losses | compiled losses | max relative difference |",
              "|---|---|---|---|"]
-    for r in rows:
+    for r in data["rows"]:
         lines.append(f"| {r['layout']} | {', '.join(f'{x:.6f}' for x in r['eager'])} | "
                      f"{', '.join(f'{x:.6f}' for x in r['compiled'])} | "
                      f"{r['max_rel_diff']:.1e} |")
-    out = Path(args.out)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -57,11 +57,8 @@ TABLE = ["| mode | batch | KV cache | tokens/s (wall) | per round | tokens/s (CP
 
 def render(prefix: Path, data: dict) -> None:
     meta, per = data["meta"], data["modes"]
-    lines = ["# Decoding speed: gpt-125m on CPU, tp = 1"]
-    for text in (driver.machine_line(meta["machine"]), driver.command_line(meta),
-                 SETUP.format(**meta)):
-        lines += ["", text]
-    lines += [""] + TABLE
+    lines = [*driver.report_head("# Decoding speed: gpt-125m on CPU, tp = 1", meta),
+             SETUP.format(**meta), "", *TABLE]
     for mode, r in per.items():
         batch, cache = MODES[mode]
         wall = ", ".join(f"{x:.1f}" for x in r["rounds"]["tokens_per_s"])

@@ -35,7 +35,6 @@ Writes benchmarks/results/init.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import statistics
@@ -46,6 +45,7 @@ from pathlib import Path
 
 from benchmarks.lib import driver
 from benchmarks.lib.machine import machine_info
+from benchmarks.lib.ranks import init_gloo, reset_peak, status_kib
 
 REPO = driver.REPO
 RESULTS = driver.RESULTS
@@ -53,29 +53,12 @@ RESULTS = driver.RESULTS
 GIB = 2**30
 
 
-def _status_kib(key: str) -> int:
-    for ln in Path("/proc/self/status").read_text().splitlines():
-        if ln.startswith(key + ":"):
-            return int(ln.split()[1])
-    raise KeyError(key)
-
-
-def _reset_hwm() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tuple,
             q) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    init_gloo(rank, world, store_path)
     import models
     from oases.config import load_config
 
@@ -93,16 +76,16 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
 
     models.init_parameters = timed_init
     dist.barrier()
-    rss0 = _status_kib("VmRSS")
-    hwm_reset = _reset_hwm()
+    rss0 = status_kib("VmRSS")
+    hwm_reset = reset_peak(strict=False)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     model = models.build_model(cfg.model, cfg.padded_vocab(world), tp_group, seed=cfg.seed,
                                stage=stage)
     build_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    hwm = _status_kib("VmHWM")
-    rss1 = _status_kib("VmRSS")
+    hwm = status_kib("VmHWM")
+    rss1 = status_kib("VmRSS")
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
     buf_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

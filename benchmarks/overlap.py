@@ -72,14 +72,10 @@ TRAIN_MODES = {
     "oases+fine+fb1": ["parallel.schedule=oases", "parallel.recompute=fine",
                        "parallel.overlap_fb=true", "parallel.sub_batches=1"],
     "oases+selective": ["parallel.schedule=oases", "parallel.recompute=selective"],
-    # parallel.compile: each block's partial and combine through torch.compile
-    "megatron+full+compile": ["parallel.schedule=megatron", "parallel.recompute=full",
-                              "parallel.compile=true"],
-    "oases+fine+compile": ["parallel.schedule=oases", "parallel.recompute=fine",
-                           "parallel.compile=true"],
-    "nocomm+compile": ["parallel.schedule=oases", "parallel.recompute=fine",
-                       "parallel.tp_comm_noop=true", "parallel.compile=true"],
 }
+# parallel.compile: each block's partial and combine through torch.compile
+for _m in ("megatron+full", "oases+fine", "nocomm"):
+    TRAIN_MODES[f"{_m}+compile"] = [*TRAIN_MODES[_m], "parallel.compile=true"]
 PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
               "megatron-core": "benchmarks.peers.megatron_core_gpt"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]
@@ -148,8 +144,7 @@ def _exposed(r: dict) -> str:
 
 def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> None:
     m = meta["model"]
-    L = [f"# Overlapped TP on a slow link ({meta['tag']})", "",
-         driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
+    L = [*driver.report_head(f"# Overlapped TP on a slow link ({meta['tag']})", meta),
          f"Emulated cluster: 2 nodes (network namespaces) x 1 CPU process, tp=2 across the link "
          f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/cluster.py). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "

@@ -149,8 +149,7 @@ def summarize(runs: list[dict], cases: list[str]) -> dict:
 def write_markdown(path: Path, meta: dict, summary: dict) -> None:
     B, S, H = meta["shape"]
     gbps = meta["gbps"]
-    L = ["# Cross-mesh resharding across a slow link", "",
-         driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
+    L = [*driver.report_head("# Cross-mesh resharding across a slow link", meta),
          f"Emulated cluster `{meta['cluster']}`: 2 nodes x {meta['per_node']} CPU processes "
          f"(gloo, OMP_NUM_THREADS=1), {gbps * 1000:g} Mbit/s between the nodes (tc tbf), "
          f"loopback inside a node. src mesh on node 0, dst mesh on node 1. Payload: one "

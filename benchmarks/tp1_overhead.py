@@ -80,8 +80,8 @@ def timed_steps(state, batches, cfg, n: int) -> list[tuple[float, float]]:
 
 def render(prefix: Path, data: dict) -> None:
     meta, per = data["meta"], data["modes"]
-    lines = ["# The oases engine at tp = 1 (nothing to hide): overhead against megatron", "",
-             driver.machine_line(meta["machine"]), "", driver.command_line(meta), "",
+    lines = [*driver.report_head("# The oases engine at tp = 1 (nothing to hide): overhead "
+                                 "against megatron", meta),
              f"Model: {meta['shape']}. One process, one intra-op thread, fp32, AdamW, "
              f"{meta['rounds']} interleaved rounds x {meta['steps']} timed steps "
              f"(after {meta['warmup']} untimed); figure = median over rounds of the round's "

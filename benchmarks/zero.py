@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.lib import driver
 from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
-from benchmarks.lib.train_run import metrics, timed_run
+from benchmarks.lib.train_run import timed_run
 
 REPO = driver.REPO
 ENGINES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"],
@@ -66,15 +66,6 @@ def parse_args(argv=None):
     return a
 
 
-def _wait(rdir: Path, warmup: int) -> float | None:
-    try:
-        recs = metrics(rdir)
-    except OSError:
-        return None
-    w = [r["zero_gather_wait_s"] for r in recs if "zero_gather_wait_s" in r and r["step"] > warmup]
-    return statistics.median(w) if w else None
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -89,8 +80,9 @@ def main(argv=None) -> int:
 
     def one(cluster, mode, rnd):
         rdir = workdir / mode.replace("+", "-") / f"r{rnd}"
-        rec = timed_run(cluster, mode, MODES[mode], model, args, rdir)
-        rec["wait_s"] = _wait(rdir, args.warmup) if rec["ok"] else None
+        rec = timed_run(cluster, mode, MODES[mode], model, args, rdir,
+                        fields=("zero_gather_wait_s",))
+        rec["wait_s"] = rec.pop("zero_gather_wait_s", None)
         return rec
 
     def line(rec, minutes):

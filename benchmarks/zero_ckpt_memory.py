@@ -25,7 +25,6 @@ Writes benchmarks/results/zero_ckpt_memory.{md,json} (``--quick``: zero_ckpt_mem
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -34,22 +33,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.lib.ranks import init_gloo, reset_peak, spawn_ranks, status_kib, write_result
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model.name=gpt-125m", "model.d_model=512", "model.n_head=8", "model.n_kv_heads=8",
          "model.ffn_hidden=2048", "model.n_layer=12", "model.seq_len=64", "model.dropout=0"]
 
 
 def _rss_peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        for ln in f:
-            if ln.startswith("VmHWM:"):
-                return int(ln.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident set restarts from the current one
+    return status_kib("VmHWM") / 1024
 
 
 def _config(out_dir: str, overrides: list[str], world: int):
@@ -65,15 +57,12 @@ def start_rank(rank: int, world: int, store: str, out_dir: str, overrides: list[
     """One worker's run, built as the trainer builds it: (ctx, cfg, tracker, model, train
     state, batches) of a ``world``-rank gloo group over the FileStore ``store``."""
     import torch  # deferred: the parent process only spawns
-    import torch.distributed as dist
 
     from oases.parallel.groups import build_context  # deferred: as torch
     from oases.runtime.build import model_for, seed_tracker, training_for
     from oases.runtime.data import TrainBatches
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    init_gloo(rank, world, store)
     ctx = build_context(1, torch.device("cpu"))
     cfg = _config(out_dir, overrides, world)
     tracker = seed_tracker(cfg, ctx)
@@ -101,11 +90,11 @@ def _worker(rank: int, world: int, store: str, out_dir: str, phase: str, overrid
     if phase == "train":
         for _ in range(2):
             train_step(ts, batches, 1e-4)
-        _reset_peak()
+        reset_peak()
         for _ in range(3):
             train_step(ts, batches, 1e-4)
         out["steady"] = _rss_peak_mb()
-        _reset_peak()
+        reset_peak()
         train_step(ts, batches, 1e-4)
         meta = {"step": 6, "data": batches.state_dict(), "model_shape": model_shape(cfg),
                 **layout_meta(ctx)}
@@ -113,27 +102,21 @@ def _worker(rank: int, world: int, store: str, out_dir: str, phase: str, overrid
         out["save"] = _rss_peak_mb()
     else:
         dist.barrier()
-        _reset_peak()
+        reset_peak()
         ckpt.load(ckpt.latest_checkpoint(out_dir), model, ts.opt, ctx, model_shape(cfg),
                   layout_meta(ctx), shards=shards)
         out["resume"] = _rss_peak_mb()
-        _reset_peak()
+        reset_peak()
         for _ in range(2):
             train_step(ts, batches, 1e-4)
         out["steady_after_resume"] = _rss_peak_mb()
-    Path(result_dir, f"{phase}{rank}.json").write_text(json.dumps(out))
+    write_result(result_dir, rank, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _run(phase: str, world: int, out_dir: str, overrides: list[str]) -> list[dict]:
-    import torch.multiprocessing as mp  # deferred: as in _worker
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), out_dir, phase,
-                                          overrides, d),
-                           nprocs=world, join=True, start_method="spawn")
-        return [json.loads(Path(d, f"{phase}{r}.json").read_text()) for r in range(world)]
+    return spawn_ranks(_worker, world, out_dir, phase, overrides)
 
 
 _PEAK = ("import resource, sys; sys.argv = {argv!r}; {imports}; {call}; "

@@ -3,6 +3,7 @@ sliding windows, document masks); :mod:`models.decode` reuses its steps."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -55,6 +56,13 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     -> (..., Tq, Tk) bool; ``window`` 0: no window (plain causal)."""
     d = q_pos[..., :, None] - k_pos[..., None, :]
     return (d >= 0) & (d < window) if window else d >= 0
+
+
+@functools.lru_cache(maxsize=8)
+def _band(T: int, window: int, device: torch.device) -> torch.Tensor:
+    """:func:`window_mask` of positions 0..T-1, shared by every layer and step (read only)."""
+    pos = torch.arange(T, device=device)
+    return window_mask(pos, pos, window)
 
 
 class ParallelAttention(ResidualBlock):
@@ -110,16 +118,18 @@ class ParallelAttention(ResidualBlock):
         # set from the token ids by each forward, read again by a recompute in its backward
         self.doc_mask: Optional[torch.Tensor] = None
 
-    def qkv_heads(self, x, positions: Optional[torch.Tensor] = None):
+    def qkv_heads(self, x, positions: Optional[torch.Tensor] = None,
+                  rope: Optional[tuple] = None):
         """(B, T, d) -> q (B, nh, T, hd), k, v (B, nkv, T, hd): norm, projection and
-        rotary at positions 0..T-1 or the (B, T) ``positions`` given."""
+        rotary at positions 0..T-1 or the (B, T) ``positions`` given (``rope``: their
+        :meth:`Rotary.tables`, when the caller made them once for every layer)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).split(self.qkv.local_parts, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, positions)
+            q, k = self.rotary(q, k, positions, rope)
         return q, k, v
 
     def out_partial(self, y):
@@ -141,8 +151,7 @@ class ParallelAttention(ResidualBlock):
         (T, T) or (B, 1, T, T): the sliding window and the document mask combined."""
         if not self.window or self.window >= T:
             return self.doc_mask
-        pos = torch.arange(T, device=device)
-        band = window_mask(pos, pos, self.window)  # (T, T)
+        band = _band(T, self.window, torch.device(device))  # (T, T), made once per shape
         return band if self.doc_mask is None else self.doc_mask & band
 
     def _core(self, q, k, v, mask: Optional[torch.Tensor] = None):

@@ -86,13 +86,16 @@ def decode(model, ids: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor]
     mask = window_mask(q_slots, k_slots, model.cfg.sliding_window or 0)[None] & real  # (B, t, s1)
     mask = (mask | (q_slots[:, None] == k_slots[None, :]))[:, None]    # (B, 1, t, s1)
     was_training = model.training
-    model.eval()
+    if was_training:
+        model.eval()
     try:
         emb = model.embed
         x = emb.combine(ids, reduce_from_tp(emb.partial(ids), emb.tp_group), positions)
+        rotary = next(iter(model.layers)).attn.rotary  # one for every layer
+        rope = rotary.tables(t, positions, x.dtype) if rotary is not None else None
         for i, layer in enumerate(model.layers):
             a = layer.attn
-            q, k, v = a.qkv_heads(x, positions)
+            q, k, v = a.qkv_heads(x, positions, rope)
             cache.k[i][:, :, s0:s1] = k
             cache.v[i][:, :, s0:s1] = v
             y = a._core(q, cache.k[i][:, :, :s1], cache.v[i][:, :, :s1], mask)
@@ -102,6 +105,7 @@ def decode(model, ids: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor]
             x = x[:, -1:]
         logits = gather_from_tp(model.head_logits(x), model.tp_group, dim=-1)
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train()
     cache.length = s1
     return logits[..., : model.vocab_size].float()

@@ -382,7 +382,9 @@ def hf_tensors(name: str, t: torch.Tensor, parts) -> dict[str, torch.Tensor]:
         if q.transpose:
             piece = piece.t()
         got.setdefault(q.hf, []).append((q.offset, 1 if q.transpose else 0, piece))
-    return {hf: torch.cat([g[2] for g in sorted(gs, key=lambda g: g[0])], dim=gs[0][1])
+    # one piece stays a view (no copy: an export streams at about the largest tensor)
+    return {hf: gs[0][2] if len(gs) == 1 else
+            torch.cat([g[2] for g in sorted(gs, key=lambda g: g[0])], dim=gs[0][1])
             for hf, gs in got.items()}
 
 

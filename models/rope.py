@@ -31,9 +31,9 @@ import torch.nn as nn
 from oases.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig, head_dim: Optional[int] = None) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """(hd/2,) float32 inverse frequencies of ``cfg``'s RoPE (see the module doc)."""
-    hd = head_dim or cfg.head_dim
+    hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     kind = cfg.rope_type
     if kind in ("default", "dynamic"):
@@ -74,13 +74,19 @@ class Rotary(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def forward(self, q, k, positions: Optional[torch.Tensor] = None):
-        """q (B, nh, T, hd), k (B, nkv, T, hd); ``positions`` (B, T) long or None."""
+    def tables(self, T: int, positions: Optional[torch.Tensor], dtype) -> tuple:
+        """(cos, sin) of positions 0..T-1, (T, hd), or of the (B, T) ``positions``,
+        (B, 1, T, hd): what every layer of one forward uses."""
         if positions is None:
-            T = q.shape[-2]
-            cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hd)
-        else:
-            cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (B, 1, T, hd)
-            sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+            return self.cos[:T].to(dtype), self.sin[:T].to(dtype)
+        return (self.cos[positions].to(dtype).unsqueeze(1),
+                self.sin[positions].to(dtype).unsqueeze(1))
+
+    def forward(self, q, k, positions: Optional[torch.Tensor] = None,
+                tables: Optional[tuple] = None):
+        """q (B, nh, T, hd), k (B, nkv, T, hd); ``positions`` (B, T) long or None;
+        ``tables``: :meth:`tables` made once for all layers (decoding)."""
+        cos, sin = tables if tables is not None else self.tables(q.shape[-2], positions,
+                                                                 q.dtype)
         return (q * cos + self._rotate_half(q) * sin,
                 k * cos + self._rotate_half(k) * sin)

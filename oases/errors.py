@@ -27,6 +27,14 @@ class CheckpointError(UserError):
 EXIT_USER_ERROR = 2
 
 
+def first_line(e: BaseException, limit: int | None = 160) -> str:
+    """The first non-empty line of ``e``'s message (its type's name if it has none),
+    cut at ``limit`` characters (None: whole)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    return line if limit is None or len(line) <= limit else line[:limit].rstrip() + "..."
+
+
 class TrainingError(Exception):
     """The run cannot go on for a reason other than bad input (reported as one line;
     the exit status is ``exit_code``)."""

@@ -67,7 +67,8 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p, nc
         if gloo:
             collective_order.install()
             if nccl_p2p:
-                nccl_semantics.install(timeout_s=nccl_timeout_s)
+                nccl_semantics.install(**({} if nccl_timeout_s is None
+                                           else {"timeout_s": nccl_timeout_s}))
         if tp is None:
             fn(rank, *args)
         else:
@@ -90,12 +91,12 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p, nc
 
 def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
                     device: str = "cpu", nccl_p2p: bool = True,
-                    nccl_timeout_s: float = 15.0) -> None:
+                    nccl_timeout_s: float | None = None) -> None:
     """Run ``fn(ctx, *args)`` on ``world`` processes; ``fn`` must be importable (module level).
     ``tp=None`` runs ``fn(rank, *args)`` on the bare default group (pipeline layouts build
     their own groups). ``nccl_p2p=False`` keeps gloo's own point-to-point matching;
     ``nccl_timeout_s``: how long an emulated point-to-point op may wait before it is a
-    deadlock."""
+    deadlock (None: ``nccl_semantics.install``'s default)."""
     if device not in ("cpu", "cuda", "cuda-shared"):
         raise ValueError(f"device={device!r}")
     if device != "cpu":

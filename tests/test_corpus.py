@@ -152,18 +152,12 @@ def test_attention_stays_inside_documents():
                           [False, False, True, False], [False, False, True, True]]
 
 
-def _train(ctx, overrides):
-    from oases.runtime import trainer
-
-    cfg = load_config(str(ROOT / "configs" / "gpt-tiny.yaml"), overrides).validate(ctx.world_size)
-    trainer.check_out_dir(cfg)
-    trainer._run(cfg, ctx)
-
-
 def test_training_on_a_sharded_and_a_megatron_corpus(tmp_path):
     """train.py's path on a blend of a prepared sharded corpus and a Megatron corpus,
     attention reset at each EOS: the loss is finite and the blend's counts advance."""
     from tests.distributed import run_distributed
+    from tests.test_data_blend import _train
+    from tests.torchrun_procs import metrics
 
     rng = np.random.default_rng(2)
     sharded = shards(tmp_path / "sh", rng.integers(1, 256, 3000), 3)
@@ -176,7 +170,7 @@ def test_training_on_a_sharded_and_a_megatron_corpus(tmp_path):
         "model.seq_len=32", "eval.interval=0", "wandb.mode=disabled", "data.train_path=",
         f"data.train_paths={blend}", "data.val_path=", "data.eos_id=0",
         "data.reset_attention_at_eos=true"],))
-    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert np.isfinite([r["loss"] for r in lines if "loss" in r]).all()
+    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert losses and np.isfinite(losses).all()
     state = json.loads((out / "checkpoints/step_000003/meta.json").read_text())["data"]
     assert state["consumed"] == 6 and [e["consumed"] for e in state["blend"]] == [3, 3]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_procs import metrics
+
 pytestmark = pytest.mark.slow
 
 # each the same global batch (8 sequences per step) as the one-GPU reference
@@ -49,8 +51,7 @@ def _args(out: Path, data_args: list[str], *extra: str) -> list[str]:
 
 
 def _losses(out: Path) -> list[float]:
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in recs if "loss" in r]
+    return [r["loss"] for r in metrics(out) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_cuda_observability(schedule, tmp_path, data_args, run_train):
                     "parallel.recompute=" + ("fine" if schedule == "oases" else "full"),
                     "profile.steps=[2,2]", "profile.memory_snapshot=true",
                     "parallel.trace=true"), nproc=2, env=ENV)
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(0.0 <= r["tp_comm_exposed_s"] < r["step_time_s"] for r in recs if "loss" in r)
-    assert all(r["peak_mem_gib"] > 0 for r in recs if "loss" in r)
+    recs = [r for r in metrics(out) if "loss" in r]
+    assert recs and all(0.0 <= r["tp_comm_exposed_s"] < r["step_time_s"] for r in recs)
+    assert all(r["peak_mem_gib"] > 0 for r in recs)
     for k in (0, 1):
         raw = json.loads((out / "profile" / f"rank{k}.json").read_text())["traceEvents"]
         assert any(e.get("cat") == "kernel" and "nccl" in e["name"].lower() for e in raw)

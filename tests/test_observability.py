@@ -21,7 +21,9 @@ from oases.errors import ConfigError
 from oases.overlap.megatron import MegatronSchedule
 from oases.runtime import metrics
 from oases.runtime.metric_keys import GROUPED, STEP_KEYS
+from tests import torchrun_procs
 from tests.distributed import run_distributed
+from tests.test_pipeline_checkpoint import _train as train_run
 
 STEPS = 4
 BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"train.steps={STEPS}",
@@ -78,17 +80,13 @@ class _StepTimes:
 
 
 def _train(rank: int, overrides: list[str], calls: str) -> None:
-    from oases.parallel.groups import build_context
+    """tests/test_pipeline_checkpoint.py's run, with the recording ``wandb`` and the
+    1 s / 3 s step times."""
     from oases.runtime import trainer
 
     sys.modules["wandb"] = fake_wandb(Path(calls))
     trainer.IntervalTimer = _StepTimes
-    cfg = load_config(None, overrides).validate(dist.get_world_size())
-    ctx = build_context(cfg.parallel.tp, torch.device("cpu"))
-    if ctx.is_main:
-        trainer.check_out_dir(cfg)
-    dist.barrier()
-    trainer._run(cfg, ctx)
+    train_run(rank, overrides)
 
 
 def _calls(path: Path) -> list[dict]:
@@ -107,7 +105,7 @@ def test_run_logs_grouped_averaged_and_traced(tmp_path):
     args = [*BASE, f"out_dir={out}", "profile.steps=[2,2]", "parallel.trace=true"]
     run_distributed(_train, world=2, tp=None, args=(args, str(calls)))
 
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = torchrun_procs.metrics(out)
     assert [r["step"] for r in recs] == [2, 4]
     tokens = 4 * 32  # global batch (dp 1) x seq_len
     for r in recs:  # the interval's mean of 1 s and 3 s, not its last step's 3 s

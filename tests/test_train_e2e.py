@@ -23,6 +23,7 @@ import pytest
 
 from oases.config import load_config
 from tests import wandb_records
+from tests.conftest import resume_copy
 
 pytestmark = pytest.mark.slow
 
@@ -159,19 +160,16 @@ def test_wandb_offline(tmp_path, data_args, run_train):
            # wandb.init waits 30 s for its service process by default: too short on a
            # loaded 2-core CI machine (the run then dies in wandb.init, exit status 1)
            "WANDB__SERVICE_WAIT": "300", "WANDB_INIT_TIMEOUT": "300"}
-    args = gpt_args(out, data_args, "train.steps=4", "eval.interval=0", "wandb.mode=offline",
-                    "checkpoint.interval=2")
-    run_train(args, env=env)
-    root = out / "checkpoints"
-    (root / "latest").write_text("step_000002\n")  # preempted before step 4's save
-    shutil.rmtree(root / "step_000004")
-    run_train([*args, "train.steps=5", "resume=auto"], env=env)
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2, list((out / "wandb").iterdir())
-    run_id = json.loads((out / "wandb_run.json").read_text())["id"]
+    extra = ("train.steps=4", "eval.interval=0", "wandb.mode=offline", "checkpoint.interval=2")
+    run_train(gpt_args(out, data_args, *extra), env=env)
+    b = resume_copy(out, tmp_path / "b")  # preempted before step 4's save
+    run_train(gpt_args(b, data_args, *extra, "train.steps=5", "resume=auto"), env=env)
+    runs = sorted((b / "wandb").glob("offline-run-*"))  # the first attempt's came with the copy
+    assert len(runs) == 2, list((b / "wandb").iterdir())
+    run_id = json.loads((b / "wandb_run.json").read_text())["id"]
     assert run_id and all(r.name.endswith(f"-{run_id}") for r in runs)
     logs = [next(r.glob("run-*.wandb")) for r in runs]
-    train, _ = read_metrics(out)
+    train, _ = read_metrics(b)
     check_train_records(train, 5)
     # the offline records: grouped keys, each group against its own step, jsonl's values
     hist = [h for log in logs for h in wandb_records.history(log)]

@@ -49,11 +49,13 @@ def _cfg(world: int, tp: int, zero: int, schedule: str, recompute: str, extra=()
         "parallel.dp_bucket_mb=0.05", *extra]).validate(world)
 
 
-def _full_params(model, ctx) -> dict[str, torch.Tensor]:
+def _full_params(model, ctx, tensor=lambda p: p.data) -> dict[str, torch.Tensor]:
+    """{name: ``tensor(p)`` gathered whole over TP} for each parameter ``p``."""
     out = {}
     for name, p in model.named_parameters():
-        parts = [torch.empty_like(p) for _ in range(ctx.tp)]
-        dist.all_gather(parts, p.detach().contiguous(), group=ctx.tp_group)
+        t = tensor(p)
+        parts = [torch.empty_like(t) for _ in range(ctx.tp)]
+        dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
         out[name] = unshard(parts, getattr(p, "tp_spec", None))
     return out
 

@@ -30,18 +30,16 @@ import torch.distributed as dist
 from oases.config import load_config
 from oases.parallel.groups import build_context, build_pipeline_context
 from oases.parallel.layout import stages_layout, uniform_layout
-from oases.parallel.sharding import unshard
 from oases.runtime import checkpoint as ckpt
-from oases.runtime.build import model_for, seed_tracker, training_for
 from oases.runtime.checkpoint import full_model_state
 from oases.runtime.ckpt_format import state_pieces
-from oases.runtime.data import TrainBatches
 from oases.runtime.resume import layout_meta, model_shape
 from oases.runtime.step import train_step
 from tests.distributed import run_distributed
+from tests.test_pipeline_checkpoint import STAGES
+from tests.test_zero import _build, _full_params
 
 VOCAB = 300  # padded to 320 rows at tp 1, 384 at tp 2: the table's shape changes
-TIED_PLAN = [{"layers": [0, 2], "dp": 2, "tp": 1}, {"layers": [2, 4], "dp": 1, "tp": 2}]
 
 
 def _cfg(world: int, zero: int, tp: int = 1, pp: int = 1):
@@ -68,13 +66,9 @@ class _Run:
             rows = cfg.pipeline_batch // self.ctx.dp
         else:
             self.ctx = build_context(tp, torch.device("cpu"))
-            rows = cfg.train.micro_batch_size
-        self.tracker = seed_tracker(cfg, self.ctx)
-        self.model = model_for(cfg, self.ctx, self.tracker, None, cfg.seed)
-        self.ts = training_for(cfg, self.ctx, self.model, self.tracker)
+            rows = None  # the micro-batch
+        self.ts, self.model, *_, self.batches = _build(cfg, self.ctx, rows)
         self.shards = self.ts.reducer.shards
-        self.batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, rows,
-                                    self.ctx.dp_rank, self.ctx.dp, cfg.seed)
 
     def step(self) -> float:
         loss, _ = train_step(self.ts, self.batches, 1e-2)
@@ -94,16 +88,11 @@ class _Run:
         """Every parameter and Adam moment this rank holds, made whole, equals the
         checkpoint's full tensor."""
         saved = _saved(path)
-        ctx = self.ctx
         with self.shards.unsharded(self.ts.opt, self.model) as o:
-            for name, p in self.model.named_parameters():
-                spec = getattr(p, "tp_spec", None)
-                st = o.state[p]
-                for key, t in (("model", p.detach()), ("optim.exp_avg", st["exp_avg"]),
-                               ("optim.exp_avg_sq", st["exp_avg_sq"])):
-                    parts = [torch.empty_like(t) for _ in range(ctx.tp)]
-                    dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
-                    full = unshard(parts, spec) if ctx.tp > 1 else t
+            for key, tensor in (("model", lambda p: p.data),
+                                ("optim.exp_avg", lambda p: o.state[p]["exp_avg"]),
+                                ("optim.exp_avg_sq", lambda p: o.state[p]["exp_avg_sq"])):
+                for name, full in _full_params(self.model, self.ctx, tensor).items():
                     want = saved[key][name]
                     rows = want.shape[0]
                     assert torch.equal(full[:rows], want), f"{what}: {key}/{name}"
@@ -164,7 +153,8 @@ def _body4(rank: int, out: str) -> None:
     for what, run, back in (("dp 4 -> 2 (tp 1 -> 2) at level 2", _Run(2, tp=2), False),
                             ("tp 1 -> 2 at level 3", _Run(3, tp=2), False),
                             ("pp 1 -> 2 at level 3", _Run(3, pp=2), False),
-                            ("tied across tp 1 | tp 2", _Run(3, stages=TIED_PLAN), True)):
+                            ("tied across tp 1 | tp 2", _Run(3, stages=STAGES["tp1xdp2|tp2"]),
+                             True)):
         src = ck2 if "level 2" in what else ck3
         run.load(src)
         run.check(src, what)

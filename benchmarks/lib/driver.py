@@ -185,8 +185,16 @@ def machine_line(mi: dict) -> str:
 
 
 def command_line(meta: dict) -> str:
-    return (f"Command: `{meta['command']}` ({meta['elapsed_min']:.1f} min)"
+    """``Command: `...` (12.3 min).``; no duration where ``elapsed_min`` is None (a result
+    that did not record it)."""
+    took = f" ({meta['elapsed_min']:.1f} min)" if meta.get("elapsed_min") is not None else ""
+    return (f"Command: `{meta['command']}`{took}"
             + (" -- **interrupted**: partial results." if meta.get("interrupted") else "."))
+
+
+def report_head(title: str, meta: dict) -> list[str]:
+    """A report's first lines: its title, the machine line and the command line."""
+    return [title, "", machine_line(meta["machine"]), "", command_line(meta), ""]
 
 
 def mode_row(mode: str, r: dict, last: Callable[[dict], str]) -> str:

@@ -39,8 +39,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
     m, rm, mi = meta["model"], meta["reshard_model"], meta["machine"]
     q = meta["cpu_quota"]
     (d0, t0), (d1, t1) = RESHARD_ORDERS[meta["reshard_order"]]
-    L = [f"# Pipeline parallelism across a slow link ({meta['tag']})", "",
-         driver.machine_line(mi), "", driver.command_line(meta), "",
+    L = [*driver.report_head(f"# Pipeline parallelism across a slow link ({meta['tag']})", meta),
          "## Set-up", "",
          "4 emulated nodes (network namespaces, benchmarks/cluster.py) x 1 CPU process, two "
          "pairs {0,1} and {2,3} with a fast link inside a pair and a slow one between the pairs "

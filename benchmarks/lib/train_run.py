@@ -93,10 +93,12 @@ def peer_args(model: dict, args, out_json: Path) -> list[str]:
 
 
 def timed_run(cluster: EmulatedCluster, mode: str, overrides: Optional[list[str]], model: dict,
-              args, out_dir: Path, peer: Optional[str] = None) -> dict:
+              args, out_dir: Path, peer: Optional[str] = None, fields: tuple = ()) -> dict:
     """Run ``mode`` once (train.py with ``overrides``, or the ``peer`` module) at tp
     ``args.tp`` with ``args.steps`` steps; its record: ``ok``, ``error``, step times,
-    tokens per step, wall time, the load before it and node 0's command."""
+    tokens per step, wall time, the load before it and node 0's command. Each of
+    ``fields`` (a ``metrics.jsonl`` field) adds the median of its values over the timed
+    steps, None where none has it (always for a peer)."""
     spec = cluster.spec
     world = spec.nodes * spec.devices_per_node
     dp = world // args.tp
@@ -126,6 +128,7 @@ def timed_run(cluster: EmulatedCluster, mode: str, overrides: Optional[list[str]
     rec["error"] = run_error(results, args.run_timeout)
     if rec["error"]:
         return rec
+    extra = dict.fromkeys(fields)
     try:
         if peer:
             data = json.loads(out_json.read_text())
@@ -134,12 +137,15 @@ def timed_run(cluster: EmulatedCluster, mode: str, overrides: Optional[list[str]
             # a peer reports every step, or only the timed ones (after its --warmup)
             times = times[args.warmup:] if len(times) >= args.steps else times
         else:
-            times = [r["step_time_s"] for r in metrics(out_dir)
-                     if "step_time_s" in r and r["step"] > args.warmup]
+            recs = [r for r in metrics(out_dir) if "step_time_s" in r and r["step"] > args.warmup]
+            times = [r["step_time_s"] for r in recs]
             tokens = model["micro_batch_size"] * model["grad_accum"] * model["seq_len"] * dp
+            for k in fields:
+                vals = [r[k] for r in recs if k in r]
+                extra[k] = statistics.median(vals) if vals else None
     except READ_ERRORS as e:
         return unreadable(rec, e)
-    return timed(rec, times, tokens)
+    return timed(rec, times, tokens, **extra)
 
 
 # what reading a finished run's step times can raise (a missing or malformed file)

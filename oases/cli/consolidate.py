@@ -42,9 +42,8 @@ def _skeleton(path: Path) -> dict:
 
     meta, names = ckpt.model_keys(path)
     with FakeTensorMode():
-        return {n: torch.empty(ckpt.full_shape(meta, n, keys)[0],
-                               dtype=ckpt.full_shape(meta, n, keys)[1])
-                for n, keys in names.items()}
+        return {n: torch.empty(shape, dtype=dtype) for n, keys in names.items()
+                for shape, dtype in [ckpt.full_shape(meta, n, keys)]}
 
 
 def write_streaming(src: Path, tmp: Path) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import argparse
 import sys
 
 from oases.errors import EXIT_USER_ERROR
-from oases.runtime.metric_keys import STEP_KEYS
+from oases.runtime.metric_keys import step_key
 
 # section -> [(panel title, [keys])]; every chart's x-axis is its keys' group step key
 SECTIONS = {
@@ -63,7 +63,7 @@ GROUP_BY = "run.layout"  # the logged config's layout name (oases.runtime.observ
 
 
 def x_axis(keys: list[str]) -> str:
-    return STEP_KEYS[keys[0].split("/", 1)[0]]
+    return step_key(keys[0])
 
 
 def build(entity: str, project: str, name: str = "oases"):

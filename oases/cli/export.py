@@ -60,7 +60,7 @@ def _write_safetensors(ck: Path, mc, path: Path) -> None:
     header, off = {}, 0
     for hf in sorted(shapes):
         dt = dtype.get(hf, torch.float32)
-        n = math.prod(shapes[hf]) * torch.empty((), dtype=dt).element_size()
+        n = math.prod(shapes[hf]) * dt.itemsize
         header[hf] = {"dtype": _DTYPES[dt], "shape": list(shapes[hf]),
                       "data_offsets": [off, off + n]}
         off += n

@@ -29,6 +29,7 @@ from oases.cli.train import report
 from oases.errors import EXIT_USER_ERROR, UserError
 from oases.parallel.groups import ParallelContext, init_distributed, pick_device
 from oases.progress import progress, rank
+from oases.runtime import checkpoint as ckpt
 from oases.runtime.generate import Sampling, generate, model_from_checkpoint, model_from_hf
 
 
@@ -77,9 +78,7 @@ def _tokenizer(args) -> Optional[toks.Tok]:
         return toks.from_path(args.tokenizer, eos)
     if args.hf:
         return toks.from_hf_dir(Path(args.hf), eos)
-    src = Path(args.checkpoint)
-    run = src if (src / "config.yaml").is_file() else src.parent.parent
-    return toks.recorded(run)
+    return toks.recorded(ckpt.resolve_checkpoint(args.checkpoint).parent.parent)
 
 
 def _context(args) -> ParallelContext:

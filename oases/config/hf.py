@@ -21,12 +21,12 @@ from typing import Any
 
 from oases.errors import ConfigError
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# config.json model_type -> architecture; oases' model.arch is the model_type, "gpt" for gpt2
 _MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED = tuple(_MODEL_TYPES.values())
 # the LLaMA-like architectures and the oases model.arch of each
-LLAMA_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "MistralForCausalLM": "mistral"}
+LLAMA_ARCHS = {name: t for t, name in _MODEL_TYPES.items() if t != "gpt2"}
 
 # Fields whose value comes from config.json (all of ModelConfig's shape fields).
 HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
@@ -38,6 +38,9 @@ GPT_UNUSED = ("rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_len")
 # the RoPE types oases reproduces (models.rope), by transformers' names
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# RoPE and window fields where a config says nothing (original_max_len: the model's length)
+ROPE_DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0)
 
 
 def hf_dir_of(init_from: str) -> str:
@@ -114,9 +117,8 @@ def _gpt2(cfg: dict, where: str) -> dict:
                 vocab_size=int(_get(cfg, "vocab_size", where)),
                 seq_len=int(_get(cfg, "n_positions", where)),
                 norm_eps=float(_get(cfg, "layer_norm_epsilon", where, 1e-5)),
-                rope_theta=10000.0, rope_type="default", rope_factor=1.0,  # unused by GPT
-                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                rope_original_max_len=int(_get(cfg, "n_positions", where)), sliding_window=0,
+                **_rope({}, where, int(_get(cfg, "n_positions", where))),  # unused by GPT
+                sliding_window=0,
                 tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, True)),
                 bias=True)
 
@@ -148,9 +150,8 @@ def _rope(cfg: dict, where: str, max_pos: int) -> dict:
         raise ConfigError(f"{where}: partial_rotary_factor={prf} is not supported "
                           f"(oases rotates the whole head)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
-    out = dict(rope_theta=float(theta if theta is not None else 10000.0), rope_type=kind,
-               rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-               rope_original_max_len=max_pos)
+    out = dict(ROPE_DEFAULTS, rope_theta=float(theta if theta is not None else 10000.0),
+               rope_type=kind, rope_original_max_len=max_pos)
     need = {"linear": ("factor",), "dynamic": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")}.get(kind, ())

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from oases.config.hf import ROPE_TYPES, apply_init_from
+from oases.config.hf import ROPE_DEFAULTS, ROPE_TYPES, apply_init_from
 from oases.config.section import _choice, _positive, _Section
 from oases.config.sizes import MODEL_SIZES
 from oases.errors import ConfigError
@@ -22,8 +22,7 @@ SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden"
 
 ARCHS = ("gpt", "llama", "qwen2", "mistral")
 # what a field neither the size nor config.json sets defaults to
-_DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_low_freq_factor=1.0,
-                 rope_high_freq_factor=4.0, sliding_window=0)
+_DEFAULTS = dict(ROPE_DEFAULTS, sliding_window=0)
 
 
 @dataclass

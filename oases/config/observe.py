@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from oases.config.section import _Section
+from oases.config.section import _choice, _Section
 from oases.errors import ConfigError
 
 
@@ -22,9 +22,7 @@ class WandbConfig(_Section):
     notes: str = ""
 
     def validate(self) -> None:
-        if self.mode not in ("offline", "online", "disabled"):
-            raise ConfigError(f"wandb.mode={self.mode!r} is not one of offline, online, "
-                              f"disabled")
+        _choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
         if not isinstance(self.tags, list) or not all(isinstance(t, str) for t in self.tags):
             raise ConfigError(f"wandb.tags={self.tags!r} must be a list of strings")
 

@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.parallel.comm import CommCounter, active_observers, group_rank, group_size
-from oases.parallel.timing import stamp
+from oases.parallel.comm import CommCounter, group_rank, group_size, launch_observed
 
 LEVELS = (0, 1, 2, 3)
 
@@ -80,11 +79,8 @@ def is_freed(t: torch.Tensor) -> bool:
 def gather_flat(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
     """All-gather the owned ranges into ``full`` (ranks' ranges in rank order)."""
     CommCounter.record("all_gather", shard)
-    observers = active_observers()
-    start = stamp(full.device) if observers else None  # on the device's timeline
-    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
-    for obs in observers:
-        obs.collective("zero-gather", "comm", work, start)
+    work = launch_observed("zero-gather", group, full.device, lambda: dist.all_gather_into_tensor(
+        full, shard, group=group, async_op=True))
     if async_op:
         return work
     work.wait()
@@ -100,15 +96,12 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group):
     the emulated 500 Mbit/s link: 0.48 s vs 0.43 s for 25.6 MB), so the all-reduce is
     the faster way to the same sum there. NCCL gets the real reduce-scatter."""
     CommCounter.record("reduce_scatter", full)
-    observers = active_observers()
-    start = stamp(full.device) if observers else None  # on the device's timeline
     if dist.get_backend(group) == "gloo":
-        work = dist.all_reduce(full, group=group, async_op=True)
-    else:
-        work = dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
-    for obs in observers:
-        obs.collective("reduce-scatter", "comm", work, start)
-    return work
+        return launch_observed("reduce-scatter", group, full.device,
+                               lambda: dist.all_reduce(full, group=group, async_op=True))
+    return launch_observed("reduce-scatter", group, full.device,
+                           lambda: dist.reduce_scatter_tensor(out, full, group=group,
+                                                              async_op=True))
 
 
 class ShardedFlat:

@@ -39,6 +39,8 @@ _FOLD_AT = 1024  # waits kept as stamps before the ended ones are read
 class CommClock(CommObserver):
     """Sums the exposed and the whole time of the collectives over ``groups`` (TP)."""
 
+    sees_launches = False  # timed at their waits
+
     def __init__(self, device: DeviceLike, groups) -> None:
         self.device = device
         self.on_cuda = torch.device(device).type == "cuda"
@@ -46,9 +48,6 @@ class CommClock(CommObserver):
         self._lock = threading.Lock()  # CUDA backward waits run on autograd's thread
         self._waits: list[tuple[Stamp, Stamp, Stamp, list]] = []
         self._read = (0.0, 0.0, 0)  # (exposed, total, count) of the waits already read
-
-    def collective(self, name, lane, work, start=None) -> None:
-        pass  # timed at its wait
 
     def times_waits(self, group) -> bool:
         return id(group) in self._groups
@@ -91,10 +90,12 @@ class CommClock(CommObserver):
         return exposed / max(1, steps), total / max(1, steps)
 
 
-def _read(launched: Stamp, before: Stamp, after: Stamp, done: list) -> tuple[float, float, int]:
-    """(exposed, total, 1) seconds of one collective."""
+def _read(launched: Optional[Stamp], before: Stamp, after: Stamp,
+          done: list) -> tuple[float, float, int]:
+    """(exposed, total, 1) seconds of one collective (no launch stamp, on CUDA: total 0)."""
     end = done[0] if done else after  # the completion callback has run by now
-    return max(0.0, between(before, after)), max(0.0, between(launched, end)), 1
+    total = 0.0 if launched is None else max(0.0, between(launched, end))
+    return max(0.0, between(before, after)), total, 1
 
 
 def _add(a: tuple, b: tuple) -> tuple:

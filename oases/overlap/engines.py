@@ -276,9 +276,6 @@ class OasesSchedule:
             SavedTensorMeter.end_of_forward()
         yield from self._backward(run, sb, scale)
 
-    def _span(self, name: str):
-        return label(name)
-
     def _enter(self, block: int, toward: Optional[int] = None, span: Optional[str] = None):
         """The way into a block's compute, taken on entering it and again on resuming it
         after a wait (the other sub-batches ran meanwhile): its parameters whole through
@@ -286,7 +283,7 @@ class OasesSchedule:
         and starts gathering block ``toward``, where the pass goes next), then its span.
         The hook sees the same calls in the same order on every rank."""
         self.params.use(block, toward)
-        return self._span(span) if span is not None else contextlib.nullcontext()
+        return label(span) if span is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------- forward
     def _to_degree(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
@@ -362,13 +359,13 @@ class OasesSchedule:
             return
         x_last = x.detach().requires_grad_()
         if hasattr(model, "loss_partial"):  # optional: then the loss's collective is scheduled too
-            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
+            with label(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 state, stats = model.loss_partial(x_last, sb.targets)
             (stats,) = yield from collect([("ar", stats, model.tp_group)])
-            with self._span(f"F{sb.name} loss"), run.amp():
+            with label(f"F{sb.name} loss"), run.amp():
                 loss = model.loss_combine(state, stats)
         else:
-            with self._span(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
+            with label(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 loss = model.loss_from_hidden(x_last, sb.targets)
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
@@ -402,11 +399,11 @@ class OasesSchedule:
         blk = run.blocks[i]
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         reduced = st.saved_r.get(blk, i, self.recompute)
-        with self._span(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp(), \
+        with label(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp(), \
                 CutRecorder() as rec:
             p = blk.partial(x_in)
         st.cuts = rec.cuts
-        with self._span(name):
+        with label(name):
             self._rebuild(run, blk, st, reduced, x_in, p)
         st.saved_x = st.saved_r = None
 
@@ -427,7 +424,7 @@ class OasesSchedule:
             buf = p.detach().clone(memory_format=torch.contiguous_format)
             (reduced,) = yield from collect([("ar", buf, blocks[i].tp_group)])  # re-issued
             st.cuts = rec.cuts
-            with self._span(f"{name} C{i}"):
+            with label(f"{name} C{i}"):
                 self._rebuild(run, blocks[i], st, reduced, x_in, p)
             x = st.out
         sbs[a].saved_x = None

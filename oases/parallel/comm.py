@@ -26,7 +26,7 @@ import contextlib
 import functools
 import threading
 from collections import Counter
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,11 +151,13 @@ class CommCounter(_Watcher):
 
 
 class CommObserver(_Watcher):
-    """Base for observers of collective lifetimes (the comm clock): while one is
-    entered (``with obs:``), :func:`all_reduce` reports each collective of its scope
-    (:class:`CommScope`) to ``obs.collective(name, lane, work, start)``."""
+    """Base for observers of collectives: while one is entered (``with obs:``), the
+    collectives of its scope (:class:`CommScope`) are reported at launch to
+    ``obs.collective(name, lane, work, start)`` (when ``sees_launches``) and, over the
+    groups it :meth:`times_waits` for, at each wait (:meth:`waited`)."""
 
     _field = "observers"
+    sees_launches = True
 
     def collective(self, name: str, lane: str, work, start: Optional[Stamp] = None) -> None:
         """``start``: the launch, a :func:`~oases.parallel.timing.stamp` (host clock on
@@ -196,15 +198,27 @@ class _WatchedWork:
         return getattr(self.work, name)
 
 
-def _watched(work, group, observers: list, device: torch.device, launched: Stamp):
-    timers = [o for o in observers if o.times_waits(group)]
-    return _WatchedWork(work, timers, device, launched) if timers else work
-
-
 def active_observers() -> list:
-    """The open observers of this thread's scope: code that issues collectives of its
-    own (not through this module) reports them to these."""
+    """The open observers of this thread's scope."""
     return [o for o in current_scope().observers if o._is_open()]
+
+
+def launch_observed(name: str, group, device: torch.device, launch: Callable[[], object]):
+    """``launch()`` (which starts a collective over ``group`` and returns its work) with
+    this scope's observers told: those that see launches get it with its launch stamp,
+    those that time waits over ``group`` get the returned work's waits. Nothing is
+    stamped when no observer wants it; on CUDA a wait timer reads only the wait (its
+    launch is not stamped for it)."""
+    observers = active_observers()
+    seers = [o for o in observers if o.sees_launches]
+    timers = [o for o in observers if o.times_waits(group)]
+    if not seers and not timers:
+        return launch()
+    start = stamp(device) if seers or device.type != "cuda" else None  # device timeline
+    work = launch()
+    for obs in seers:
+        obs.collective(name, "comm", work, start)
+    return _WatchedWork(work, timers, device, start) if timers else work
 
 
 class NoopCollectives(_Watcher):
@@ -267,14 +281,8 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
     CommCounter.record("all_reduce", t)
     if NoopCollectives.active(group):
         return _DoneWork() if async_op else None
-    observers = active_observers()
-    if not observers:
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    start = stamp(t.device)  # on the device's timeline: a CUDA launch returns at once
-    work = dist.all_reduce(t, op=op, group=group, async_op=True)
-    for obs in observers:
-        obs.collective("all-reduce", "comm", work, start)
-    work = _watched(work, group, observers, t.device, start)
+    work = launch_observed("all-reduce", group, t.device,
+                           lambda: dist.all_reduce(t, op=op, group=group, async_op=True))
     if async_op:
         return work
     work.wait()
@@ -290,12 +298,8 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     if NoopCollectives.active(group):
         return torch.cat([src] * n), _DoneWork()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    observers = active_observers()
-    start = stamp(t.device) if observers else None
-    work = _all_gather_single(out, src, group=group, async_op=True)
-    for obs in observers:
-        obs.collective("all-gather", "comm", work, start)
-    return out, (_watched(work, group, observers, t.device, start) if observers else work)
+    return out, launch_observed("all-gather", group, t.device,
+                                lambda: _all_gather_single(out, src, group=group, async_op=True))
 
 
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:

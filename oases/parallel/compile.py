@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.exc import TorchDynamoException
 
-from oases.errors import UserError
+from oases.errors import UserError, first_line
 
 
 class CompileError(UserError):
@@ -57,8 +57,7 @@ class CompiledSegment:
         except TorchDynamoException as e:  # a compiler failure; the segment's own errors
             # (and checkpoint's early stop of a recompute) pass through
             cause = getattr(e, "inner_exception", None) or e  # a backend's own error
-            line = (str(cause).strip().splitlines() or [""])[0][:200]
-            what = f"{type(cause).__name__}: {line}"
+            what = f"{type(cause).__name__}: {first_line(cause, 200)}"
             if self.strict:
                 raise CompileError(f"parallel.compile=strict: {self.name} did not compile: "
                                    f"{what}") from e
@@ -96,20 +95,18 @@ class CompileLog:
 
     def __init__(self) -> None:
         self.seen = graphs_compiled()
-        self.t0: float | None = None
+
+    def _new(self) -> int:
+        now = graphs_compiled()
+        n, self.seen = now - self.seen, now
+        return n
 
     def first_step(self, seconds: float) -> str:
-        n, self.seen = graphs_compiled() - self.seen, graphs_compiled()
+        n = self._new()
         return (f"parallel.compile: {n} graphs compiled in the first step ({seconds:.1f} s, "
                 f"compiling included)")
 
     def since(self, step: int) -> str | None:
-        n, self.seen = graphs_compiled() - self.seen, graphs_compiled()
+        n = self._new()
         return (f"parallel.compile: {n} more graphs compiled by step {step} (evaluation "
                 f"without gradients, or new input shapes)" if n else None)
-
-
-def segments_failed(model: nn.Module) -> list[str]:
-    """The segments of ``model`` that fell back to eager."""
-    return [seg.name for blk in model.blocks() for seg in (blk.partial, blk.combine)
-            if isinstance(seg, CompiledSegment) and seg.failed]

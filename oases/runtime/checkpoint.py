@@ -130,9 +130,12 @@ def all_finite(model: nn.Module, ctx: ParallelContext,
     return bool(ok.item())
 
 
-def _begin(out_dir: str, step: int, ctx: ParallelContext) -> tuple[Path, Path, Path]:
-    """(root, final, tmp) of the save of ``step``; rank 0 clears a crash's leftovers and
-    makes ``tmp`` (collective)."""
+def _begin(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+           ctx: ParallelContext, meta: dict, rng_state: dict,
+           shards: Optional[ZeroOwnership]) -> tuple[Path, Path, Path, list, dict]:
+    """The start of a save of ``step``, synchronous or not: rank 0 clears a crash's
+    leftovers and makes ``tmp`` (collective); this rank's RNG state is written there.
+    Returns (root, final, tmp, this rank's pieces, the meta to publish)."""
     root = ckpt_root(out_dir)
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
     if ctx.is_main:
@@ -142,7 +145,9 @@ def _begin(out_dir: str, step: int, ctx: ParallelContext) -> tuple[Path, Path, P
         tmp.mkdir()
         (tmp / "rng").mkdir()
     dist.barrier()
-    return root, final, tmp
+    torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
+    pieces = state_pieces(model, opt, ctx, shards)
+    return root, final, tmp, pieces, {**meta, "layout": _layout(model, ctx)}
 
 
 def _layout(model: nn.Module, ctx: ParallelContext) -> dict:
@@ -176,13 +181,11 @@ def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
          shards: Optional[ZeroOwnership] = None) -> Path:
     """Write this rank's owned state (``shards``: the run's ZeRO ownership) as step
     ``step``'s checkpoint and publish it (collective)."""
-    root, final, tmp = _begin(out_dir, step, ctx)
-    pieces = state_pieces(model, opt, ctx, shards)
+    root, final, tmp, pieces, meta = _begin(out_dir, step, model, opt, ctx, meta, rng_state,
+                                            shards)
     with io_progress(f"saving {final.name}", kind="write"):  # bytes written by this rank
         dcp.save({p.name: p.local for p in pieces}, checkpoint_id=str(tmp),
                  planner=ChunkSavePlanner(pieces))
-    torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
-    meta = {**meta, "layout": _layout(model, ctx)}
     dist.barrier()
     if ctx.is_main:
         _publish(root, tmp, final, meta, keep)
@@ -209,10 +212,8 @@ class AsyncSaver:
         self.wait()
         if self.group is None:  # every rank saves at the same steps: the same call order
             self.group = dist.new_group(backend="gloo")
-        root, final, tmp = _begin(out_dir, step, ctx)
-        pieces = state_pieces(model, opt, ctx, shards)
-        torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
-        meta = {**meta, "layout": _layout(model, ctx)}
+        root, final, tmp, pieces, meta = _begin(out_dir, step, model, opt, ctx, meta,
+                                                rng_state, shards)
         stager = DefaultStager(StagingOptions(ctx.device.type == "cuda", False, False, False))
         fut = dcp.async_save({p.name: p.local for p in pieces}, checkpoint_id=str(tmp),
                              planner=ChunkSavePlanner(pieces), process_group=self.group,
@@ -240,14 +241,16 @@ class AsyncSaver:
             publish()
 
 
-def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ctx: ParallelContext,
-         model_shape: dict, layout: Optional[dict] = None,
-         shards: Optional[ZeroOwnership] = None) -> tuple[dict, Optional[dict]]:
-    """Load model + optimizer state in place into what this rank owns (``shards``: the
-    run's ZeRO ownership), resharding from whatever level and (pp, dp, tp) layout the
-    checkpoint was written with; returns (meta, this rank's RNG state or None if the
-    checkpoint was written by a different layout: the entries of ``layout``, default
-    world size and tp, must all match its meta). Collective."""
+def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
+         ctx: ParallelContext, model_shape: dict, layout: Optional[dict] = None,
+         shards: Optional[ZeroOwnership] = None, alone: bool = False
+         ) -> tuple[dict, Optional[dict]]:
+    """Load model + optimizer state (``opt`` None: the model alone) in place into what
+    this rank owns (``shards``: the run's ZeRO ownership), resharding from whatever level
+    and (pp, dp, tp) layout the checkpoint was written with; returns (meta, this rank's
+    RNG state or None if the checkpoint was written by a different layout: the entries
+    of ``layout``, default world size and tp, must all match its meta). Collective,
+    unless ``alone`` (one process reading by itself)."""
     meta = read_meta(path)
     saved_shape = meta.get("model_shape", {})
     diff = [f"{k}: {saved_shape.get(k)} -> {model_shape.get(k)}" for k in SHAPE_KEYS
@@ -255,13 +258,15 @@ def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ctx: Parallel
     if diff:
         raise CheckpointError(f"checkpoint {path} was saved for another model shape "
                               f"({'; '.join(diff)})")
-    saved = read_metadata(path)
-    ensure_optimizer_state(opt)
+    reader = reader_for(path)  # reads .metadata once, for the check and the load
+    saved = read_metadata(path, reader)
+    if opt is not None:
+        ensure_optimizer_state(opt)
     if shards is not None:
         shards.release()  # nothing gathered, no all-gather in flight into the parameters
     pieces = state_pieces(model, opt, ctx, shards, load=True)
     with torch.no_grad():
-        load_windows(path, windows_for(path, pieces, saved))
+        load_windows(path, windows_for(path, pieces, saved), reader, alone=alone)
     rng = None
     layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
     same_layout = all(meta.get(k, 1 if k == "pp" else None) == v for k, v in layout.items())
@@ -279,12 +284,13 @@ def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ctx: Parallel
 # Full (unsharded) model tensors, one at a time, without a process group
 
 
-def model_keys(path: Path, prefix: str = "model") -> tuple[dict, dict[str, list]]:
+def model_keys(path: Path, prefix: str = "model", reader=None) -> tuple[dict, dict[str, list]]:
     """(meta, parameter name -> (key, storage metadata) of its keys, parts in order) of
-    the tensors of a checkpoint under ``prefix`` (``model``, ``optim.exp_avg``, ...)."""
+    the tensors of a checkpoint under ``prefix`` (``model``, ``optim.exp_avg``, ...);
+    ``reader``: a :func:`reader_for` to read its metadata with (kept for the load)."""
     meta = read_meta(path)
     names: dict[str, dict[int, object]] = {}
-    for key, md in read_metadata(path).items():
+    for key, md in read_metadata(path, reader).items():
         if not key.startswith(prefix + "/"):
             continue
         name = key[len(prefix) + 1:]
@@ -326,8 +332,8 @@ def iter_model_tensors(path: Path, prefix: str = "model",
     are read in batches of about ``batch_bytes`` (0: one at a time), so only the batch in
     hand is in memory (plus DCP's read of one saved chunk). Reads alone: needs no process
     group and issues no collective."""
-    meta, names = model_keys(path, prefix)
     reader = reader_for(path)
+    meta, names = model_keys(path, prefix, reader)
     batch: list[tuple[str, torch.Tensor]] = []
     windows: dict = {}
     for i, (name, keys) in enumerate(names.items()):

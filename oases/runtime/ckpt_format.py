@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from oases.dp.ownership import ZeroOwnership
-from oases.errors import CheckpointError
+from oases.errors import CheckpointError, first_line
 from oases.parallel.groups import ParallelContext
 from oases.parallel.sharding import chunk_of
 from oases.progress import io_progress, nbytes
@@ -307,23 +307,17 @@ class WindowLoadPlanner(DefaultLoadPlanner):
 # Reading
 
 
-def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
-    """The tensors a DCP checkpoint holds: key -> storage metadata (global size, dtype)."""
+def read_metadata(path: Path, reader: Optional[FileSystemReader] = None
+                  ) -> dict[str, TensorStorageMetadata]:
+    """The tensors a DCP checkpoint holds: key -> storage metadata (global size, dtype).
+    ``reader``: the :func:`reader_for` that will also load them (it keeps what it read)."""
     try:
-        md = FileSystemReader(str(path)).read_metadata()
+        md = (reader or FileSystemReader(str(path))).read_metadata()
     except Exception as e:  # missing, truncated or not a pickle
         raise CheckpointError(f"checkpoint {path} has an unreadable .metadata "
                               f"({type(e).__name__}: {first_line(e)})") from None
     return {k: v for k, v in md.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}
-
-
-def first_line(e: BaseException, limit: Optional[int] = 160) -> str:
-    """The first non-empty line of ``e``'s message (its type's name if it has none),
-    cut at ``limit`` characters (None: whole)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    line = lines[0] if lines else type(e).__name__
-    return line if limit is None or len(line) <= limit else line[:limit].rstrip() + "..."
 
 
 def cause(e: BaseException) -> BaseException:

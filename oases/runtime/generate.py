@@ -42,7 +42,7 @@ from oases.config.typed_yaml import build_dataclass
 from oases.errors import CheckpointError, ConfigError, UserError
 from oases.parallel.groups import ParallelContext
 from oases.runtime import checkpoint as ckpt
-from oases.runtime.ckpt_format import load_windows, read_metadata, state_pieces, windows_for
+from oases.runtime.resume import model_shape
 
 # ---------------------------------------------------------------------------
 # Sampling
@@ -246,9 +246,7 @@ def model_from_checkpoint(path: str | Path, ctx: ParallelContext):
     cfg = _config(checkpoint_model_config(ck, meta), ctx)
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=None,
                         device=ctx.device)
-    pieces = state_pieces(model, None, ctx, load=True)  # the model's windows, no optimizer
-    with torch.no_grad():
-        load_windows(ck, windows_for(ck, pieces, read_metadata(ck)), alone=ctx.world_size == 1)
+    ckpt.load(ck, model, None, ctx, model_shape(cfg), alone=ctx.world_size == 1)
     return model.eval(), cfg, ck
 
 

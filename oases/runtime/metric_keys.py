@@ -37,10 +37,19 @@ SUMMARY = {"train/loss": "min", "eval/loss": "min", "eval/ppl": "min",
            "mem/peak_allocated_gib_max": "max", "mem/reserved_gib_max": "max"}
 
 
+def step_key(key: str) -> str:
+    """The step key of a grouped key's group (``perf/mfu`` -> ``perf/step``)."""
+    return STEP_KEYS[key.split("/", 1)[0]]
+
+
+def values(rec: dict) -> dict:
+    """A ``metrics.jsonl`` record's values as grouped keys (names outside the table and
+    None values left out)."""
+    return {GROUPED[k]: v for k, v in rec.items() if k in GROUPED and v is not None}
+
+
 def grouped(rec: dict) -> dict:
-    """A ``metrics.jsonl`` record as grouped keys, with each group's step key set to the
-    record's ``step`` (``rec`` names outside the table are left out)."""
-    out = {GROUPED[k]: v for k, v in rec.items() if k in GROUPED and v is not None}
-    for group in {k.split("/", 1)[0] for k in out}:
-        out[STEP_KEYS[group]] = rec["step"]
+    """:func:`values`, with each group's step key set to the record's ``step``."""
+    out = values(rec)
+    out.update({step_key(k): rec["step"] for k in list(out)})
     return out

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from oases.errors import ConfigError
-from oases.runtime.metric_keys import STEP_KEYS, SUMMARY, grouped
+from oases.runtime.metric_keys import STEP_KEYS, SUMMARY, grouped, step_key, values
 
 
 def _kind(rec: dict) -> str:
@@ -71,11 +71,11 @@ class WandbSink:
 
 def define_metrics(run) -> None:
     """Each group's x-axis and the summaries of :data:`SUMMARY`."""
-    for group, step_key in STEP_KEYS.items():
-        run.define_metric(step_key, hidden=True)
-        run.define_metric(f"{group}/*", step_metric=step_key)
+    for group, key in STEP_KEYS.items():
+        run.define_metric(key, hidden=True)
+        run.define_metric(f"{group}/*", step_metric=key)
     for key, how in SUMMARY.items():
-        run.define_metric(key, step_metric=STEP_KEYS[key.split("/", 1)[0]], summary=how)
+        run.define_metric(key, step_metric=step_key(key), summary=how)
 
 
 def require_tensorboard() -> None:
@@ -94,10 +94,8 @@ class TensorBoardSink:
                                     purge_step=start_step + 1 if start_step else None)
 
     def log(self, rec: dict) -> None:
-        steps = set(STEP_KEYS.values())
-        for key, value in grouped(rec).items():
-            if key not in steps:
-                self.writer.add_scalar(key, value, global_step=rec["step"])
+        for key, value in values(rec).items():
+            self.writer.add_scalar(key, value, global_step=rec["step"])
 
     def close(self) -> None:
         self.writer.close()

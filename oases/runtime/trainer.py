@@ -297,7 +297,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             t0 = step_clock.start()
             lr = lr_at(step, cfg.train)
             prof.before(step + 1)
-            t_host = time.perf_counter()
+            t_host = time.perf_counter() if compiled is not None and step == start else 0.0
             with comm_clock if comm_clock is not None else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
             step_clock.stop(t0)
