@@ -22,6 +22,8 @@ Modes (``--modes``):
                            at all (timing only, the upper bound)
     megatron+full+compile, oases+fine+compile, nocomm+compile
                            the same with parallel.compile=true
+    megatron+full+sp, oases+fine+sp, nocomm+sp
+                           the same with parallel.sequence_parallel=true
     megatron+full+nocomm   megatron+full without TP communication: its comm share
     dtensor                benchmarks.peers.dtensor_gpt (torch DTensor TP)
     megatron-core          benchmarks.peers.megatron_core_gpt (Megatron-Core TP)
@@ -76,6 +78,9 @@ TRAIN_MODES = {
 # parallel.compile: each block's partial and combine through torch.compile
 for _m in ("megatron+full", "oases+fine", "nocomm"):
     TRAIN_MODES[f"{_m}+compile"] = [*TRAIN_MODES[_m], "parallel.compile=true"]
+# parallel.sequence_parallel: all-gather + reduce-scatter per block, activations 1/tp
+for _m in ("megatron+full", "oases+fine", "nocomm"):
+    TRAIN_MODES[f"{_m}+sp"] = [*TRAIN_MODES[_m], "parallel.sequence_parallel=true"]
 PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
               "megatron-core": "benchmarks.peers.megatron_core_gpt"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]
@@ -93,6 +98,8 @@ TARGETS = [
     ("oases+fine+fb >= 1.7x megatron+full", "oases+fine+fb", "megatron+full", 1.7),
     ("oases+fine+fb1 >= 0.85x nocomm", "oases+fine+fb1", "nocomm", 0.85),
     ("oases+fine+fb1 >= 1.7x megatron+full", "oases+fine+fb1", "megatron+full", 1.7),
+    ("oases+fine+sp >= 1.0x oases+fine", "oases+fine+sp", "oases+fine", 1.0),
+    ("oases+fine+sp >= 1.5x megatron+full+sp", "oases+fine+sp", "megatron+full+sp", 1.5),
 ]
 
 # The shape: chosen so that megatron+full spends >= 50% of its step in TP

@@ -19,6 +19,7 @@ from oases.parallel.comm import group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
+from oases.parallel.sequence import part_mask, seq_part
 
 
 class ResidualBlock(TPBlock):
@@ -30,7 +31,8 @@ class ResidualBlock(TPBlock):
     all parts start from the same generator state; drawing the part's mask directly
     would give every part the same mask (correlated noise). Instead each part draws
     the mask of the whole (sub-)batch, as the block at degree T would, and keeps its
-    rows: the masks are then exactly those of the uniform model.
+    rows: the masks are then exactly those of the uniform model. A sequence chunk
+    (sequence parallelism) keeps its chunk of the whole sequence's mask alike.
     """
 
     proj: RowParallelLinear
@@ -40,14 +42,18 @@ class ResidualBlock(TPBlock):
         self.dropout = nn.Dropout(dropout)  # replicated region: default generator, same on TP ranks
         self.batch_part = (0, 1)            # (g, k): this rank's part of the batch (plans)
 
+    def prologue(self, x):
+        return self.norm(x)
+
     def combine(self, x, reduced):
+        """Under sequence parallelism ``x`` and ``reduced`` are this rank's sequence chunk
+        (oases.parallel.sequence), and the mask is that chunk of the whole sequence's."""
         y = self.proj.add_bias(reduced)
-        g, k = self.batch_part
-        if k == 1 or not self.training or self.dropout.p == 0.0:
+        seq = seq_part(self)
+        if (self.batch_part[1] == 1 and seq[1] == 1) or not self.training \
+                or self.dropout.p == 0.0:
             return x + self.dropout(y)
-        whole = y.new_ones((k * y.shape[0], *y.shape[1:]))          # (k B, T, d)
-        mask = self.dropout(whole).narrow(0, g * y.shape[0], y.shape[0])  # 0 or 1/(1-p)
-        return x + y * mask
+        return x + y * part_mask(self.dropout, y, self.batch_part, seq)  # 0 or 1/(1-p)
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -123,8 +129,13 @@ class ParallelAttention(ResidualBlock):
         """(B, T, d) -> q (B, nh, T, hd), k, v (B, nkv, T, hd): norm, projection and
         rotary at positions 0..T-1 or the (B, T) ``positions`` given (``rope``: their
         :meth:`Rotary.tables`, when the caller made them once for every layer)."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(self.norm(x)).split(self.qkv.local_parts, dim=-1)
+        return self.heads_of(self.norm(x), positions, rope)
+
+    def heads_of(self, h, positions: Optional[torch.Tensor] = None,
+                 rope: Optional[tuple] = None):
+        """:meth:`qkv_heads` of the normed input ``h``."""
+        B, T, _ = h.shape
+        q, k, v = self.qkv(h).split(self.qkv.local_parts, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)    # (B, nkv, T, hd)
@@ -138,8 +149,8 @@ class ParallelAttention(ResidualBlock):
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.proj.partial(y)
 
-    def partial(self, x):
-        q, k, v = self.qkv_heads(x)
+    def region(self, h):
+        q, k, v = self.heads_of(h)
         if self.selective and self.training and torch.is_grad_enabled():
             y = recompute(self._core, q, k, v, tracker=self.tracker)  # keeps q, k, v only
         else:

@@ -13,6 +13,7 @@ from models.attention import ResidualBlock
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from oases.parallel.sequence import part_mask, seq_part
 from oases.parallel.sharding import set_spec
 
 
@@ -26,8 +27,8 @@ class GeluMLP(ResidualBlock):
                                       reduce_output=False,
                                       init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
 
-    def partial(self, x):
-        return self.proj.partial(F.gelu(self.fc(self.norm(x)), approximate="tanh"))
+    def region(self, h):
+        return self.proj.partial(F.gelu(self.fc(h), approximate="tanh"))
 
 
 class SwiGLUMLP(ResidualBlock):
@@ -42,8 +43,8 @@ class SwiGLUMLP(ResidualBlock):
                                       reduce_output=False,
                                       init_std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
 
-    def partial(self, x):
-        gate, up = self.fc(self.norm(x)).split(self.fc.local_parts, dim=-1)
+    def region(self, h):
+        gate, up = self.fc(h).split(self.fc.local_parts, dim=-1)
         return self.proj.partial(F.silu(gate) * up)
 
 
@@ -66,11 +67,17 @@ class TokenEmbedding(TPBlock):
         return self.wte.partial(ids)
 
     def combine(self, ids, reduced, positions=None):
-        """``positions``: (B, T) long position of each token (decoding), else 0..T-1."""
+        """``positions``: (B, T) long position of each token (decoding), else 0..T-1.
+        Under sequence parallelism ``reduced`` is this rank's chunk of the sequence: its
+        positions, and its chunk of the whole sequence's dropout mask."""
+        j, n = seq_part(self)
+        T = reduced.shape[1]
         if self.wpe is not None:
-            reduced = reduced + (self.wpe[: ids.shape[1]] if positions is None
+            reduced = reduced + (self.wpe[j * T: (j + 1) * T] if positions is None
                                  else self.wpe[positions])
-        return self.dropout(reduced)
+        if n == 1 or not self.training or self.dropout.p == 0.0:
+            return self.dropout(reduced)
+        return reduced * part_mask(self.dropout, reduced, (0, 1), (j, n))
 
 
 class TiedEmbedding(nn.Module):

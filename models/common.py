@@ -35,6 +35,8 @@ from oases.parallel.layers import ColumnParallelLinear
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
+from oases.parallel.region import GATHERED, entering
+from oases.parallel.sequence import seq_enter, seq_gather, seq_split, set_sequence_parallel
 
 
 class CausalLM(nn.Module):
@@ -45,6 +47,7 @@ class CausalLM(nn.Module):
 
     learned_positions = False
     qkv_bias = False  # q/k/v biases without the other projections' (Qwen2)
+    sequence_parallel = False  # set_sequence_parallel
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group=None,
                  tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
@@ -141,6 +144,20 @@ class CausalLM(nn.Module):
             for layer in self.layers:
                 layer.attn.doc_mask = None
 
+    def set_sequence_parallel(self, on: bool) -> None:
+        """``parallel.sequence_parallel``: the activations between the blocks, and the final
+        norm, hold this rank's chunk of the sequence (oases.parallel.sequence); a pipeline
+        stage's input and output stay whole (replicated over TP)."""
+        if on:
+            T, tp = self.cfg.seq_len, group_size(self.tp_group)
+            if T % tp:
+                raise ValueError(f"sequence parallelism splits the sequence over the TP "
+                                 f"ranks: model.seq_len={T} does not divide by tp={tp}")
+            if self.resharder is not None:
+                raise ValueError("sequence parallelism with per-block TP degrees (a plan "
+                                 "whose degrees differ) is not supported")
+        set_sequence_parallel(self, on)
+
     def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
         return x if t_from == t_to else self.resharder.reshard(x, t_from, t_to)
 
@@ -148,6 +165,8 @@ class CausalLM(nn.Module):
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on
         a later pipeline stage, the stage's (B, T, d) input -> its output."""
         x = self.embed(ids) if self.is_first else ids
+        if self.sequence_parallel and not self.is_first:  # the stage's input, whole
+            x = seq_split(x, self.tp_group)
         if self.eos_id is not None and self.is_first:
             mask = document_mask(ids, self.eos_id)
             for layer in self.layers:
@@ -160,19 +179,38 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x)
             prev = layer.mlp.degree
-        return self.reshard(x, prev, self.home_degree)
+        x = self.reshard(x, prev, self.home_degree)
+        if self.sequence_parallel and not self.is_last:  # the stage's output, whole
+            x = seq_gather(x, self.tp_group)
+        return x
+
+    def head_prologue(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm: sequence-local (under sequence parallelism, on the chunk)."""
+        return self.norm(x)
+
+    def head_region(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) normed, whole sequence -> (B, T, V_pad/tp) logits of this rank's
+        vocabulary slice (entering the TP region)."""
+        w = self.embed.wte.weight if self.head is None else self.head.weight
+        return F.linear(copy_to_tp(h, self.tp_group), w)
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) -> (B, T, V_pad/tp) logits of this rank's vocabulary slice."""
-        x = copy_to_tp(self.norm(x), self.tp_group)
-        w = self.embed.wte.weight if self.head is None else self.head.weight
-        return F.linear(x, w)
+        """(B, T, d) -> (B, T, V_pad/tp) logits of this rank's vocabulary slice. Under
+        sequence parallelism ``x`` is the chunk, and the normed chunks are gathered."""
+        h = self.head_prologue(x)
+        if not self.sequence_parallel:
+            return self.head_region(h)
+        h = seq_enter(h, self.tp_group)  # (B, T, d); backward reduce-scatters
+        with entering(GATHERED):
+            return self.head_region(h)
 
-    def loss_partial(self, x: torch.Tensor, targets: torch.Tensor):
+    def loss_partial(self, x: torch.Tensor, targets: torch.Tensor, entered: bool = False):
         """The loss up to its one collective: (state, buffer to sum over ``tp_group``).
         The ``oases`` engine launches that all-reduce asynchronously and runs the other
-        sub-batch meanwhile; :meth:`loss_from_hidden` does it in one blocking call."""
-        logits = self.head_logits(x)
+        sub-batch meanwhile; :meth:`loss_from_hidden` does it in one blocking call.
+        ``entered``: ``x`` is the normed whole sequence the region reads (the engine
+        gathered it under sequence parallelism)."""
+        logits = self.head_region(x) if entered else self.head_logits(x)
         st, stats = ce_partial(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                self.tp_group, self.vocab_size, ignore_index=IGNORE_INDEX)
         return (st, targets), stats

@@ -44,6 +44,8 @@ def _check(model) -> None:
         raise ValueError("decode needs the whole model on one stage (parallel.pp=1)")
     if model.resharder is not None:
         raise ValueError("decode needs one TP degree for every block (no per-block plan)")
+    if model.sequence_parallel:
+        raise ValueError("decode runs on whole sequences: set_sequence_parallel(False) first")
 
 
 def new_kv_cache(model, batch: int, max_len: int) -> KVCache:

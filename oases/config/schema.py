@@ -71,6 +71,10 @@ class ParallelConfig(_Section):
     # (pp=1 with grad_accum >= 2; a pipeline's eager-1f1b steady state), so the forward's
     # all-reduces hide behind the backward's compute. sub_batches may then be 1.
     overlap_fb: bool = False
+    # Sequence parallelism: outside the matmuls (norms, dropout, residual stream, what
+    # recompute keeps) each TP rank holds 1/tp of the sequence; each all-reduce becomes an
+    # all-gather and a reduce-scatter (docs/sequence-parallel.md). Both engines.
+    sequence_parallel: bool = False
     backend: str = "auto"           # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
     device: str = "auto"            # "auto" (cuda if available) | "cpu" | "cuda"
     timeout_s: float = 600.0        # collective timeout: a dead peer raises instead of hanging
@@ -305,6 +309,10 @@ class Config(_Section):
             raise ConfigError("parallel.plan=auto with plan_search=tp-only chooses per-block TP "
                               "degrees for pp=1 only; with parallel.pp > 1 search the layout "
                               "(plan_search=uniap) or give a plan file")
+        if self.parallel.sequence_parallel and m.seq_len % tp:
+            raise ConfigError(f"parallel.sequence_parallel splits the sequence over the TP "
+                              f"ranks: model.seq_len={m.seq_len} does not divide by "
+                              f"parallel.tp={tp}")
         heads = heads_problem(m.n_head, m.n_kv_heads, tp)  # kv heads: split or replicated
         if heads:
             raise ConfigError(f"parallel.tp={tp} {heads}")

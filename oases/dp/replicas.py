@@ -92,3 +92,40 @@ class ReplicaGradSum:
             for v in views:
                 v.copy_(flat[off: off + v.numel()].view_as(v))
                 off += v.numel()
+
+
+class SequenceGradSum:
+    """Under sequence parallelism (oases.parallel.sequence) each parameter no TP rank
+    shards (norm weights, row-parallel biases, learned positions) has a partial gradient
+    on each rank, whose sum over the TP group is the gradient: in a prologue or a combine
+    it acts on this rank's chunk of the sequence only, and inside a region, before the
+    column-parallel layers, it sees the un-reduced input gradient (the all-gather's
+    reduce-scatter sums it later, where the all-reduce at the region's entry summed it
+    before). Once per step, after the DP reduction (both are sums; Megatron-LM sums its
+    layer norms' alike); one all-reduce of one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], group) -> None:
+        self.params, self.group = params, group
+
+    @classmethod
+    def for_model(cls, model: nn.Module, group) -> Optional["SequenceGradSum"]:
+        """The sum for ``model`` when it runs sequence parallel over more than one rank
+        (None otherwise, or when it has no unsharded parameters)."""
+        if not getattr(model, "sequence_parallel", False) or group is None \
+                or dist.get_world_size(group) == 1:
+            return None
+        params = [p for p in model.parameters()
+                  if p.requires_grad and getattr(p, "tp_spec", None) is None]
+        return cls(params, group) if params else None
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.group)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off: off + g.numel()].view_as(g))
+            off += g.numel()

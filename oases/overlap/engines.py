@@ -81,7 +81,6 @@ weight is cast once per run and its copy shared (:meth:`OasesRun.cast_cache`).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -91,8 +90,10 @@ from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
-from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Stashed, Wait, collect,
-                                  run_joint, run_programs)
+from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect, run_joint,
+                                  run_programs)
+from oases.overlap.sequence import SequencePrograms
+from oases.overlap.state import _BlockState, _Graft, _SubBatch
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
@@ -103,49 +104,7 @@ __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
            "sub_batch_rng_streams"]
 
 
-class _Graft(torch.autograd.Function):
-    """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
-    unchanged (the all-reduce's backward is the identity). The output shares the
-    buffer's memory but is not an autograd view of it, so a ``combine`` may modify it
-    in place (autograd forbids that on a custom Function's views); where the buffer
-    is also stashed (``fine``) the stash's version check refuses it."""
-
-    @staticmethod
-    def forward(ctx, partial, reduced):
-        return reduced.detach()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-@dataclass
-class _BlockState:
-    """One block of one sub-batch. ``out`` set = its autograd graph is live."""
-    x_in: Optional[torch.Tensor] = None       # block input (a leaf when the graph is live)
-    saved_x: Optional[Stashed] = None         # stashed input for recompute
-    saved_r: Optional[Stashed] = None         # stashed all-reduce output (fine)
-    rng_partial: Optional[dict] = None
-    rng_combine: Optional[dict] = None
-    cuts: list = field(default_factory=list)
-    out: Optional[torch.Tensor] = None
-
-
-@dataclass
-class _SubBatch:
-    name: str
-    ids: torch.Tensor                         # token ids, or the stage's input activation
-    targets: Optional[torch.Tensor]           # None on a pipeline stage before the last
-    share: object                             # of the micro-batch's loss (loss_weights)
-    blocks: list = field(default_factory=list)
-    head: Optional[tuple] = None
-    loss: Optional[torch.Tensor] = None
-    out: Optional[torch.Tensor] = None        # output activation (not the last stage)
-    grad_out: Optional[torch.Tensor] = None   # its gradient, for the backward
-    grad_in: Optional[torch.Tensor] = None    # the input activation's gradient
-
-
-class OasesSchedule:
+class OasesSchedule(SequencePrograms):
     """The ``oases`` engine. It holds only its configuration: each call's state lives
     in an :class:`~oases.overlap.runner.OasesRun` (a pipeline stage's is returned in
     the :class:`StageRun`), so one engine serves interleaved runs (several forwards
@@ -320,6 +279,9 @@ class OasesSchedule:
         in_group = {i for a, b in groups for i in range(a, b)}
         home = run.home
         x = sb.ids
+        sp = getattr(model, "sequence_parallel", False)
+        if sp and run.input_grad:  # a later stage's whole input: this rank's chunk
+            x = self._sp_stage_in(run, x)
         for i, blk in enumerate(blocks):
             prev = blocks[i - 1].degree if i > 0 else home
             if x.is_floating_point():
@@ -334,6 +296,13 @@ class OasesSchedule:
                 st.rng_partial = run.snap()
                 if self.recompute == "fine" or i in starts:
                     st.saved_x = run.stash(x_in, "input x")
+            if sp:
+                x = yield from self._sp_block(run, sb, i, x_in, keep, st, f"F{sb.name}")
+                for kept in (st.saved_x, st.saved_g, st.saved_r):
+                    if kept is not None:
+                        kept.check(blk, i, self.recompute)
+                sb.blocks.append(st)
+                continue
             with self._enter(i, i + 1, f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), \
                     run.amp(), CutRecorder() as rec:
                 p = blk.partial(x_in)
@@ -355,7 +324,10 @@ class OasesSchedule:
             x = out
         x = yield from self._to_degree(model, x, blocks[-1].degree, home)
         if sb.targets is None:  # a pipeline stage before the last: its output goes on
-            sb.out = x.detach()
+            sb.out = (yield from self._sp_stage_out(run, x)) if sp else x.detach()
+            return
+        if sp:
+            yield from self._sp_loss(run, sb, x)
             return
         x_last = x.detach().requires_grad_()
         if hasattr(model, "loss_partial"):  # optional: then the loss's collective is scheduled too
@@ -434,12 +406,15 @@ class OasesSchedule:
         st = sb.blocks[i]
         if st.out is not None:
             return
+        sp = getattr(run.model, "sequence_parallel", False)
         with self._enter(i):
             if self.recompute == "fine":
-                self._recompute_fine(run, i, st, f"R{sb.name} {i}")
+                (self._sp_recompute_fine if sp else self._recompute_fine)(run, i, st,
+                                                                          f"R{sb.name} {i}")
             else:
                 a, b = group_of[i]
-                yield from self._recompute_group(run, sb.blocks, a, b, f"R{sb.name}")
+                group = self._sp_recompute_group if sp else self._recompute_group
+                yield from group(run, sb.blocks, a, b, f"R{sb.name}")
 
     def _backward(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
@@ -451,7 +426,13 @@ class OasesSchedule:
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         home = run.home
         last_block = self._prepare(run, group_of, sb, len(blocks) - 1)
-        if sb.head is not None:
+        sp = getattr(model, "sequence_parallel", False)
+        if sp and sb.head is not None:
+            g_out = yield from self._sp_loss_backward(run, sb, scale, last_block)
+        elif sp:  # the whole output's gradient came from the next stage
+            yield from last_block
+            g_out, sb.grad_out = self._sp_grad_out(run, sb.grad_out), None
+        elif sb.head is not None:
             x_last, cuts, loss = sb.head
             with self._enter(HEAD, span=f"B{sb.name} loss"):
                 torch.autograd.backward(loss, torch.ones_like(loss) * scale)
@@ -463,15 +444,18 @@ class OasesSchedule:
         g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
-            with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
-                torch.autograd.backward(st.out, g)
             nxt = self._prepare(run, group_of, sb, i - 1) if i > 0 else None
-            yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
+            if sp:
+                yield from self._sp_block_backward(run, sb, i, g, nxt)
+            else:
+                with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
+                    torch.autograd.backward(st.out, g)
+                yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
             g = st.x_in.grad if i > 0 or run.input_grad else None
             t_to = blocks[i - 1].degree if i > 0 else home
             g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
             sb.blocks[i] = None
-        sb.grad_in = g
+        sb.grad_in = (yield from self._sp_grad_in(run, g)) if sp else g
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",

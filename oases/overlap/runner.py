@@ -25,7 +25,7 @@ from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import (_rng_restore, _rng_snapshot, draws_random, rng_fingerprint,
                                        same_rng)
-from oases.parallel.comm import _trivial, all_gather_async, all_reduce
+from oases.parallel.comm import _trivial, all_gather_async, all_reduce, reduce_scatter_async
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.timing import label
 
@@ -171,7 +171,7 @@ class ModelFacts:
 
 
 def collect(reqs: list[tuple]) -> Program:
-    """The results of the collectives ``reqs`` (("ar" | "ag", tensor, group), as a program
+    """The results of the collectives ``reqs`` (("ar" | "ag" | "rs", tensor, group), as a program
     yields them), through ``yield from``: asked of the runner, which runs the other
     sub-batches meanwhile, when one of them communicates; else at once. A collective
     over one rank (a block of degree 1) has nothing to hide: a switch there only costs."""
@@ -194,6 +194,9 @@ def _launch(reqs: list[tuple]) -> list:
             t = t.contiguous()
             with label("launch all-reduce"):
                 out.append((t, all_reduce(t, group, async_op=True)))
+        elif kind == "rs":
+            with label("launch reduce-scatter"):
+                out.append(reduce_scatter_async(t, group))
         else:
             with label("launch all-gather"):
                 out.append(all_gather_async(t, group))

@@ -10,6 +10,11 @@ A *block* is a computation that ends in one TP all-reduce:
 * ``combine(x, reduced)`` runs what follows the reduction on replicated data
   (bias, dropout, residual add). It must not communicate.
 
+``partial`` may be split in two: ``prologue(x)``, the sequence-local work before the
+TP region (a pre-norm), and ``region(h)``, from the region's input to the partial sum,
+with ``partial(x) == region(prologue(x))``. A block that defines ``partial`` itself is
+taken whole, with an identity prologue (:meth:`TPBlock.halves`).
+
 ``forward`` is the plain (blocking) path. A schedule that wants to hide the
 all-reduce calls ``partial``, launches the reduction itself, runs other work
 and calls ``combine`` when the reduction is done. A model is
@@ -19,6 +24,16 @@ and calls ``combine`` when the reduction is done. A model is
 and exposes the flat list through ``model.blocks()``. Writing a new block means
 subclassing :class:`TPBlock` and building ``partial`` from the parallel layers
 (see docs/custom-blocks.md).
+
+Sequence parallelism (``sequence_parallel``, :mod:`oases.parallel.sequence`): the
+block's input and output are sequence chunks, and the all-reduce becomes an all-gather
+of the prologue's output and a reduce-scatter of the partial sum:
+
+    out_j = combine(x_j, reduce_scatter(region(all_gather(prologue(x_j)))))
+
+``combine`` then sees this rank's chunk of the sequence (:func:`~oases.parallel.sequence.
+seq_part` says which); a block whose input is token ids (the embedding) runs
+``partial`` on the whole sequence and has no all-gather.
 """
 
 from __future__ import annotations
@@ -27,19 +42,56 @@ import torch
 import torch.nn as nn
 
 from oases.parallel.comm import group_size, reduce_from_tp
+from oases.parallel.region import GATHERED, entering
+from oases.parallel.sequence import seq_enter, seq_leave
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class TPBlock(nn.Module):
+    sequence_parallel = False  # oases.parallel.sequence.set_sequence_parallel
+
     def __init__(self, tp_group=None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.degree = group_size(tp_group)  # TP degree this block runs at
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def prologue(self, x: torch.Tensor) -> torch.Tensor:
+        """The sequence-local work before the TP region (default: none)."""
+        return x
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        """From the TP region's input (the prologue's output) to the partial sum."""
+        return self.partial(h)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Up to the reduction: ``region(prologue(x))`` unless a block defines it."""
+        if type(self).region is TPBlock.region:  # neither is defined: abstract
+            raise NotImplementedError(f"{type(self).__name__} defines neither partial nor "
+                                      f"region")
+        return self.region(self.prologue(x))
 
     def combine(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    def halves(self) -> tuple:
+        """(prologue, region) as a schedule runs them around the all-gather of sequence
+        parallelism: the block's own, or (identity, partial) for a block that defines
+        ``partial`` itself (its norm, if any, then runs on the whole sequence)."""
+        if type(self).partial is not TPBlock.partial:
+            return _identity, self.partial
+        return self.prologue, self.region
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.combine(x, reduce_from_tp(self.partial(x), self.tp_group))
+        if not self.sequence_parallel:
+            return self.combine(x, reduce_from_tp(self.partial(x), self.tp_group))
+        if x.is_floating_point():  # an activation's sequence chunk
+            prologue, region = self.halves()
+            h = seq_enter(prologue(x), self.tp_group)
+            with entering(GATHERED):
+                p = region(h)
+        else:  # token ids, whole on every rank
+            p = self.partial(x)
+        return self.combine(x, seq_leave(p, self.tp_group))

@@ -23,227 +23,29 @@ Who all-reduces the gradient of a TP region's input (:func:`copy_to_tp`,
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
-from collections import Counter
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# Cut and CutRecorder belong to this module's API: copy_to_tp defers to the entry
-from oases.parallel.region import Cut, CutRecorder, entered_region  # noqa: F401
-from oases.parallel.timing import Stamp, stamp
+from oases.parallel.comm_scope import (CommCounter, CommObserver, CommScope, NoopCollectives,
+                                       _DoneWork, active_observers, backward_in_forward_scope,
+                                       comm_scope, current_scope, launch_observed)
+from oases.parallel.region import Cut, CutRecorder, entered_region
+
+# the scope machinery (oases.parallel.comm_scope) and the region entries
+# (oases.parallel.region) belong to this module's API: callers count, observe and skip
+# collectives, and cut graphs, through it
+__all__ = ["CommCounter", "CommObserver", "CommScope", "Cut", "CutRecorder", "NoopCollectives",
+           "active_observers", "all_gather_async", "all_gather_to_tp", "all_reduce",
+           "column_linear", "comm_scope", "copy_to_tp", "count_collectives", "current_scope",
+           "gather_from_tp", "group_rank", "group_size", "launch_observed", "reduce_from_tp",
+           "reduce_scatter_async", "reduce_scatter_to_tp", "require_default_stream",
+           "scatter_to_tp"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommScope(NamedTuple):
-    """What watches or suppresses collectives: the counters, observers and no-op groups
-    entered on a thread. Immutable: entering one of them makes a new scope, so a scope
-    can be captured and restored (:func:`current_scope`, :func:`comm_scope`).
-
-    Scopes are per thread, not process-global: a counter entered on one thread does
-    not see collectives issued by an unrelated thread (another engine, another model).
-    A backward runs where autograd puts it: on the calling thread on CPU, on a device
-    worker thread on CUDA, whose thread-local state is empty. So the TP functions of
-    this module capture the scope when their forward builds the graph and issue their
-    backward collectives under it, as ``torch.amp.custom_bwd`` does for autocast: a
-    backward collective is seen by exactly the counters and observers (and skipped by
-    the no-op groups) of its forward, on whichever thread and device it runs. Code
-    that issues collectives from autograd hooks (gradient buckets) should capture
-    :func:`current_scope` when it arms the hooks and run them under it."""
-
-    counters: tuple = ()
-    observers: tuple = ()
-    noop: tuple = ()      # NoopCollectives
-
-
-_EMPTY = CommScope()
-_tls = threading.local()
-
-
-def current_scope() -> CommScope:
-    """This thread's scope (empty on a thread that entered nothing)."""
-    return getattr(_tls, "scope", _EMPTY)
-
-
-@contextlib.contextmanager
-def comm_scope(scope: CommScope):
-    """Run the block under ``scope`` (captured earlier, maybe on another thread)."""
-    prev = current_scope()
-    _tls.scope = scope
-    try:
-        yield
-    finally:
-        _tls.scope = prev
-
-
-def backward_in_forward_scope(backward):
-    """For an autograd Function whose backward issues collectives: run ``backward``
-    under the scope its forward stored in ``ctx.comm_scope`` (``= current_scope()``),
-    whichever thread autograd runs it on (see :class:`CommScope`)."""
-
-    @functools.wraps(backward)
-    def run(ctx, *grads):
-        with comm_scope(ctx.comm_scope):
-            return backward(ctx, *grads)
-
-    return run
-
-
-def _enter(field: str, item) -> None:
-    cur = current_scope()
-    _tls.scope = cur._replace(**{field: getattr(cur, field) + (item,)})
-
-
-def _leave(field: str, item) -> None:
-    cur = current_scope()
-    items = list(getattr(cur, field))
-    for k, x in enumerate(items):
-        if x is item:
-            del items[k]
-            break
-    _tls.scope = cur._replace(**{field: tuple(items)})
-
-
-class _Watcher:
-    """Entered with ``with``; acts only while open (a scope captured by a graph may
-    outlive the ``with`` block: its backward is then neither seen nor skipped)."""
-
-    _field = ""
-
-    def __enter__(self):
-        self._open = getattr(self, "_open", 0) + 1
-        _enter(self._field, self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._open -= 1
-        _leave(self._field, self)
-
-    def _is_open(self) -> bool:
-        return getattr(self, "_open", 0) > 0
-
-
-class CommCounter(_Watcher):
-    """Counts collectives by kind while active (``with CommCounter() as c:``).
-
-    Counters nest: every counter of the current scope (:class:`CommScope`) sees every
-    collective. They count only while their ``with`` block is open, so no state
-    outlives a step.
-    """
-
-    _field = "counters"
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-        self.bytes: Counter = Counter()
-
-    @staticmethod
-    def record(kind: str, t: torch.Tensor) -> None:
-        for c in current_scope().counters:
-            if c._is_open():
-                c.counts[kind] += 1
-                c.bytes[kind] += t.numel() * t.element_size()
-
-
-class CommObserver(_Watcher):
-    """Base for observers of collectives: while one is entered (``with obs:``), the
-    collectives of its scope (:class:`CommScope`) are reported at launch to
-    ``obs.collective(name, lane, work, start)`` (when ``sees_launches``) and, over the
-    groups it :meth:`times_waits` for, at each wait (:meth:`waited`)."""
-
-    _field = "observers"
-    sees_launches = True
-
-    def collective(self, name: str, lane: str, work, start: Optional[Stamp] = None) -> None:
-        """``start``: the launch, a :func:`~oases.parallel.timing.stamp` (host clock on
-        the CPU, a CUDA event on CUDA)."""
-        raise NotImplementedError
-
-    def times_waits(self, group) -> bool:
-        """True: the waits on this module's collectives over ``group`` are reported to
-        :meth:`waited` (the exposed-communication clock)."""
-        return False
-
-    def waited(self, launched: Stamp, before: Stamp, after: Stamp, done: list) -> None:
-        """A wait on a collective launched at ``launched`` ran from ``before`` to
-        ``after``; ``done`` receives the collective's completion stamp (read it later)."""
-
-
-class _WatchedWork:
-    """A collective's work handle whose ``wait`` is stamped on the device's timeline and
-    reported to the observers that time waits over its group (:meth:`CommObserver.waited`).
-    On the CPU the stamps bracket the host's block; on CUDA they are events on the current
-    stream around ``work.wait()``, so their distance is how long that stream stalled."""
-
-    def __init__(self, work, observers: list, device: torch.device, launched: Stamp) -> None:
-        self.work, self.observers, self.device, self.launched = work, observers, device, launched
-        self.done: list = []  # the completion stamp, set by the work's future callback
-        if device.type != "cuda":  # a CUDA future's callback runs at enqueue, not at the end
-            work.get_future().then(lambda _f: self.done.append(stamp(device)))
-
-    def wait(self, timeout=None) -> bool:
-        before = stamp(self.device)
-        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
-        after = stamp(self.device)
-        for obs in self.observers:
-            obs.waited(self.launched, before, after, self.done)
-        return ok
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def active_observers() -> list:
-    """The open observers of this thread's scope."""
-    return [o for o in current_scope().observers if o._is_open()]
-
-
-def launch_observed(name: str, group, device: torch.device, launch: Callable[[], object]):
-    """``launch()`` (which starts a collective over ``group`` and returns its work) with
-    this scope's observers told: those that see launches get it with its launch stamp,
-    those that time waits over ``group`` get the returned work's waits. Nothing is
-    stamped when no observer wants it; on CUDA a wait timer reads only the wait (its
-    launch is not stamped for it)."""
-    observers = active_observers()
-    seers = [o for o in observers if o.sees_launches]
-    timers = [o for o in observers if o.times_waits(group)]
-    if not seers and not timers:
-        return launch()
-    start = stamp(device) if seers or device.type != "cuda" else None  # device timeline
-    work = launch()
-    for obs in seers:
-        obs.collective(name, "comm", work, start)
-    return _WatchedWork(work, timers, device, start) if timers else work
-
-
-class NoopCollectives(_Watcher):
-    """Timing only: while active, collectives over ``group`` do nothing (same shapes,
-    wrong values). ``with NoopCollectives(tp_group):`` gives the no-communication
-    upper bound of a schedule. Scoped like a counter (:class:`CommScope`)."""
-
-    _field = "noop"
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    @staticmethod
-    def active(group) -> bool:
-        return any(n.group is group and n._is_open() for n in current_scope().noop)
-
-
-class _DoneWork:
-    """Stands in for the work handle of a collective that was skipped."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def require_default_stream(device: torch.device, who: str) -> None:
@@ -302,6 +104,48 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
                                 lambda: _all_gather_single(out, src, group=group, async_op=True))
 
 
+class _SumChunks:
+    """The work of a reduce-scatter made of an all-to-all: ``wait`` waits for it, then
+    sums the chunks this rank received into ``out``."""
+
+    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, n: int) -> None:
+        self.work, self.recv, self.out, self.n = work, recv, out, n
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        torch.sum(self.recv.view(self.n, *self.out.shape), 0, out=self.out)
+        return ok
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _reduce_scatter_into(out: torch.Tensor, src: torch.Tensor, group, n: int):
+    """Start the reduce-scatter of ``src`` (dim 0) into ``out``; returns its work. gloo's
+    own reduce-scatter takes as long as an all-reduce of the whole tensor (twice a
+    bandwidth-optimal one's bytes, benchmarks/results/collectives.md), so on gloo it is an
+    all-to-all of the chunks, (n-1)/n of the tensor each way, and a local sum."""
+    if dist.get_backend(group) != "gloo":
+        return _reduce_scatter_single(out, src, group=group, async_op=True)
+    recv = torch.empty_like(src)
+    return _SumChunks(dist.all_to_all_single(recv, src, group=group, async_op=True), recv, out, n)
+
+
+def reduce_scatter_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
+    """Start a reduce-scatter (sum) along dim 0; returns (this rank's chunk, work). The
+    chunk is valid after ``work.wait()``."""
+    n = group_size(group)
+    if t.shape[0] % n:
+        raise ValueError(f"dim 0 of size {t.shape[0]} does not split over {n} ranks")
+    src = t.contiguous()
+    CommCounter.record("reduce_scatter", src)
+    if NoopCollectives.active(group):
+        return src.chunk(n)[group_rank(group)].clone(), _DoneWork()
+    out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    return out, launch_observed("reduce-scatter", group, t.device,
+                                lambda: _reduce_scatter_into(out, src, group, n))
+
+
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     src = t.movedim(dim, 0).contiguous()
@@ -330,7 +174,7 @@ def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     if NoopCollectives.active(group):
         return src.chunk(n)[group_rank(group)].movedim(0, dim).contiguous()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    _reduce_scatter_single(out, src, group=group)
+    _reduce_scatter_into(out, src, group, n).wait()
     return out.movedim(0, dim).contiguous()
 
 

@@ -69,11 +69,16 @@ class CompiledSegment:
 
 def compile_blocks(model: nn.Module, strict: bool = False) -> int:
     """Compile the ``partial`` and ``combine`` of every block of ``model.blocks()``;
-    returns how many segments were wrapped."""
+    returns how many segments were wrapped. Under sequence parallelism (set before) the
+    segments a schedule runs around the all-gather are compiled instead of ``partial``:
+    ``prologue`` and ``region`` (``partial`` still, where a block defines it itself)."""
     torch._inductor.config.fallback_random = True
     n = 0
     for i, blk in enumerate(model.blocks()):
-        for seg in ("partial", "combine"):
+        segs = ("partial", "combine")
+        if getattr(blk, "sequence_parallel", False) and blk.halves()[1] != blk.partial:
+            segs = ("prologue", "region", "combine")
+        for seg in segs:
             fn = getattr(blk, seg)
             if isinstance(fn, CompiledSegment):
                 continue

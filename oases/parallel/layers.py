@@ -10,6 +10,12 @@ column layer):
 ``RowParallelLinear(reduce_output=False)`` returns the un-reduced partial sum
 Z_r, so a schedule can launch the all-reduce itself (asynchronously) and add
 the bias afterwards with :meth:`RowParallelLinear.add_bias`.
+
+``sequence_parallel`` (a layer's flag; the model sets it on every layer and block,
+oases.parallel.sequence.set_sequence_parallel): the column layer's input is a sequence
+chunk, all-gathered before the matmul (backward: reduce-scatter), unless a schedule
+already gathered it (it entered the region through ``GATHERED``); the row layer and the
+embedding reduce-scatter their output along the sequence instead of all-reducing it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch.nn.functional as F
 
 from oases.parallel.comm import (column_linear, gather_from_tp, group_rank, group_size,
                                  reduce_from_tp, scatter_to_tp)
+from oases.parallel.region import GATHERED, entered_region
+from oases.parallel.sequence import seq_enter, seq_leave
 from oases.parallel.sharding import TPSpec, chunk_of, divide, local_parts, set_spec
 
 
@@ -49,11 +57,14 @@ class ColumnParallelLinear(nn.Module):
     and their gradients must be summed over them (oases.dp.replicas).
     """
 
+    sequence_parallel = False
+
     def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
                  gather_output: bool = False, parts: Optional[Sequence[int]] = None,
                  init_std: float = 0.02, device=None, dtype=None,
-                 units: Optional[Sequence[int]] = None) -> None:
+                 units: Optional[Sequence[int]] = None, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
         self.tp = group_size(tp_group)
         if parts is not None and sum(parts) != out_features:
@@ -89,7 +100,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the input enters the TP region: the entered region entry decides who all-reduces
         # dX (autograd, overlapped with dW; or the schedule, at a cut it records)
-        y = column_linear(x, self.weight, self.bias, self.tp_group)  # (..., out/tp)
+        if self.sequence_parallel and entered_region() is not GATHERED and self.tp > 1:
+            x = seq_enter(x, self.tp_group)  # (B, T/tp, in) -> (B, T, in)
+            y = GATHERED.linear(x, self.weight, self.bias, self.tp_group)
+        else:
+            y = column_linear(x, self.weight, self.bias, self.tp_group)  # (..., out/tp)
         if self.gather_output:
             if self.parts or self.weight.tp_spec.units:
                 raise ValueError("gather_output with fused or replicated parts would "
@@ -113,10 +128,14 @@ class RowParallelLinear(nn.Module):
     | output  | (..., out)  | (..., out) reduced, or the partial sum Z_r   |
     """
 
+    sequence_parallel = False  # reduce-scatter the output along the sequence
+
     def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
                  input_is_parallel: bool = True, reduce_output: bool = True,
-                 init_std: float = 0.02, device=None, dtype=None) -> None:
+                 init_std: float = 0.02, device=None, dtype=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
         self.tp = group_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
@@ -145,6 +164,8 @@ class RowParallelLinear(nn.Module):
         y = self.partial(x)
         if not self.reduce_output:
             return y
+        if self.sequence_parallel:
+            return self.add_bias(seq_leave(y, self.tp_group))  # (B, T/tp, out)
         return self.add_bias(reduce_from_tp(y, self.tp_group))
 
     def extra_repr(self) -> str:
@@ -165,6 +186,8 @@ class VocabParallelEmbedding(nn.Module):
     non-zero row. ``num_embeddings`` is the padded size; ``logical`` the real
     vocabulary (padded rows start at zero).
     """
+
+    sequence_parallel = False  # reduce-scatter the output along the sequence
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None,
                  logical: Optional[int] = None, reduce_output: bool = True,
@@ -190,7 +213,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = self.partial(ids)
-        return reduce_from_tp(y, self.tp_group) if self.reduce_output else y
+        if not self.reduce_output:
+            return y
+        return seq_leave(y, self.tp_group) if self.sequence_parallel else \
+            reduce_from_tp(y, self.tp_group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}"

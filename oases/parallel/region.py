@@ -120,3 +120,21 @@ class CutRecorder:
     def current(cls) -> Optional["CutRecorder"]:
         """The innermost recorder entered on this thread, or None."""
         return next((e for e in reversed(_stack()) if isinstance(e, cls)), None)
+
+
+class _Gathered:
+    """The :class:`TPRegionEntry` of a region whose input a schedule all-gathered along
+    the sequence (sequence parallelism): that all-gather's conjugate reduce-scatters the
+    input gradient, so entering the region adds nothing, neither an all-reduce nor a cut."""
+
+    @staticmethod
+    def copy(x: torch.Tensor, group) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               group) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+GATHERED = _Gathered()

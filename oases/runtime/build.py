@@ -10,7 +10,8 @@ import torch
 from models import build_model
 from oases.config import Config
 from oases.dp.reducer import GradReducer, TiedTableSync
-from oases.dp.replicas import ReplicaGradSum
+from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
+from oases.errors import ConfigError
 from oases.overlap.engines import build_schedule
 from oases.parallel.compile import compile_blocks
 from oases.parallel.groups import ParallelContext
@@ -55,6 +56,11 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, recompute,
                             seed=seed, device=ctx.device, degrees=degrees,
                             degree_groups=ctx.degree_groups() if degrees is not None else None)
+    if par.sequence_parallel:
+        try:
+            model.set_sequence_parallel(True)
+        except ValueError as e:  # a plan's layout the switch does not take
+            raise ConfigError(f"parallel.sequence_parallel: {e}") from None
     if par.compile:  # each block's segments; compiled at their first call
         compile_blocks(model, strict=par.compile == "strict")
     return model
@@ -82,15 +88,18 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
         prescale_of = lambda p: 1.0 / ctx.dp if p is tied else None  # noqa: E731
     # after the DP reduction: the tied table's two copies, the replicated kv heads' rows
     kv_sum = ReplicaGradSum.for_model(model, kv_group_of(ctx, ctx.tp), ctx.tp)
-    syncs = [f for f in (tie_sync, kv_sum) if f is not None]
+    # sequence parallelism: the unsharded parameters' chunk terms, summed over TP
+    seq_sum = SequenceGradSum.for_model(model, ctx.tp_group)
+    syncs = [f for f in (tie_sync, kv_sum, seq_sum) if f is not None]
     # whether the run uses ZeRO anywhere: the same on every rank and stage (collectives)
     any_zero = bool(par.zero) or bool(zero_levels and any(zero_levels))
     if zero_levels is None:
         zero_levels = plan_zero_levels(cfg, ctx)
         any_zero = bool(par.zero) or plan_uses_zero(cfg)
     # the highest level some parameters allow: the tied table's group spans two stages
-    # (replicated), the kv-replica sum needs whole gradients (level 1 at most)
+    # (replicated), the kv-replica and sequence sums need whole gradients (level 1 at most)
     cap = {id(p): 1 for ps in (kv_sum.params.values() if kv_sum else []) for p in ps}
+    cap.update({id(p): 1 for p in (seq_sum.params if seq_sum else [])})
     if tied is not None:
         cap[id(tied)] = 0
     level_of = zero_level_of(model, zero_levels, par.zero, cap)

@@ -1,0 +1,220 @@
+"""Sequence parallelism under the ``oases`` engine: each block's all-gather and
+reduce-scatter are collectives the other sub-batch's compute hides, like the all-reduce
+they replace (oases.parallel.sequence has the layout).
+
+A block of a sub-batch is three segments and two collectives, forward and backward:
+
+    forward    | Pj: prologue(x_j) | AG h | R: region(h) | RS p | C: combine(x_j, r_j) |
+    backward   | C' -> dr_j | AG dr | R' -> dh | RS dh | P' -> dx_j (+ residual) |
+
+so a sub-batch yields twice per block where it yielded once, and each of its
+collectives, half the bytes of an all-reduce, runs while the other sub-batch computes:
+
+    compute  | a:C0 P1 | b:C0 P1 | a:R1 | b:R1 | a:C1 P2 | b:C1 P2 | ...
+    comm             | AG a1   | AG b1 | RS a1 | RS b1  | AG a2   | ...
+
+Recompute: ``fine`` keeps the block's input chunk x_j, the all-gathered h (the whole
+sequence: the region needs it, and recompute never re-issues a forward collective) and
+the reduce-scattered r_j; ``full`` keeps each layer's input chunk and re-issues both
+collectives. The RNG states are replayed as without SP: the prologue and the region draw
+from the state captured before the prologue, the combine from the one before it.
+
+A pipeline stage's input and output stay whole (replicated over TP): the first block
+takes this rank's chunk of the input (its gradient is all-gathered), the last block's
+output chunk is all-gathered on a stage before the last (its gradient sliced); the last
+stage's final norm runs on the chunk and the normed chunks are all-gathered before the
+vocab-parallel head (the model's ``head_prologue``, ``loss_partial(entered=True)``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from oases.overlap.runner import Launch, OasesRun, Program, Wait, collect
+from oases.overlap.state import _BlockState, _SubBatch
+from oases.parallel.comm import group_rank, group_size
+from oases.parallel.engine import HEAD
+from oases.parallel.region import GATHERED, entering
+from oases.parallel.sequence import SEQ_DIM, batch_major, seq_major
+from oases.parallel.timing import label
+
+
+def _chunk(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of a whole sequence (a copy: what is kept is the chunk only)."""
+    n = group_size(group)
+    return x.chunk(n, dim=SEQ_DIM)[group_rank(group)].contiguous() if n > 1 else x
+
+
+def _gather(x: torch.Tensor, group) -> Program:
+    """The whole sequence from the chunks, through ``yield from`` (overlapped)."""
+    (g,) = yield from collect([("ag", seq_major(x.detach()), group)])
+    return batch_major(g)
+
+
+class SequencePrograms:
+    """The sequence-parallel segments of :class:`~oases.overlap.engines.OasesSchedule`
+    (mixed into it; ``self`` has its ``_enter``, ``recompute`` and ``_early_prepare``)."""
+
+    # ---------------------------------------------------------------- forward
+    def _sp_block(self, run: OasesRun, sb: _SubBatch, i: int, x_in: torch.Tensor, keep: bool,
+                  st: _BlockState, name: str) -> Program:
+        """Block i of a sub-batch, forward, from its input chunk (or token ids); returns
+        its output chunk. ``keep``: its graph stays live (else what recompute needs is
+        stashed, see the module docstring)."""
+        blk = run.blocks[i]
+        grp = blk.tp_group
+        fine = not keep and self.recompute == "fine"
+        h = None
+        if x_in.is_floating_point():
+            prologue, region = blk.halves()
+            with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp():
+                h = prologue(x_in)
+            g = yield from _gather(h, grp)
+            if fine:
+                st.saved_g = run.stash(g, "all-gathered region input")
+            g = g.detach().requires_grad_(keep)
+            with self._enter(i, span=f"{name} R{i}"), torch.set_grad_enabled(keep), run.amp(), \
+                    entering(GATHERED):
+                p = region(g)
+        else:  # token ids, whole on every rank: no all-gather
+            g = None
+            with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp():
+                p = blk.partial(x_in)
+        (r,) = yield from collect([("rs", seq_major(p.detach()), grp)])
+        r = batch_major(r)
+        if not keep:
+            st.rng_combine = run.snap()
+            if fine:
+                st.saved_r = run.stash(r, "reduce-scattered partial sum")
+        r = r.detach().requires_grad_(keep)
+        with self._enter(i, span=f"{name} C{i}"), torch.set_grad_enabled(keep), run.amp():
+            out = blk.combine(x_in, r)
+        if keep:
+            st.x_in, st.h, st.g, st.p, st.r, st.out = x_in, h, g, p, r, out
+        return out
+
+    def _sp_loss(self, run: OasesRun, sb: _SubBatch, x: torch.Tensor) -> Program:
+        """The head of the last stage: the final norm on the chunk, the all-gather of the
+        normed chunks, the vocab-parallel loss and its all-reduce."""
+        model = run.model
+        x_last = x.detach().requires_grad_()
+        with label(f"F{sb.name} loss"), run.amp():
+            h = model.head_prologue(x_last)
+        g = yield from _gather(h, model.tp_group)
+        g = g.requires_grad_()
+        with label(f"F{sb.name} loss"), run.amp(), entering(GATHERED):
+            state, stats = model.loss_partial(g, sb.targets, entered=True)
+        (stats,) = yield from collect([("ar", stats, model.tp_group)])
+        with label(f"F{sb.name} loss"), run.amp():
+            loss = model.loss_combine(state, stats)
+        sb.head = (x_last, h, g, loss)
+        sb.loss = loss.detach()
+
+    def _sp_stage_out(self, run: OasesRun, x: torch.Tensor) -> Program:
+        """A stage's output before the last: the whole sequence."""
+        return (yield from _gather(x, run.model.tp_group))
+
+    # --------------------------------------------------------------- backward
+    def _sp_reduce_back(self, grad: torch.Tensor, group, source: torch.Tensor,
+                        prepare: Optional[Program], block: int, name: str) -> Program:
+        """Reduce-scatter ``grad`` (of a gathered leaf) and continue backward from
+        ``source`` (the chunk it was gathered from); ``prepare`` (the recompute of the
+        next block down) runs while the reduce-scatter is in flight under
+        ``_early_prepare``, else after it."""
+        early = self._early_prepare and prepare is not None
+        ticket = yield Launch([("rs", seq_major(grad), group)])
+        if early:
+            yield from prepare
+        (dh,) = yield Wait(ticket)
+        with self._enter(block, span=name):
+            torch.autograd.backward(source, batch_major(dh))
+        if prepare is not None and not early:
+            yield from prepare
+
+    def _sp_loss_backward(self, run: OasesRun, sb: _SubBatch, scale: float,
+                          prepare: Program) -> Program:
+        """Backward of :meth:`_sp_loss`; returns the gradient of the last block's output."""
+        x_last, h, g, loss = sb.head
+        with self._enter(HEAD, span=f"B{sb.name} loss"):
+            torch.autograd.backward(loss, torch.ones_like(loss) * scale)
+        yield from self._sp_reduce_back(g.grad, run.model.tp_group, h, prepare, HEAD,
+                                        f"B{sb.name} head")
+        sb.head = None
+        return x_last.grad
+
+    def _sp_block_backward(self, run: OasesRun, sb: _SubBatch, i: int, grad: torch.Tensor,
+                           prepare: Optional[Program]) -> Program:
+        """Backward of block i from its output chunk's gradient; the input chunk's gradient
+        (residual and prologue terms) is left in ``x_in.grad``."""
+        st, grp = sb.blocks[i], run.blocks[i].tp_group
+        with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
+            torch.autograd.backward(st.out, grad)
+        (dp,) = yield from collect([("ag", seq_major(st.r.grad), grp)])
+        with self._enter(i, span=f"B{sb.name} {i} region"):
+            torch.autograd.backward(st.p, batch_major(dp))
+        if st.h is not None and st.g.grad is not None:
+            yield from self._sp_reduce_back(st.g.grad, grp, st.h, prepare, i,
+                                            f"B{sb.name} {i} in")
+        elif prepare is not None:
+            yield from prepare
+
+    # -------------------------------------------------------------- recompute
+    def _sp_recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:
+        """Block i again from the stash: no collective."""
+        blk = run.blocks[i]
+        prologue, region = blk.halves()
+        x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
+        g = st.saved_g.get(blk, i, self.recompute).detach().requires_grad_()
+        r = st.saved_r.get(blk, i, self.recompute).detach().requires_grad_()
+        with label(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp():
+            h = prologue(x_in)
+            with entering(GATHERED):
+                p = region(g)
+        with label(name), run.replay(st.rng_combine), torch.enable_grad(), run.amp():
+            st.out = blk.combine(x_in, r)
+        st.x_in, st.h, st.g, st.p, st.r = x_in, h, g, p, r
+        st.saved_x = st.saved_g = st.saved_r = None
+
+    def _sp_recompute_group(self, run: OasesRun, sbs: list, a: int, b: int,
+                            name: str) -> Program:
+        """Blocks a..b-1 again from the stashed input chunk, both collectives re-issued."""
+        x = sbs[a].saved_x.get(run.blocks[a], a, self.recompute)
+        for i in range(a, b):
+            st, blk = sbs[i], run.blocks[i]
+            prologue, region = blk.halves()
+            x_in = x.detach().requires_grad_()
+            with self._enter(i, i + 1, f"{name} P{i}"), run.replay(st.rng_partial), \
+                    torch.enable_grad(), run.amp():
+                h = prologue(x_in)
+                mid = run.snap()  # the region draws on from here
+            g = (yield from _gather(h, blk.tp_group)).requires_grad_()
+            with self._enter(i, span=f"{name} R{i}"), run.replay(mid), torch.enable_grad(), \
+                    run.amp(), entering(GATHERED):
+                p = region(g)
+            (r,) = yield from collect([("rs", seq_major(p.detach()), blk.tp_group)])
+            r = batch_major(r).requires_grad_()
+            with self._enter(i, span=f"{name} C{i}"), run.replay(st.rng_combine), \
+                    torch.enable_grad(), run.amp():
+                st.out = blk.combine(x_in, r)
+            st.x_in, st.h, st.g, st.p, st.r = x_in, h, g, p, r
+            x = st.out
+        sbs[a].saved_x = None
+
+    # ------------------------------------------------------ stage boundaries
+    @staticmethod
+    def _sp_stage_in(run: OasesRun, x: torch.Tensor) -> torch.Tensor:
+        """A later stage's whole input -> this rank's chunk."""
+        return _chunk(x, run.model.tp_group)
+
+    def _sp_grad_in(self, run: OasesRun, g: Optional[torch.Tensor]) -> Program:
+        """The input chunk's gradient -> the whole input's (all-gathered)."""
+        if g is None:
+            return None
+        return (yield from _gather(g, run.model.tp_group))
+
+    @staticmethod
+    def _sp_grad_out(run: OasesRun, g: torch.Tensor) -> torch.Tensor:
+        """The whole output's gradient (from the next stage) -> this rank's chunk's."""
+        return _chunk(g, run.model.tp_group)

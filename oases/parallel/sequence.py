@@ -1,0 +1,94 @@
+"""Sequence parallelism (SP): outside the matmuls, activations are split along the
+sequence over the TP ranks of their block.
+
+Activations are ``(B, T, ...)``; under SP a TP rank of a degree-t block holds the
+sequence chunk ``j`` (its rank in the block's group) of ``T / t`` tokens:
+
+    block (SP)   x_j --prologue (norm)--> h_j --all-gather(T)--> h --region--> p_r
+                 p_r --reduce-scatter(T)--> r_j --combine (bias, dropout, residual)--> out_j
+
+    op             forward                          backward
+    seq_enter      all-gather along the sequence    reduce-scatter
+    seq_leave      reduce-scatter along it          all-gather
+    seq_gather     all-gather (to replicated)       keep own chunk
+    seq_split      keep own chunk                   all-gather
+
+The all-gather and the reduce-scatter move the bytes of the one all-reduce they
+replace; the norms, dropout, residual stream and what recompute keeps shrink by t. A
+region entered through a gathered input adds no collective of its own (its input
+gradient is reduce-scattered by ``seq_enter``'s conjugate): a schedule enters it with
+:data:`~oases.parallel.region.GATHERED`. Collectives move dim 0: the async helpers here
+put the sequence first (:func:`seq_major`) and back (:func:`batch_major`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from oases.parallel.comm import (all_gather_to_tp, gather_from_tp, group_rank, group_size,
+                                 reduce_scatter_to_tp, scatter_to_tp)
+
+SEQ_DIM = 1  # activations are (B, T, ...)
+
+
+def seq_enter(x: torch.Tensor, group) -> torch.Tensor:
+    """Sequence chunk -> the whole sequence, entering a TP region (backward: the input
+    gradient's partial sums reduce-scattered back to chunks)."""
+    return all_gather_to_tp(x, group, dim=SEQ_DIM)
+
+
+def seq_leave(p: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums over the whole sequence -> this rank's chunk of their sum (backward:
+    all-gather)."""
+    return reduce_scatter_to_tp(p, group, dim=SEQ_DIM)
+
+
+def seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Sequence chunk -> the whole sequence, replicated (a pipeline stage's output)."""
+    return gather_from_tp(x, group, dim=SEQ_DIM)
+
+
+def seq_split(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated whole sequence -> this rank's chunk (a pipeline stage's input)."""
+    return scatter_to_tp(x, group, dim=SEQ_DIM)
+
+
+def seq_part(module: nn.Module) -> tuple[int, int]:
+    """(chunk index, chunks) of the sequence a module's activations hold: (rank in its TP
+    group, degree) under SP, else (0, 1)."""
+    if not getattr(module, "sequence_parallel", False):
+        return 0, 1
+    return group_rank(module.tp_group), group_size(module.tp_group)
+
+
+def seq_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) -> (T, B, ...), contiguous: the layout a dim-0 collective moves."""
+    return x.movedim(SEQ_DIM, 0).contiguous()
+
+
+def batch_major(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`seq_major`, contiguous (the layers' layout)."""
+    return x.movedim(0, SEQ_DIM).contiguous()
+
+
+def part_mask(dropout: nn.Module, y: torch.Tensor, rows: tuple[int, int],
+                  seq: tuple[int, int]) -> torch.Tensor:
+    """``dropout``'s mask for ``y``, part ``rows = (g, k)`` of the batch and chunk
+    ``seq = (j, n)`` of the sequence of a (k B, n T, ...) whole: the whole's mask drawn
+    from the generator, as an unsplit run draws it, and this part of it kept (a copy,
+    so that what backward keeps is the part only)."""
+    (g, k), (j, n) = rows, seq
+    B, T = y.shape[0], y.shape[SEQ_DIM]
+    whole = y.new_ones((k * B, n * T, *y.shape[2:]))             # (k B, n T, ...)
+    return dropout(whole).narrow(0, g * B, B).narrow(SEQ_DIM, j * T, T).clone()
+
+
+def set_sequence_parallel(module: nn.Module, on: bool) -> None:
+    """Turn SP on or off for every block and parallel layer in ``module`` (whatever has a
+    ``sequence_parallel`` class attribute: oases.parallel.block.TPBlock, the layers of
+    oases.parallel.layers, the model)."""
+    for m in module.modules():
+        if hasattr(type(m), "sequence_parallel"):
+            m.sequence_parallel = on
+

@@ -1,0 +1,203 @@
+"""Sequence parallelism (``parallel.sequence_parallel``): parity and collectives.
+
+* Against one unsharded process (tests.test_pipeline_parity's harness: two real
+  optimizer steps through the runtime, the losses, the first step's gradient norm and
+  every gradient shard): tp 4 under both engines and every recompute mode, tp 2 x pp 2,
+  tp 2 x dp 2 with ``overlap_fb``; ZeRO-3 with SP against ZeRO-0 without
+  (tests/test_zero.py's run and tolerances). Dropout 0 there: at tp > 1 the
+  attention dropout of each rank's heads comes from its own stream, which no unsharded
+  run draws. Tolerances: that harness's (fp32 rounding of sharded sums).
+* With dropout on, against the same model without SP at the same tp (whose equality to
+  plain autograd tests/test_schedule.py checks): the residual and embedding masks of a
+  sequence chunk must be that chunk of the whole sequence's, or the gradients differ
+  by far more than the tolerance (tests/test_schedule.py's, atol 1e-6 / rtol 1e-5).
+* A block of a user's own, built from the parallel layers with its norm inside its
+  ``partial``, gets SP with no code of its own.
+* Collectives: under SP no block all-reduces; ``fine`` re-issues no forward collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import build_model
+from oases.config import load_config
+from oases.dp.replicas import SequenceGradSum
+from oases.errors import ConfigError
+from oases.overlap.engines import build_schedule
+from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
+from oases.parallel.block import TPBlock
+from oases.parallel.comm import CommCounter
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.sharding import set_spec
+from tests.distributed import run_distributed
+from tests.test_pipeline_parity import MBS, SEQ, WORLD, _run_case
+from tests.test_schedule import PAIRS, _full_grads, _reference
+from tests.test_zero import PARAM_ATOL, run_levels
+
+
+def _cfg(arch: str, schedule: str, recompute: str, pp: int, tp: int, *extra: str):
+    name = "gpt-tiny" if arch == "gpt" else "llama-tiny"
+    return load_config(None, [
+        f"model.name={name}", f"model.seq_len={SEQ}", "model.dropout=0.0", f"parallel.pp={pp}",
+        f"parallel.tp={tp}", f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
+        "parallel.sequence_parallel=true", "train.grad_accum=3",
+        f"train.micro_batch_size={MBS}", "train.warmup_steps=0", "train.lr=1e-3",
+        "data.kind=synthetic", "wandb.mode=disabled", *extra]).validate(WORLD)
+
+
+def _unsharded_body(rank: int, cases: list) -> None:
+    from oases.parallel.layout import uniform_layout
+
+    for arch, schedule, recompute, pp, tp, extra in cases:
+        cfg = _cfg(arch, schedule, recompute, pp, tp, *extra)
+        layout = uniform_layout(WORLD, pp, tp, cfg.model.n_layer)
+        _run_case(rank, cfg, layout, 2, f"SP {arch} {schedule}/{recompute} pp{pp} tp{tp} {extra}")
+
+
+MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
+         ("oases", "none"), ("oases", "selective"), ("oases", "full"), ("oases", "fine")]
+
+
+def test_tp4_every_mode_matches_unsharded():
+    run_distributed(_unsharded_body, world=WORLD, tp=None,
+                    args=([("gpt", s, r, 1, 4, ()) for s, r in MODES],))
+
+
+def test_pipeline_and_overlap_fb_match_unsharded():
+    run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
+        ("llama", "oases", "fine", 2, 2, ()), ("gpt", "megatron", "full", 2, 2, ()),
+        ("llama", "oases", "none", 1, 2, ("parallel.overlap_fb=true", "parallel.sub_batches=1")),
+        ("llama", "megatron", "selective", 1, 2, ()),
+    ],))
+
+
+def _zero_body(ctx, schedule: str, recompute: str) -> None:
+    """ZeRO-3 with SP against ZeRO-0 without, 3 steps (tests/test_zero.py's run and
+    tolerances: the per-step loss and gradient norm, and the final full parameters)."""
+    (ref_l, ref_n, ref_p, _), = run_levels(ctx, (0,), schedule, recompute).values()
+    (losses, norms, params, _), = run_levels(ctx, (3,), schedule, recompute,
+                                             ("parallel.sequence_parallel=true",)).values()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_l), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_n), rtol=1e-5, atol=0)
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
+def test_zero3_matches_replicated(schedule, recompute):
+    run_distributed(_zero_body, world=4, tp=2, args=(schedule, recompute))
+
+
+def _run(ctx, cfg, mode, ids, y, sp: bool, swap=None):
+    sched, rc = mode
+    tr = TPRNGTracker(ctx.device)
+    tr.seed(11, ctx.tp_rank)
+    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tr,
+                        rc if sched == "megatron" or rc == "selective" else "none", seed=3)
+    if swap is not None:
+        swap(model, ctx)
+    model.set_sequence_parallel(sp)
+    with CommCounter() as counter:
+        if sched == "megatron":
+            loss = _reference(model, tr, ids, y, 2)
+        else:
+            loss = build_schedule("oases", ctx.tp_group, 2, rc, tr).forward_backward(model, ids, y)
+    summed = SequenceGradSum.for_model(model, ctx.tp_group)
+    if summed is not None:
+        summed()
+    return loss, _full_grads(model, ctx), counter.counts
+
+
+def _dropout_body(ctx, name: str, modes: list, swap=None) -> None:
+    cfg = load_config(None, [f"model.name={name}", f"parallel.tp={ctx.tp}", "model.dropout=0.1",
+                             "model.n_layer=2"]).validate(ctx.world_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
+    ref_loss, ref, _ = _run(ctx, cfg, ("megatron", "none"), ids, y, False, swap)
+    for mode in modes:
+        loss, grads, counts = _run(ctx, cfg, mode, ids, y, True, swap)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6, msg=str(mode))
+        for k in ref:
+            torch.testing.assert_close(grads[k], ref[k], rtol=1e-5, atol=1e-6,
+                                       msg=f"SP {mode} {k}")
+        L, n = cfg.model.n_layer, 2
+        # per sub-batch: the loss's all-reduce only; forward: an all-gather per layer
+        # block and the head, a reduce-scatter per block; backward: their conjugates
+        assert counts["all_reduce"] == n, (mode, counts)
+        fwd_ag, fwd_rs = n * (2 * L + 1), n * (2 * L + 1)
+        again = n * 2 * L if mode[1] == "full" else 0  # re-issued by full recompute only
+        assert counts["all_gather"] == fwd_ag + fwd_rs + again, (mode, counts)
+        assert counts["reduce_scatter"] == fwd_rs + fwd_ag + again, (mode, counts)
+    if swap is not None:
+        return
+    # the check can fail: a chunk drawing its own mask (not the whole's) trains otherwise
+    tr = TPRNGTracker(ctx.device)
+    tr.seed(11, ctx.tp_rank)
+    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tr, seed=3)
+    model.set_sequence_parallel(True)
+    for layer in model.layers:
+        layer.mlp.batch_part = (ctx.tp_rank, 1)  # a wrong part: other rows' masks
+        layer.mlp.combine = _own_mask(layer.mlp)
+    _reference(model, tr, ids, y, 2)
+    SequenceGradSum.for_model(model, ctx.tp_group)()
+    other = _full_grads(model, ctx)
+    assert max((other[k] - ref[k]).abs().max() for k in ref) > 1e-4
+
+
+def _own_mask(blk):
+    def combine(x, reduced):  # the chunk's own draw: not the unsharded run's mask
+        return x + blk.dropout(blk.proj.add_bias(reduced))
+    return combine
+
+
+@pytest.mark.parametrize("name,world", [("gpt-tiny", 2), ("llama-tiny", 2), ("gpt-tiny", 4)])
+def test_dropout_masks_of_a_chunk_are_the_whole_sequence_s(name, world):
+    modes = [("megatron", "none")] + PAIRS if world == 2 else [("oases", "fine")]
+    run_distributed(_dropout_body, world=world, tp=world, args=(name, modes))
+
+
+class _UserMLP(TPBlock):
+    """A user's block: its norm inside ``partial`` (no prologue), its bias in ``combine``."""
+
+    def __init__(self, d: int, tp_group) -> None:
+        super().__init__(tp_group)
+        self.ln = nn.LayerNorm(d)
+        set_spec(self.ln.weight, None, ("ones",))
+        set_spec(self.ln.bias, None, ("zeros",))
+        self.up = ColumnParallelLinear(d, 4 * d, tp_group)
+        self.down = RowParallelLinear(4 * d, d, tp_group, reduce_output=False)
+
+    def partial(self, x):
+        return self.down.partial(F.relu(self.up(self.ln(x))))
+
+    def combine(self, x, reduced):
+        return x + self.down.add_bias(reduced)
+
+
+def _swap_user_block(model, ctx) -> None:
+    for layer in model.layers:
+        layer.mlp = _UserMLP(model.cfg.d_model, ctx.tp_group)
+        for p in layer.mlp.parameters():
+            p.tp_degree = ctx.tp
+    init_parameters(model, 7, ctx.tp_rank, ctx.tp)
+
+
+def test_a_user_block_gets_sequence_parallelism():
+    run_distributed(_dropout_body, world=2, tp=2,
+                    args=("gpt-tiny", [("megatron", "none"), ("oases", "fine"),
+                                       ("oases", "full")], _swap_user_block))
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ConfigError, match="seq_len=30 does not divide by parallel.tp=4"):
+        load_config(None, ["model.seq_len=30", "parallel.tp=4", "model.name=gpt-tiny",
+                           "parallel.sequence_parallel=true"]).validate(4)
+    model = build_model(load_config(None, ["model.name=gpt-tiny"]).validate(1).model, 256)
+    model.set_sequence_parallel(True)
+    with pytest.raises(ValueError, match="set_sequence_parallel"):
+        model.new_kv_cache(1, 8)
