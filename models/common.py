@@ -153,13 +153,14 @@ class CausalLM(nn.Module):
             if T % tp:
                 raise ValueError(f"sequence parallelism splits the sequence over the TP "
                                  f"ranks: model.seq_len={T} does not divide by tp={tp}")
-            if self.resharder is not None:
-                raise ValueError("sequence parallelism with per-block TP degrees (a plan "
-                                 "whose degrees differ) is not supported")
         set_sequence_parallel(self, on)
 
     def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
-        return x if t_from == t_to else self.resharder.reshard(x, t_from, t_to)
+        if t_from == t_to:
+            return x
+        if self.sequence_parallel:
+            return self.resharder.reshard_sp(x, t_from, t_to)
+        return self.resharder.reshard(x, t_from, t_to)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on

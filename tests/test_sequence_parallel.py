@@ -2,7 +2,8 @@
 
 * Against one unsharded process (tests.test_pipeline_parity's harness: two real
   optimizer steps through the runtime, the losses, the first step's gradient norm and
-  every gradient shard): tp 4 under both engines and every recompute mode, tp 2 x pp 2,
+  every gradient shard): tp 4 under both engines and every recompute mode, a plan of
+  per-block degrees 4, 2 and 1 inside tp 4, tp 2 x pp 2,
   tp 2 x dp 2 with ``overlap_fb``; ZeRO-3 with SP against ZeRO-0 without
   (tests/test_zero.py's run and tolerances). Dropout 0 there: at tp > 1 the
   attention dropout of each rank's heads comes from its own stream, which no unsharded
@@ -42,20 +43,23 @@ from tests.test_zero import PARAM_ATOL, run_levels
 def _cfg(arch: str, schedule: str, recompute: str, pp: int, tp: int, *extra: str):
     name = "gpt-tiny" if arch == "gpt" else "llama-tiny"
     return load_config(None, [
-        f"model.name={name}", f"model.seq_len={SEQ}", "model.dropout=0.0", f"parallel.pp={pp}",
+        f"model.name={name}", "model.n_layer=2", f"model.seq_len={SEQ}", "model.dropout=0.0",
+        f"parallel.pp={pp}",
         f"parallel.tp={tp}", f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
         "parallel.sequence_parallel=true", "train.grad_accum=3",
         f"train.micro_batch_size={MBS}", "train.warmup_steps=0", "train.lr=1e-3",
         "data.kind=synthetic", "wandb.mode=disabled", *extra]).validate(WORLD)
 
 
-def _unsharded_body(rank: int, cases: list) -> None:
-    from oases.parallel.layout import uniform_layout
+def _unsharded_body(rank: int, cases: list, steps: int = 2) -> None:
+    from oases.parallel.layout import stages_layout, uniform_layout
 
-    for arch, schedule, recompute, pp, tp, extra in cases:
+    for arch, schedule, recompute, pp, tp, extra, *stages in cases:
         cfg = _cfg(arch, schedule, recompute, pp, tp, *extra)
-        layout = uniform_layout(WORLD, pp, tp, cfg.model.n_layer)
-        _run_case(rank, cfg, layout, 2, f"SP {arch} {schedule}/{recompute} pp{pp} tp{tp} {extra}")
+        layout = (stages_layout(stages[0], WORLD, cfg.model.n_layer, "test", cfg.pipeline_batch)
+                  if stages else uniform_layout(WORLD, pp, tp, cfg.model.n_layer))
+        _run_case(rank, cfg, layout, steps,
+                  f"SP {arch} {schedule}/{recompute} pp{pp} tp{tp} {extra}")
 
 
 MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
@@ -63,8 +67,9 @@ MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
 
 
 def test_tp4_every_mode_matches_unsharded():
+    # one step each (loss, norm, every gradient): the second step is the pipeline cases'
     run_distributed(_unsharded_body, world=WORLD, tp=None,
-                    args=([("gpt", s, r, 1, 4, ()) for s, r in MODES],))
+                    args=([("gpt", s, r, 1, 4, ()) for s, r in MODES], 1))
 
 
 def test_pipeline_and_overlap_fb_match_unsharded():
@@ -85,6 +90,17 @@ def _zero_body(ctx, schedule: str, recompute: str) -> None:
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_n), rtol=1e-5, atol=0)
     for name, p in params.items():
         torch.testing.assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+# per-block degrees 4, 2 and 1 inside tp 4 (resharding between degrees on chunks)
+MIXED = [{"layers": [0, 2], "dp": 1, "tp": 4, "degrees": [2, 1, 4, 2]}]
+
+
+def test_mixed_degree_plan_matches_unsharded():
+    run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
+        (arch, s, r, 1, 4, ("train.micro_batch_size=8",), MIXED)
+        for arch, s, r in [("gpt", "megatron", "full"), ("gpt", "oases", "fine"),
+                           ("gpt", "oases", "full")]], 1))
 
 
 @pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])

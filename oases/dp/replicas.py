@@ -97,35 +97,53 @@ class ReplicaGradSum:
 class SequenceGradSum:
     """Under sequence parallelism (oases.parallel.sequence) each parameter no TP rank
     shards (norm weights, row-parallel biases, learned positions) has a partial gradient
-    on each rank, whose sum over the TP group is the gradient: in a prologue or a combine
-    it acts on this rank's chunk of the sequence only, and inside a region, before the
-    column-parallel layers, it sees the un-reduced input gradient (the all-gather's
-    reduce-scatter sums it later, where the all-reduce at the region's entry summed it
-    before). Once per step, after the DP reduction (both are sums; Megatron-LM sums its
-    layer norms' alike); one all-reduce of one flat buffer."""
+    on each rank, whose sum over its block's TP group is the gradient: in a prologue or a
+    combine it acts on this rank's chunk of the sequence only, and inside a region,
+    before the column-parallel layers, it sees the un-reduced input gradient (the
+    all-gather's reduce-scatter sums it later, where the all-reduce at the region's entry
+    summed it before). A block of degree t < T sums over its own t-rank subgroup (its
+    other batch parts are the DP reducer's, oases.parallel.reshard). Once per step, after
+    the DP reduction (both are sums; Megatron-LM sums its layer norms' alike); one
+    all-reduce of one flat buffer per degree."""
 
-    def __init__(self, params: list[nn.Parameter], group) -> None:
-        self.params, self.group = params, group
+    def __init__(self, params: dict[int, tuple], order: list[int]) -> None:
+        self.params, self.order = params, order  # degree -> (group, [parameters])
 
     @classmethod
     def for_model(cls, model: nn.Module, group) -> Optional["SequenceGradSum"]:
         """The sum for ``model`` when it runs sequence parallel over more than one rank
-        (None otherwise, or when it has no unsharded parameters)."""
+        (None otherwise, or when it has no unsharded parameters). ``group``: the TP group
+        (of the parameters outside ``model.blocks()``, and of blocks without their own)."""
         if not getattr(model, "sequence_parallel", False) or group is None \
                 or dist.get_world_size(group) == 1:
             return None
-        params = [p for p in model.parameters()
-                  if p.requires_grad and getattr(p, "tp_spec", None) is None]
-        return cls(params, group) if params else None
+        T = dist.get_world_size(group)
+        by_degree: dict[int, tuple] = {}
+        seen = set()
+        blocks = model.blocks() if hasattr(model, "blocks") else []
+        for blk in blocks:
+            t, g = getattr(blk, "degree", T), getattr(blk, "tp_group", group)
+            for p in blk.parameters():
+                seen.add(id(p))
+                if p.requires_grad and getattr(p, "tp_spec", None) is None and t > 1:
+                    by_degree.setdefault(t, (g, []))[1].append(p)
+        for p in model.parameters():
+            if id(p) not in seen and p.requires_grad and getattr(p, "tp_spec", None) is None:
+                by_degree.setdefault(T, (group, []))[1].append(p)
+        # every rank sums the same degrees in the same order (a rank's plan degrees are
+        # the same set on every rank of its stage)
+        return cls(by_degree, sorted(by_degree)) if by_degree else None
 
     @torch.no_grad()
     def __call__(self) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, self.group)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
-            off += g.numel()
+        for t in self.order:
+            group, params = self.params[t]
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce(flat, group)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off: off + g.numel()].view_as(g))
+                off += g.numel()

@@ -253,6 +253,15 @@ class OasesSchedule(SequencePrograms):
         if t_from == t_to:
             return x
         rs = model.resharder
+        if getattr(model, "sequence_parallel", False):  # chunks: gather, reshard, chunk
+            x = yield from self._sp_whole(x, rs.sub[t_from])
+            x = yield from self._to_degree_rows(model, x, t_from, t_to)
+            return self._sp_chunk(x, rs.sub[t_to])
+        return (yield from self._to_degree_rows(model, x, t_from, t_to))
+
+    def _to_degree_rows(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """:meth:`_to_degree` of whole sequences: batch rows move."""
+        rs = model.resharder
         group = rs.reshard_group(t_from, t_to)
         if t_to < t_from:
             piece, k = rs.piece(t_from, t_to)
@@ -266,6 +275,15 @@ class OasesSchedule(SequencePrograms):
         slice where it gathered."""
         if t_from == t_to or g is None:
             return g
+        rs = model.resharder
+        if getattr(model, "sequence_parallel", False):
+            g = yield from self._sp_whole(g, rs.sub[t_from])
+            g = yield from self._grad_to_degree_rows(model, g, t_from, t_to)
+            return self._sp_chunk(g, rs.sub[t_to])
+        return (yield from self._grad_to_degree_rows(model, g, t_from, t_to))
+
+    def _grad_to_degree_rows(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
+        """:meth:`_grad_to_degree` of whole sequences."""
         rs = model.resharder
         piece, k = rs.piece(t_from, t_to)
         if t_to < t_from:

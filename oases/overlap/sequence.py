@@ -183,6 +183,8 @@ class SequencePrograms:
         x = sbs[a].saved_x.get(run.blocks[a], a, self.recompute)
         for i in range(a, b):
             st, blk = sbs[i], run.blocks[i]
+            if i > a:  # a layer whose blocks differ in degree
+                x = yield from self._to_degree(run.model, x, run.blocks[i - 1].degree, blk.degree)
             prologue, region = blk.halves()
             x_in = x.detach().requires_grad_()
             with self._enter(i, i + 1, f"{name} P{i}"), run.replay(st.rng_partial), \
@@ -202,7 +204,17 @@ class SequencePrograms:
             x = st.out
         sbs[a].saved_x = None
 
-    # ------------------------------------------------------ stage boundaries
+    # ----------------------------------------------- stage and degree boundaries
+    @staticmethod
+    def _sp_whole(x: torch.Tensor, group) -> Program:
+        """Chunks -> the whole sequence over ``group`` (a degree transition's first step)."""
+        return (yield from _gather(x, group))
+
+    @staticmethod
+    def _sp_chunk(x: torch.Tensor, group) -> torch.Tensor:
+        """The whole sequence -> this rank's chunk over ``group`` (its last step)."""
+        return _chunk(x, group)
+
     @staticmethod
     def _sp_stage_in(run: OasesRun, x: torch.Tensor) -> torch.Tensor:
         """A later stage's whole input -> this rank's chunk."""

@@ -17,6 +17,10 @@ Between blocks of degrees t_a and t_b (k = ratio of the larger to the smaller):
 * the degree grows (t_b > t_a): the k ranks {same t_b subgroup, same r % t_a}
   all-gather their parts. Backward keeps this rank's piece.
 
+Under sequence parallelism a rank holds its chunk of its batch part's sequences: a
+transition gathers the chunks over the t_a subgroup first and keeps this rank's chunk
+at t_b last (:meth:`DegreeGroups.reshard_sp`), one all-gather more each way.
+
 Either way the pieces are exchanged inside the *reshard group* of (t_small,
 t_big): the ranks r' in this rank's t_big subgroup with r' = r mod t_small,
 ordered by rank, which is exactly the order of the batch pieces.
@@ -45,6 +49,7 @@ import torch.distributed as dist
 
 from oases.parallel.comm import gather_from_tp, scatter_to_tp
 from oases.parallel.ranks import kv_replica_ranks, new_group, new_groups
+from oases.parallel.sequence import seq_gather, seq_split
 
 
 def divisors_pow2(T: int) -> list[int]:
@@ -125,6 +130,17 @@ class DegreeGroups:
             # model (a block profiled on its own rows) counts this piece only. Copy it.
             return scatter_to_tp(x, group, dim=0).clone()
         return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
+
+    def reshard_sp(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
+        """:meth:`reshard` of a sequence chunk (sequence parallelism): the chunks of the
+        degree-``t_from`` subgroup gathered to its batch part's whole sequence, that part
+        resharded as without SP, and this rank's chunk of the degree-``t_to`` part kept.
+        Backward: the conjugates (gather the chunk gradients over the ``t_to`` subgroup,
+        reshard back, keep this rank's chunk at ``t_from``)."""
+        if t_from == t_to:
+            return x
+        x = seq_gather(x, self.sub[t_from])
+        return seq_split(self.reshard(x, t_from, t_to), self.sub[t_to]).clone()
 
 
 def grad_group_of(ctx, T: int):

@@ -99,7 +99,8 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
     # the highest level some parameters allow: the tied table's group spans two stages
     # (replicated), the kv-replica and sequence sums need whole gradients (level 1 at most)
     cap = {id(p): 1 for ps in (kv_sum.params.values() if kv_sum else []) for p in ps}
-    cap.update({id(p): 1 for p in (seq_sum.params if seq_sum else [])})
+    cap.update({id(p): 1 for _, ps in (seq_sum.params.values() if seq_sum else [])
+                for p in ps})
     if tied is not None:
         cap[id(tied)] = 0
     level_of = zero_level_of(model, zero_levels, par.zero, cap)
