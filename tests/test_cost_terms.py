@@ -130,3 +130,28 @@ def test_own_speed_reads_the_cluster_file():
     assert [_own_speed(cfg, r) for r in range(4)] == [1.0, 1.0, 0.5, 0.5]
     assert _own_speed(cfg, 7) == 1.0  # beyond the file: the run's check reports that
     assert _own_speed(SimpleNamespace(parallel=SimpleNamespace(cluster=None)), 0) == 1.0
+
+
+def test_sequence_parallel_terms():
+    """Under SP the memory row keeps 1/t of what lies outside the TP region (``fine``:
+    the input and reduce-scattered chunks, the gathered region input whole; ``full``:
+    the input chunk; ``none``: the profiled figure less (1 - 1/t) of the norm input and
+    the dropout mask), and each activation collective is two calls of the same bytes."""
+    base = dict(tp=4, dp=1, micro_batch_size=8, grad_accum=1, sub_batches=2, schedule="oases")
+    c = 2.5e-3
+    for rc in ("fine", "full", "none"):
+        run, sp = RunShape(**base, recompute=rc), RunShape(**base, recompute=rc,
+                                                           sequence_parallel=True)
+        prof = analytic_profile(SHAPE, run, [1, 2, 4])
+        prof = Profile(prof.blocks, prof.constant, {"call_s": c})
+        a, b = CostModel(SHAPE, run, HETERO, prof), CostModel(SHAPE, sp, HETERO, prof)
+        act, stream = a._act_bytes(4), a._stream_bytes(4)
+        got, want = b.saved_bytes("attn", 4), a.saved_bytes("attn", 4)
+        if rc == "fine":
+            assert (want, got) == (stream + act, (stream + act) / 4 + act)
+        elif rc == "full":
+            assert got == want / 4 == stream / 4
+        else:
+            assert got == pytest.approx(want - 0.75 * (stream + act))
+        assert (a.calls(4), b.calls(4), b.calls(1)) == (c, 2 * c, 0.0)
+        assert b.plan_time([4] * 4) > a.plan_time([4] * 4)  # more calls, same bytes

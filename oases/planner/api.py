@@ -46,7 +46,7 @@ def run_shape(cfg):
                     grad_accum=cfg.train.grad_accum, sub_batches=p.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
                     act_bytes=2 if run_precision(cfg) == "bf16" else 4,
-                    overlap_fb=p.overlap_fb)
+                    overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel)
 
 
 def report(plan, cm, uni, log=print) -> None:

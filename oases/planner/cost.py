@@ -64,11 +64,12 @@ the replicas adds to the block's node cost (:meth:`CostModel._kv_sync`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from oases.config.heads import heads_problem
 from oases.planner.cluster import CommModel, grad_groups, reshard_groups, tp_groups
+from oases.planner.measured import Profile, at_speed
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param + grad + 2 moments (also mixed precision's 16 B)
 PARAM_BYTES = 4            # parameters are fp32 (bf16 runs keep fp32 master weights)
@@ -162,31 +163,7 @@ class RunShape:
     act_bytes: int = 4           # bytes per element in the compute dtype (fp32 4, bf16 2)
     residual_bytes: int = 4      # bytes per element of the residual stream (fp32 either way)
     overlap_fb: bool = False     # oases: each backward paired with the next forward
-
-
-@dataclass
-class Profile:
-    """Measured costs. ``blocks[kind][t] = {"fwd": s, "bwd": s, "saved": bytes}`` per
-    *sub-batch* at degree t (rows = micro_batch / sub_batches * t / T); ``constant``:
-    ``{"fwd": s, "bwd": s}`` per micro-batch for embedding + head + loss, ``"step"`` per
-    optimizer step, ``"peak": bytes`` of the head's transient (logits, loss)."""
-    blocks: dict
-    constant: dict
-    comm: dict = field(default_factory=dict)   # measured collective fits (CommModel)
-
-
-_CONSTANT_TIMES = ("fwd", "bwd", "step", "head_fwd", "embed_bwd")  # Profile.constant's seconds
-
-
-def at_speed(profile: Profile, speed: float) -> Profile:
-    """The profile as a device ``speed`` times the profiled one's would measure it:
-    compute seconds / speed; bytes and collectives (the links' business) unchanged."""
-    if speed == 1.0:
-        return profile
-    blocks = {k: {t: {**e, "fwd": e["fwd"] / speed, "bwd": e["bwd"] / speed}
-                  for t, e in per.items()} for k, per in profile.blocks.items()}
-    const = {k: v / speed if k in _CONSTANT_TIMES else v for k, v in profile.constant.items()}
-    return Profile(blocks, const, profile.comm)
+    sequence_parallel: bool = False  # activations outside the matmuls split over TP
 
 
 class CostModel:
@@ -239,13 +216,24 @@ class CostModel:
         ``none``, the weights once). ``none``: the profiled figure (one sub-batch's
         forward, which holds the weights once); ``fine``: the block input (residual
         stream) and the all-reduce output (compute dtype); ``full``: the layer input,
-        kept by its first block."""
-        r = self.run.recompute
+        kept by its first block.
+
+        Sequence parallelism (the profile is measured without it): what lies outside the
+        TP region holds 1/t of the sequence. ``none``: the norm's input (residual stream)
+        and the dropout mask shrink; ``fine``: the input and the reduce-scattered output
+        are chunks, the all-gathered region input is whole; ``full``: the input chunk
+        (benchmarks/results/sp_memory.md measures these)."""
+        r, sp = self.run.recompute, self.run.sequence_parallel
         if r in ("none", "selective"):  # selective: profiled with the core recomputed
-            return max(0.0, self.profile.blocks[kind][str(t)]["saved"] - self.weight_bytes(kind, t))
+            saved = self.profile.blocks[kind][str(t)]["saved"] - self.weight_bytes(kind, t)
+            if sp:
+                saved -= (1 - 1 / t) * (self._stream_bytes(t) + self._act_bytes(t))
+            return max(0.0, saved)
         if r == "fine":
+            if sp:
+                return (self._stream_bytes(t) + self._act_bytes(t)) / t + self._act_bytes(t)
             return self._stream_bytes(t) + self._act_bytes(t)
-        return self._stream_bytes(t) if kind == "attn" else 0.0
+        return self._stream_bytes(t) / (t if sp else 1) if kind == "attn" else 0.0
 
     def ar_time(self, t: int, nbytes: float) -> float:
         """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
@@ -380,8 +368,13 @@ class CostModel:
         return self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
 
     def calls(self, t: int) -> float:
-        """The per-call cost of one activation collective at degree t (none at 1)."""
-        return self.call_s if t > 1 else 0.0
+        """The per-call cost of one activation collective at degree t (none at 1). Under
+        sequence parallelism each is an all-gather and a reduce-scatter: two calls, whose
+        bytes add up to the all-reduce's (measured alike: benchmarks/results/
+        collectives.md), so ``ar_time`` prices the pair."""
+        if t == 1:
+            return 0.0
+        return self.call_s * (2 if self.run.sequence_parallel else 1)
 
     def _paired_run(self) -> bool:
         return self.run.overlap_fb and self.run.schedule == "oases" and self.run.grad_accum > 1
@@ -428,7 +421,12 @@ class CostModel:
         n = self.run.sub_batches if self.run.schedule == "oases" else 1
         size = nbytes * (1 if self.run.schedule == "oases" else self.run.sub_batches)
         cpu = n * size * self.cpu_per_byte(big) if self.run.schedule == "oases" else 0.0
-        return n * (self.ag_time(small, big, size) + self.call_s) + cpu
+        cost = n * (self.ag_time(small, big, size) + self.call_s) + cpu
+        if self.run.sequence_parallel and ta > 1:  # the chunks gathered over ta first:
+            # half an all-reduce's bytes, each way (forward, and the gradient's backward)
+            part = size * self.rows(ta) / self.rows(big)
+            cost += n * 2 * (0.5 * self.ar_time(ta, part) + self.call_s)
+        return cost
 
     def edge_cost(self, i: int, ta: int, tb: int) -> float:
         """Edge between block i-1 at degree ta and block i at degree tb."""
