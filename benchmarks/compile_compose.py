@@ -4,8 +4,8 @@
 
 Each layout trains gpt-tiny for 4 steps with dropout 0.1 through ``torchrun
 --nproc_per_node=2 train.py``, eager and then compiled, and compares the 4 losses:
-pipelines (pp = 2, 1F1B), ZeRO-3 (dp = 2), ``overlap_fb``, bf16 autocast and per-block TP
-degrees (a plan file). Dropout draws eager's masks in compiled code, so the losses agree
+pipelines (pp = 2, 1F1B), ZeRO-3 (dp = 2), ``overlap_fb``, bf16 autocast, per-block TP
+degrees (a plan file) and sequence parallelism under both engines. Dropout draws eager's masks in compiled code, so the losses agree
 to float rounding (fused float32 kernels: ~1e-7 relative; bf16: ~1e-5). Writes
 ``benchmarks/results/compile_compose.{md,json}``; ``--from-json`` writes the .md again from
 the .json.
@@ -36,6 +36,10 @@ LAYOUTS = {
     "tp=2, oases+full, bf16": [*OASES, "parallel.recompute=full", "train.precision=bf16"],
     "tp=2, oases+fine, plan [2,1,2,1,2,1,2,1]": [*OASES, "parallel.recompute=fine",
                                                  "parallel.plan={plan}"],
+    "tp=2, oases+fine, sequence parallel": [*OASES, "parallel.recompute=fine",
+                                            "parallel.sequence_parallel=true"],
+    "tp=2, megatron+full, sequence parallel": ["parallel.tp=2", "parallel.recompute=full",
+                                               "parallel.sequence_parallel=true"],
 }
 
 

@@ -84,14 +84,20 @@ class ReplicaGradSum:
     def __call__(self) -> None:
         for t in sorted(self.params):  # the same order on every rank
             group = self.group_of(t)
-            views = [v for p in self.params[t] if p.grad is not None
-                     for v in replicated_views(p.grad, p)]
-            flat = torch.cat([v.reshape(-1) for v in views])
-            all_reduce(flat, group)
-            off = 0
-            for v in views:
-                v.copy_(flat[off: off + v.numel()].view_as(v))
-                off += v.numel()
+            _sum_in_place([v for p in self.params[t] if p.grad is not None
+                           for v in replicated_views(p.grad, p)], group)
+
+
+def _sum_in_place(tensors: list[torch.Tensor], group) -> None:
+    """Each tensor summed over ``group`` in place, all in one flat all-reduce."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group)
+    off = 0
+    for t in tensors:
+        t.copy_(flat[off: off + t.numel()].view_as(t))
+        off += t.numel()
 
 
 class SequenceGradSum:
@@ -138,12 +144,4 @@ class SequenceGradSum:
     def __call__(self) -> None:
         for t in self.order:
             group, params = self.params[t]
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            all_reduce(flat, group)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off: off + g.numel()].view_as(g))
-                off += g.numel()
+            _sum_in_place([p.grad for p in params if p.grad is not None], group)
