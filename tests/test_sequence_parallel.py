@@ -217,3 +217,21 @@ def test_bad_layouts_are_refused():
     model.set_sequence_parallel(True)
     with pytest.raises(ValueError, match="set_sequence_parallel"):
         model.new_kv_cache(1, 8)
+
+
+def test_a_plan_file_turns_sequence_parallelism_on(tmp_path):
+    from oases.errors import UserError
+    from oases.planner.online import resolve_plan
+    from oases.planner.plan_file import Plan
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "parallel.tp=2", "parallel.schedule=oases",
+                             "parallel.recompute=fine", f"parallel.plan={tmp_path}/p.yaml"]
+                      ).validate(2)
+    Plan(degrees=[2, 1] * cfg.model.n_layer, tp=2, model={},
+         sequence_parallel=True).save(tmp_path / "p.yaml")
+    run, degrees = resolve_plan(cfg, None)
+    assert run.parallel.sequence_parallel and degrees == [2, 1] * cfg.model.n_layer
+    assert not cfg.parallel.sequence_parallel  # the config itself is left as it is
+    (tmp_path / "p.yaml").write_text("degrees: [2, 2]\nsequence_parallel: 1\n")
+    with pytest.raises(UserError, match="sequence_parallel must be true or false"):
+        resolve_plan(cfg, None)

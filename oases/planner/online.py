@@ -111,6 +111,9 @@ def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTim
         plan = load_plan(p.plan)
         check_run(plan, cfg, f"plan file {p.plan}")
         degrees = check_plan(plan, cfg.model, p.tp, f"plan file {p.plan}")
+        if plan.sequence_parallel and not p.sequence_parallel:  # the plan was priced with it
+            cfg = cfg.with_changes({"parallel.sequence_parallel": True})
+            p = cfg.parallel
     k = batch_divisor(degrees, p.tp)
     rows = cfg.train.micro_batch_size // (p.sub_batches if p.schedule == "oases" else 1)
     if rows % k:
@@ -209,19 +212,32 @@ def _auto(cfg: Config, ctx: ParallelContext,
                 if fb:
                     plan, cm, uni = paired
             plan.predicted["overlap_fb"] = fb
+            sp = cfg.parallel.sequence_parallel
+            if not sp and cfg.model.seq_len % cfg.parallel.tp == 0 and cfg.parallel.tp > 1:
+                split = make_plan(cfg.with_changes({"parallel.sequence_parallel": True,
+                                                    "parallel.overlap_fb": fb}),
+                                  cluster, profile, limit_gib * 2**30)
+                t0, t1 = plan.predicted["step_time_s"], split[0].predicted["step_time_s"]
+                sp = t1 < t0
+                log(f"plan=auto: sequence_parallel {'on' if sp else 'off'} (predicted step "
+                    f"{1e3 * t1:.1f} ms with it, {1e3 * t0:.1f} ms without)")
+                if sp:
+                    plan, cm, uni = split
+                    plan.predicted["overlap_fb"] = fb
+            plan.sequence_parallel = sp
             report(plan, cm, uni)
             path = Path(cfg.out_dir) / "plan.yaml"
             plan.save(path)
             print(f"plan=auto: wrote {path}", flush=True)
-            obj[0] = (plan.degrees, fb)
+            obj[0] = (plan.degrees, fb, sp)
         except UserError as e:
             obj[0] = e
     dist.broadcast_object_list(obj, src=0)
     if isinstance(obj[0], UserError):
         raise obj[0]
-    degrees, fb = obj[0]  # every rank runs what rank 0 chose
-    if fb != cfg.parallel.overlap_fb:
-        cfg = cfg.with_changes({"parallel.overlap_fb": fb})
+    degrees, fb, sp = obj[0]  # every rank runs what rank 0 chose
+    if (fb, sp) != (cfg.parallel.overlap_fb, cfg.parallel.sequence_parallel):
+        cfg = cfg.with_changes({"parallel.overlap_fb": fb, "parallel.sequence_parallel": sp})
     return cfg, degrees
 
 

@@ -64,6 +64,7 @@ class Plan:
     sub_batches: int = 2
     pp: int = 0               # 0: not recorded
     micro_batches: int = 0    # per step (train.grad_accum); 0: not recorded
+    sequence_parallel: bool = False  # the run turns parallel.sequence_parallel on
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 
@@ -98,6 +99,9 @@ def load_plan(path: str) -> Plan:
         v = data.get(k, 0)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise UserError(f"plan file {path}: {k} must be an integer >= 0, got {v!r}")
+    if not isinstance(data.get("sequence_parallel", False), bool):
+        raise UserError(f"plan file {path}: sequence_parallel must be true or false, got "
+                        f"{data['sequence_parallel']!r}")
     return Plan(**{k: data[k] for k in data if k in known and k != "tp"} | {
         "degrees": degrees, "tp": int(data.get("tp", max(degrees) if degrees else 1)),
         "model": data.get("model") or {}})
