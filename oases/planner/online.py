@@ -201,29 +201,19 @@ def _auto(cfg: Config, ctx: ParallelContext,
         try:
             limit_gib = cfg.parallel.memory_limit_gib or \
                 cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # less headroom
-            plan, cm, uni = make_plan(cfg, cluster, profile, limit_gib * 2**30)
-            fb = cfg.parallel.overlap_fb
-            if _can_pair(cfg) and not fb:  # the paired schedule, if it is predicted faster
-                paired = make_plan(paired_config(cfg), cluster, profile, limit_gib * 2**30)
-                t0, t1 = plan.predicted["step_time_s"], paired[0].predicted["step_time_s"]
-                fb = t1 < t0
-                log(f"plan=auto: overlap_fb {'on' if fb else 'off'} (predicted step "
-                    f"{1e3 * t1:.1f} ms paired, {1e3 * t0:.1f} ms unpaired)")
-                if fb:
-                    plan, cm, uni = paired
-            plan.predicted["overlap_fb"] = fb
-            sp = cfg.parallel.sequence_parallel
+            solved = make_plan(cfg, cluster, profile, limit_gib * 2**30)
+            # the paired schedule and sequence parallelism, each if predicted faster
+            fb, sp = cfg.parallel.overlap_fb, cfg.parallel.sequence_parallel
+            if _can_pair(cfg) and not fb:
+                solved, fb = _faster(solved, paired_config(cfg), "overlap_fb", cluster,
+                                     profile, limit_gib, log)
+            solved[0].predicted["overlap_fb"] = fb
             if not sp and cfg.model.seq_len % cfg.parallel.tp == 0 and cfg.parallel.tp > 1:
-                split = make_plan(cfg.with_changes({"parallel.sequence_parallel": True,
-                                                    "parallel.overlap_fb": fb}),
-                                  cluster, profile, limit_gib * 2**30)
-                t0, t1 = plan.predicted["step_time_s"], split[0].predicted["step_time_s"]
-                sp = t1 < t0
-                log(f"plan=auto: sequence_parallel {'on' if sp else 'off'} (predicted step "
-                    f"{1e3 * t1:.1f} ms with it, {1e3 * t0:.1f} ms without)")
-                if sp:
-                    plan, cm, uni = split
-                    plan.predicted["overlap_fb"] = fb
+                solved, sp = _faster(solved, cfg.with_changes({
+                    "parallel.sequence_parallel": True, "parallel.overlap_fb": fb}),
+                    "sequence_parallel", cluster, profile, limit_gib, log)
+                solved[0].predicted["overlap_fb"] = fb
+            plan, cm, uni = solved
             plan.sequence_parallel = sp
             report(plan, cm, uni)
             path = Path(cfg.out_dir) / "plan.yaml"
@@ -239,6 +229,17 @@ def _auto(cfg: Config, ctx: ParallelContext,
     if (fb, sp) != (cfg.parallel.overlap_fb, cfg.parallel.sequence_parallel):
         cfg = cfg.with_changes({"parallel.overlap_fb": fb, "parallel.sequence_parallel": sp})
     return cfg, degrees
+
+
+def _faster(solved: tuple, other: Config, switch: str, cluster, profile, limit_gib: float,
+            log) -> tuple[tuple, bool]:
+    """``solved`` (make_plan's answer) or the plan of ``other`` (the config with
+    ``switch`` on), whichever is predicted faster, and whether the switch is on."""
+    alt = make_plan(other, cluster, profile, limit_gib * 2**30)
+    t0, t1 = solved[0].predicted["step_time_s"], alt[0].predicted["step_time_s"]
+    log(f"plan=auto: {switch} {'on' if t1 < t0 else 'off'} (predicted step {1e3 * t1:.1f} "
+        f"ms with it, {1e3 * t0:.1f} ms without)")
+    return (alt, True) if t1 < t0 else (solved, False)
 
 
 def paired_config(cfg: Config) -> Config:
