@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
+from benchmarks.lib.cluster import EmulatedCluster, load_specs
 from benchmarks.lib.machine import machine_info
 
 KINDS = ["all_reduce", "reduce_scatter_tensor", "all_to_all_single + sum",
@@ -85,11 +85,8 @@ def main(argv=None) -> int:
     if args.on_node:
         node_main(float(args.on_node[0]), int(args.on_node[1]), args.on_node[2])
         return 0
-    try:
-        check_prerequisites()
-        specs = [ClusterSpec.load(c) for c in args.clusters]
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    specs = load_specs(args.clusters)
+    if specs is None:
         return 2
     t0, res = time.time(), {}
     for spec in specs:

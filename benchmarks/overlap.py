@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
+from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
 from benchmarks.lib.machine import fmt_mbit, machine_info
 from benchmarks.lib.train_run import timed_run
 
@@ -276,11 +276,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return driver.rerender(Path(args.from_json), render)
-    try:
-        check_prerequisites()
-        specs = [ClusterSpec.load(c) for c in args.clusters]
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    specs = load_specs(args.clusters)
+    if specs is None:
         return 2
     for s in specs:
         if (s.nodes * s.devices_per_node) % args.tp:

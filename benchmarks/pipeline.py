@@ -83,8 +83,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver, train_run
-from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites,
-                                    free_port)
+from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, free_port, load_specs
 from benchmarks.lib.cpu_cgroup import NodeQuota, busy_cpu_s
 from benchmarks.lib.machine import machine_info
 from benchmarks.lib.pipeline_report import BASELINE, RESHARD_ORDERS, TRACED_STEP, render, write_plan
@@ -393,11 +392,8 @@ def main(argv=None) -> int:
     if args.from_json:
         return driver.rerender(Path(args.from_json), lambda out, data: render(out, data, True),
                                refresh)
-    try:
-        check_prerequisites()
-        specs = [ClusterSpec.load(c) for c in args.clusters]
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    specs = load_specs(args.clusters)
+    if specs is None:
         return 2
     for spec in specs:
         if spec.nodes * spec.devices_per_node != 4:

@@ -116,7 +116,6 @@ class TransformerLayer(nn.Module):
     def forward(self, x):
         x = self.attn(x)
         if self.attn.degree != self.mlp.degree:
-            reshard = (self.resharder.reshard_sp if self.attn.sequence_parallel
-                       else self.resharder.reshard)
-            x = reshard(x, self.attn.degree, self.mlp.degree)
+            x = self.resharder.reshard(x, self.attn.degree, self.mlp.degree,
+                                       self.attn.sequence_parallel)
         return self.mlp(x)

@@ -158,9 +158,7 @@ class CausalLM(nn.Module):
     def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
         if t_from == t_to:
             return x
-        if self.sequence_parallel:
-            return self.resharder.reshard_sp(x, t_from, t_to)
-        return self.resharder.reshard(x, t_from, t_to)
+        return self.resharder.reshard(x, t_from, t_to, self.sequence_parallel)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on

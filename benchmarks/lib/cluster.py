@@ -80,6 +80,18 @@ class ClusterSpec(Cluster):
         return cls(**dataclasses.asdict(c))
 
 
+def load_specs(paths) -> Optional[list[ClusterSpec]]:
+    """The cluster files of a benchmark run, once the emulated cluster's prerequisites
+    (root, iproute2) are checked; None after printing the one-line error (the caller
+    exits with status 2)."""
+    try:
+        check_prerequisites()
+        return [ClusterSpec.load(c) for c in paths]
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def cleanup_stale(everything: bool = False) -> list[str]:
     """Remove the namespaces and cpu cgroups of launchers that are no longer running
     (all ``oases<pid>`` ones with ``everything``); returns the names removed."""

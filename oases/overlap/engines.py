@@ -92,12 +92,13 @@ from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
 from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect, run_joint,
                                   run_programs)
-from oases.overlap.sequence import SequencePrograms
+from oases.overlap.sequence import SequencePrograms, gather_seq
 from oases.overlap.state import _BlockState, _Graft, _SubBatch
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.region import Cut, CutRecorder
+from oases.parallel.sequence import seq_split
 from oases.parallel.timing import label
 
 __all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
@@ -252,12 +253,7 @@ class OasesSchedule(SequencePrograms):
         detached leaves, so the backward of a transition is :meth:`_grad_to_degree`."""
         if t_from == t_to:
             return x
-        rs = model.resharder
-        if getattr(model, "sequence_parallel", False):  # chunks: gather, reshard, chunk
-            x = yield from self._sp_whole(x, rs.sub[t_from])
-            x = yield from self._to_degree_rows(model, x, t_from, t_to)
-            return self._sp_chunk(x, rs.sub[t_to])
-        return (yield from self._to_degree_rows(model, x, t_from, t_to))
+        return (yield from self._on_chunks(model, x, t_from, t_to, self._to_degree_rows))
 
     def _to_degree_rows(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
         """:meth:`_to_degree` of whole sequences: batch rows move."""
@@ -275,12 +271,18 @@ class OasesSchedule(SequencePrograms):
         slice where it gathered."""
         if t_from == t_to or g is None:
             return g
-        rs = model.resharder
-        if getattr(model, "sequence_parallel", False):
-            g = yield from self._sp_whole(g, rs.sub[t_from])
-            g = yield from self._grad_to_degree_rows(model, g, t_from, t_to)
-            return self._sp_chunk(g, rs.sub[t_to])
-        return (yield from self._grad_to_degree_rows(model, g, t_from, t_to))
+        return (yield from self._on_chunks(model, g, t_from, t_to, self._grad_to_degree_rows))
+
+    @staticmethod
+    def _on_chunks(model, x: torch.Tensor, t_from: int, t_to: int, rows) -> Program:
+        """``rows`` (a transition of whole sequences) between degrees; under sequence
+        parallelism the chunks are gathered over the ``t_from`` subgroup first and this
+        rank's chunk of the ``t_to`` part kept last."""
+        if not getattr(model, "sequence_parallel", False):
+            return (yield from rows(model, x, t_from, t_to))
+        sub = model.resharder.sub
+        x = yield from gather_seq(x, sub[t_from])
+        return seq_split((yield from rows(model, x, t_from, t_to)), sub[t_to])
 
     def _grad_to_degree_rows(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
         """:meth:`_grad_to_degree` of whole sequences."""
@@ -299,7 +301,8 @@ class OasesSchedule(SequencePrograms):
         x = sb.ids
         sp = getattr(model, "sequence_parallel", False)
         if sp and run.input_grad:  # a later stage's whole input: this rank's chunk
-            x = self._sp_stage_in(run, x)
+            x = seq_split(x, model.tp_group)
+        block = self._sp_block if sp else self._block
         for i, blk in enumerate(blocks):
             prev = blocks[i - 1].degree if i > 0 else home
             if x.is_floating_point():
@@ -314,35 +317,15 @@ class OasesSchedule(SequencePrograms):
                 st.rng_partial = run.snap()
                 if self.recompute == "fine" or i in starts:
                     st.saved_x = run.stash(x_in, "input x")
-            if sp:
-                x = yield from self._sp_block(run, sb, i, x_in, keep, st, f"F{sb.name}")
-                for kept in (st.saved_x, st.saved_g, st.saved_r):
-                    if kept is not None:
-                        kept.check(blk, i, self.recompute)
-                sb.blocks.append(st)
-                continue
-            with self._enter(i, i + 1, f"F{sb.name} P{i}"), torch.set_grad_enabled(keep), \
-                    run.amp(), CutRecorder() as rec:
-                p = blk.partial(x_in)
-            buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
-            (reduced,) = yield from collect([("ar", buf, blk.tp_group)])  # of the partial sum
-            if not keep:
-                st.rng_combine = run.snap()
-                if self.recompute == "fine":
-                    st.saved_r = run.stash(reduced, "reduced input (the all-reduced partial sum)")
-            with self._enter(i, span=f"F{sb.name} C{i}"), torch.set_grad_enabled(keep), run.amp():
-                r = _Graft.apply(p, reduced) if keep else reduced
-                out = blk.combine(x_in, r)
-            for kept in (st.saved_x, st.saved_r):  # fail here, not with wrong gradients later
+            x = yield from block(run, i, x_in, keep, st, f"F{sb.name}")
+            # a block that modified what recompute keeps fails here, not with wrong gradients
+            for kept in (st.saved_x, st.saved_g, st.saved_r):
                 if kept is not None:
                     kept.check(blk, i, self.recompute)
-            if keep:
-                st.x_in, st.cuts, st.out = x_in, rec.cuts, out
             sb.blocks.append(st)
-            x = out
         x = yield from self._to_degree(model, x, blocks[-1].degree, home)
         if sb.targets is None:  # a pipeline stage before the last: its output goes on
-            sb.out = (yield from self._sp_stage_out(run, x)) if sp else x.detach()
+            sb.out = (yield from gather_seq(x, model.tp_group)) if sp else x.detach()
             return
         if sp:
             yield from self._sp_loss(run, sb, x)
@@ -359,6 +342,26 @@ class OasesSchedule(SequencePrograms):
                 loss = model.loss_from_hidden(x_last, sb.targets)
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
+
+    def _block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool, st: _BlockState,
+               name: str) -> Program:
+        """Block i of a sub-batch, forward: partial, all-reduce, combine; returns its
+        output. ``keep``: its graph stays live (else the ``fine`` stash is kept)."""
+        blk = run.blocks[i]
+        with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp(), \
+                CutRecorder() as rec:
+            p = blk.partial(x_in)
+        buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
+        (reduced,) = yield from collect([("ar", buf, blk.tp_group)])  # of the partial sum
+        if not keep:
+            st.rng_combine = run.snap()
+            if self.recompute == "fine":
+                st.saved_r = run.stash(reduced, "reduced input (the all-reduced partial sum)")
+        with self._enter(i, span=f"{name} C{i}"), torch.set_grad_enabled(keep), run.amp():
+            out = blk.combine(x_in, _Graft.apply(p, reduced) if keep else reduced)
+        if keep:
+            st.x_in, st.cuts, st.out = x_in, rec.cuts, out
+        return out
 
     # ------------------------------------------------------------ backward
     def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program],
@@ -445,35 +448,39 @@ class OasesSchedule(SequencePrograms):
         home = run.home
         last_block = self._prepare(run, group_of, sb, len(blocks) - 1)
         sp = getattr(model, "sequence_parallel", False)
-        if sp and sb.head is not None:
-            g_out = yield from self._sp_loss_backward(run, sb, scale, last_block)
-        elif sp:  # the whole output's gradient came from the next stage
+        if sb.head is None:  # the gradient of the stage's (whole) output: from the next stage
             yield from last_block
-            g_out, sb.grad_out = self._sp_grad_out(run, sb.grad_out), None
-        elif sb.head is not None:
+            g_out, sb.grad_out = sb.grad_out, None
+            if sp:
+                g_out = seq_split(g_out, model.tp_group)  # this rank's chunk's
+        elif sp:
+            g_out = yield from self._sp_loss_backward(run, sb, scale, last_block)
+        else:
             x_last, cuts, loss = sb.head
             with self._enter(HEAD, span=f"B{sb.name} loss"):
                 torch.autograd.backward(loss, torch.ones_like(loss) * scale)
             yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
             sb.head, g_out = None, x_last.grad
-        else:  # the gradient of the stage's output came from the next stage
-            yield from last_block
-            g_out, sb.grad_out = sb.grad_out, None
         g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
+        block_backward = self._sp_block_backward if sp else self._block_backward
         for i in reversed(range(len(blocks))):
             st = sb.blocks[i]
             nxt = self._prepare(run, group_of, sb, i - 1) if i > 0 else None
-            if sp:
-                yield from self._sp_block_backward(run, sb, i, g, nxt)
-            else:
-                with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
-                    torch.autograd.backward(st.out, g)
-                yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", nxt, i)
+            yield from block_backward(run, sb, i, g, nxt)
             g = st.x_in.grad if i > 0 or run.input_grad else None
             t_to = blocks[i - 1].degree if i > 0 else home
             g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
             sb.blocks[i] = None
-        sb.grad_in = (yield from self._sp_grad_in(run, g)) if sp else g
+        sb.grad_in = (yield from gather_seq(g, model.tp_group)) if sp and g is not None else g
+
+    def _block_backward(self, run: OasesRun, sb: _SubBatch, i: int, grad: torch.Tensor,
+                        prepare: Optional[Program]) -> Program:
+        """Backward of block i from its output's gradient, its input-gradient all-reduce
+        scheduled (:meth:`_cut_backward`)."""
+        st = sb.blocks[i]
+        with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
+            torch.autograd.backward(st.out, grad)
+        yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", prepare, i)
 
 
 def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",

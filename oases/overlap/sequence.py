@@ -34,20 +34,13 @@ import torch
 
 from oases.overlap.runner import Launch, OasesRun, Program, Wait, collect
 from oases.overlap.state import _BlockState, _SubBatch
-from oases.parallel.comm import group_rank, group_size
 from oases.parallel.engine import HEAD
 from oases.parallel.region import GATHERED, entering
-from oases.parallel.sequence import SEQ_DIM, batch_major, seq_major
+from oases.parallel.sequence import batch_major, seq_major
 from oases.parallel.timing import label
 
 
-def _chunk(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's chunk of a whole sequence (a copy: what is kept is the chunk only)."""
-    n = group_size(group)
-    return x.chunk(n, dim=SEQ_DIM)[group_rank(group)].contiguous() if n > 1 else x
-
-
-def _gather(x: torch.Tensor, group) -> Program:
+def gather_seq(x: torch.Tensor, group) -> Program:
     """The whole sequence from the chunks, through ``yield from`` (overlapped)."""
     (g,) = yield from collect([("ag", seq_major(x.detach()), group)])
     return batch_major(g)
@@ -58,28 +51,30 @@ class SequencePrograms:
     (mixed into it; ``self`` has its ``_enter``, ``recompute`` and ``_early_prepare``)."""
 
     # ---------------------------------------------------------------- forward
-    def _sp_block(self, run: OasesRun, sb: _SubBatch, i: int, x_in: torch.Tensor, keep: bool,
-                  st: _BlockState, name: str) -> Program:
+    def _sp_block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool,
+                  st: _BlockState, name: str, replay: bool = False) -> Program:
         """Block i of a sub-batch, forward, from its input chunk (or token ids); returns
         its output chunk. ``keep``: its graph stays live (else what recompute needs is
-        stashed, see the module docstring)."""
+        stashed, see the module docstring). ``replay``: a ``full`` recompute, drawing
+        from the RNG states the forward captured in ``st``."""
         blk = run.blocks[i]
         grp = blk.tp_group
         fine = not keep and self.recompute == "fine"
-        h = None
+        h = g = mid = None
         if x_in.is_floating_point():
             prologue, region = blk.halves()
-            with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp():
+            with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), \
+                    run.replay(st.rng_partial if replay else None), run.amp():
                 h = prologue(x_in)
-            g = yield from _gather(h, grp)
+                mid = run.snap() if replay else None  # the region draws on from here
+            g = yield from gather_seq(h, grp)
             if fine:
                 st.saved_g = run.stash(g, "all-gathered region input")
             g = g.detach().requires_grad_(keep)
-            with self._enter(i, span=f"{name} R{i}"), torch.set_grad_enabled(keep), run.amp(), \
-                    entering(GATHERED):
+            with self._enter(i, span=f"{name} R{i}"), torch.set_grad_enabled(keep), \
+                    run.replay(mid), run.amp(), entering(GATHERED):
                 p = region(g)
-        else:  # token ids, whole on every rank: no all-gather
-            g = None
+        else:  # token ids, whole on every rank: no all-gather (never recomputed)
             with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp():
                 p = blk.partial(x_in)
         (r,) = yield from collect([("rs", seq_major(p.detach()), grp)])
@@ -89,7 +84,8 @@ class SequencePrograms:
             if fine:
                 st.saved_r = run.stash(r, "reduce-scattered partial sum")
         r = r.detach().requires_grad_(keep)
-        with self._enter(i, span=f"{name} C{i}"), torch.set_grad_enabled(keep), run.amp():
+        with self._enter(i, span=f"{name} C{i}"), torch.set_grad_enabled(keep), \
+                run.replay(st.rng_combine if replay else None), run.amp():
             out = blk.combine(x_in, r)
         if keep:
             st.x_in, st.h, st.g, st.p, st.r, st.out = x_in, h, g, p, r, out
@@ -102,7 +98,7 @@ class SequencePrograms:
         x_last = x.detach().requires_grad_()
         with label(f"F{sb.name} loss"), run.amp():
             h = model.head_prologue(x_last)
-        g = yield from _gather(h, model.tp_group)
+        g = yield from gather_seq(h, model.tp_group)
         g = g.requires_grad_()
         with label(f"F{sb.name} loss"), run.amp(), entering(GATHERED):
             state, stats = model.loss_partial(g, sb.targets, entered=True)
@@ -111,10 +107,6 @@ class SequencePrograms:
             loss = model.loss_combine(state, stats)
         sb.head = (x_last, h, g, loss)
         sb.loss = loss.detach()
-
-    def _sp_stage_out(self, run: OasesRun, x: torch.Tensor) -> Program:
-        """A stage's output before the last: the whole sequence."""
-        return (yield from _gather(x, run.model.tp_group))
 
     # --------------------------------------------------------------- backward
     def _sp_reduce_back(self, grad: torch.Tensor, group, source: torch.Tensor,
@@ -182,51 +174,9 @@ class SequencePrograms:
         """Blocks a..b-1 again from the stashed input chunk, both collectives re-issued."""
         x = sbs[a].saved_x.get(run.blocks[a], a, self.recompute)
         for i in range(a, b):
-            st, blk = sbs[i], run.blocks[i]
             if i > a:  # a layer whose blocks differ in degree
-                x = yield from self._to_degree(run.model, x, run.blocks[i - 1].degree, blk.degree)
-            prologue, region = blk.halves()
-            x_in = x.detach().requires_grad_()
-            with self._enter(i, i + 1, f"{name} P{i}"), run.replay(st.rng_partial), \
-                    torch.enable_grad(), run.amp():
-                h = prologue(x_in)
-                mid = run.snap()  # the region draws on from here
-            g = (yield from _gather(h, blk.tp_group)).requires_grad_()
-            with self._enter(i, span=f"{name} R{i}"), run.replay(mid), torch.enable_grad(), \
-                    run.amp(), entering(GATHERED):
-                p = region(g)
-            (r,) = yield from collect([("rs", seq_major(p.detach()), blk.tp_group)])
-            r = batch_major(r).requires_grad_()
-            with self._enter(i, span=f"{name} C{i}"), run.replay(st.rng_combine), \
-                    torch.enable_grad(), run.amp():
-                st.out = blk.combine(x_in, r)
-            st.x_in, st.h, st.g, st.p, st.r = x_in, h, g, p, r
-            x = st.out
+                x = yield from self._to_degree(run.model, x, run.blocks[i - 1].degree,
+                                               run.blocks[i].degree)
+            x = yield from self._sp_block(run, i, x.detach().requires_grad_(), True, sbs[i],
+                                          name, replay=True)
         sbs[a].saved_x = None
-
-    # ----------------------------------------------- stage and degree boundaries
-    @staticmethod
-    def _sp_whole(x: torch.Tensor, group) -> Program:
-        """Chunks -> the whole sequence over ``group`` (a degree transition's first step)."""
-        return (yield from _gather(x, group))
-
-    @staticmethod
-    def _sp_chunk(x: torch.Tensor, group) -> torch.Tensor:
-        """The whole sequence -> this rank's chunk over ``group`` (its last step)."""
-        return _chunk(x, group)
-
-    @staticmethod
-    def _sp_stage_in(run: OasesRun, x: torch.Tensor) -> torch.Tensor:
-        """A later stage's whole input -> this rank's chunk."""
-        return _chunk(x, run.model.tp_group)
-
-    def _sp_grad_in(self, run: OasesRun, g: Optional[torch.Tensor]) -> Program:
-        """The input chunk's gradient -> the whole input's (all-gathered)."""
-        if g is None:
-            return None
-        return (yield from _gather(g, run.model.tp_group))
-
-    @staticmethod
-    def _sp_grad_out(run: OasesRun, g: torch.Tensor) -> torch.Tensor:
-        """The whole output's gradient (from the next stage) -> this rank's chunk's."""
-        return _chunk(g, run.model.tp_group)

@@ -19,7 +19,7 @@ Between blocks of degrees t_a and t_b (k = ratio of the larger to the smaller):
 
 Under sequence parallelism a rank holds its chunk of its batch part's sequences: a
 transition gathers the chunks over the t_a subgroup first and keeps this rank's chunk
-at t_b last (:meth:`DegreeGroups.reshard_sp`), one all-gather more each way.
+at t_b last (:meth:`DegreeGroups.reshard`), one all-gather more each way.
 
 Either way the pieces are exchanged inside the *reshard group* of (t_small,
 t_big): the ranks r' in this rank's t_big subgroup with r' = r mod t_small,
@@ -119,10 +119,17 @@ class DegreeGroups:
         small, big = min(t_from, t_to), max(t_from, t_to)
         return (self.tp_rank // small) % (big // small), big // small
 
-    def reshard(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
-        """Autograd-aware transition of a (batch, ...) activation between degrees."""
+    def reshard(self, x: torch.Tensor, t_from: int, t_to: int,
+                sequence_parallel: bool = False) -> torch.Tensor:
+        """Autograd-aware transition of a (batch, ...) activation between degrees. Under
+        ``sequence_parallel`` ``x`` is this rank's sequence chunk: the chunks of the
+        degree-``t_from`` subgroup are gathered first and this rank's chunk of the
+        degree-``t_to`` part kept last (backward: the conjugates)."""
         if t_from == t_to:
             return x
+        if sequence_parallel:
+            x = seq_gather(x, self.sub[t_from])
+            return seq_split(self.reshard(x, t_from, t_to), self.sub[t_to])  # a fresh copy
         group = self.reshard_group(t_from, t_to)
         if t_to < t_from:
             # slice; backward all-gathers. A batch slice is a view: saved by the next block,
@@ -130,17 +137,6 @@ class DegreeGroups:
             # model (a block profiled on its own rows) counts this piece only. Copy it.
             return scatter_to_tp(x, group, dim=0).clone()
         return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
-
-    def reshard_sp(self, x: torch.Tensor, t_from: int, t_to: int) -> torch.Tensor:
-        """:meth:`reshard` of a sequence chunk (sequence parallelism): the chunks of the
-        degree-``t_from`` subgroup gathered to its batch part's whole sequence, that part
-        resharded as without SP, and this rank's chunk of the degree-``t_to`` part kept.
-        Backward: the conjugates (gather the chunk gradients over the ``t_to`` subgroup,
-        reshard back, keep this rank's chunk at ``t_from``)."""
-        if t_from == t_to:
-            return x
-        x = seq_gather(x, self.sub[t_from])
-        return seq_split(self.reshard(x, t_from, t_to), self.sub[t_to]).clone()
 
 
 def grad_group_of(ctx, T: int):
