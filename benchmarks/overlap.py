@@ -23,7 +23,10 @@ Modes (``--modes``):
     megatron+full+compile, oases+fine+compile, nocomm+compile
                            the same with parallel.compile=true
     megatron+full+sp, oases+fine+sp, nocomm+sp
-                           the same with parallel.sequence_parallel=true
+                           the same with parallel.sequence_parallel=true (the oases
+                           ones at four sub-batches, staggered: sub_batches=auto)
+    oases+fine+sb4         oases+fine at four sub-batches
+    oases+fine+sp+sb2      oases+fine+sp at two sub-batches (in step)
     megatron+full+nocomm   megatron+full without TP communication: its comm share
     dtensor                benchmarks.peers.dtensor_gpt (torch DTensor TP)
     megatron-core          benchmarks.peers.megatron_core_gpt (Megatron-Core TP)
@@ -81,6 +84,10 @@ for _m in ("megatron+full", "oases+fine", "nocomm"):
 # parallel.sequence_parallel: all-gather + reduce-scatter per block, activations 1/tp
 for _m in ("megatron+full", "oases+fine", "nocomm"):
     TRAIN_MODES[f"{_m}+sp"] = [*TRAIN_MODES[_m], "parallel.sequence_parallel=true"]
+# oases+fine+sp runs 4 sub-batches (parallel.sub_batches=auto), staggered; these two
+# separate the sub-batch count from SP: +sb4 without SP, +sb2 with SP in step
+TRAIN_MODES["oases+fine+sb4"] = [*TRAIN_MODES["oases+fine"], "parallel.sub_batches=4"]
+TRAIN_MODES["oases+fine+sp+sb2"] = [*TRAIN_MODES["oases+fine+sp"], "parallel.sub_batches=2"]
 PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
               "megatron-core": "benchmarks.peers.megatron_core_gpt"}
 ALL_MODES = [*TRAIN_MODES, *PEER_MODES]

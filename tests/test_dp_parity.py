@@ -94,7 +94,7 @@ def _train_body(ctx, runs: list[tuple], schedule: tuple = ("megatron", "none")):
     parameters (rank 0)."""
     for mbs, grad_accum, path in runs:
         cfg = _cfg(ctx.tp, ctx.world_size, mbs, grad_accum, *schedule)
-        engine = build_schedule(schedule[0], ctx.tp_group, cfg.parallel.sub_batches, schedule[1])
+        engine = build_schedule(schedule[0], ctx.tp_group, cfg.sub_batches, schedule[1])
         assert (cfg.dp, cfg.parallel.tp) == (ctx.dp, ctx.tp)
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED,
                             recompute=schedule[1] if schedule[0] == "megatron" else "none")

@@ -133,7 +133,7 @@ def _step_body(ctx, ref: tuple) -> None:
         model.train()
         opt = build_optimizer(model, cfg.train, ctx.device)
         reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
-        schedule = build_schedule(engine, ctx.tp_group, cfg.parallel.sub_batches,
+        schedule = build_schedule(engine, ctx.tp_group, cfg.sub_batches,
                                   cfg.parallel.recompute)
         batches = _Rows(x, y, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp)
         loss, _ = train_step(TrainState(cfg, ctx, model, opt, reducer, schedule), batches, 0.0)

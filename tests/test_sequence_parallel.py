@@ -92,15 +92,16 @@ def _zero_body(ctx, schedule: str, recompute: str) -> None:
         torch.testing.assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=name)
 
 
-# per-block degrees 4, 2 and 1 inside tp 4 (resharding between degrees on chunks)
+# per-block degrees 4, 2 and 1 inside tp 4 (resharding between degrees on chunks); the
+# oases cases at 4 sub-batches (staggered), whose rows the degree-1 blocks split in 4
 MIXED = [{"layers": [0, 2], "dp": 1, "tp": 4, "degrees": [2, 1, 4, 2]}]
 
 
 def test_mixed_degree_plan_matches_unsharded():
     run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
-        (arch, s, r, 1, 4, ("train.micro_batch_size=8",), MIXED)
-        for arch, s, r in [("gpt", "megatron", "full"), ("gpt", "oases", "fine"),
-                           ("gpt", "oases", "full")]], 1))
+        (arch, s, r, 1, 4, (f"train.micro_batch_size={mbs}",), MIXED)
+        for arch, s, r, mbs in [("gpt", "megatron", "full", 8), ("gpt", "oases", "fine", 16),
+                                ("gpt", "oases", "full", 16)]], 1))
 
 
 def test_zero3_matches_replicated():
@@ -109,7 +110,7 @@ def test_zero3_matches_replicated():
 
 
 def _run(ctx, cfg, mode, ids, y, sp: bool, swap=None):
-    sched, rc = mode
+    sched, rc = mode[:2]
     tr = TPRNGTracker(ctx.device)
     tr.seed(11, ctx.tp_rank)
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tr,
@@ -117,11 +118,12 @@ def _run(ctx, cfg, mode, ids, y, sp: bool, swap=None):
     if swap is not None:
         swap(model, ctx)
     model.set_sequence_parallel(sp)
+    n = mode[2] if len(mode) > 2 else 2  # sub-batches (their RNG streams); 4: staggered
     with CommCounter() as counter:
         if sched == "megatron":
-            loss = _reference(model, tr, ids, y, 2)
+            loss = _reference(model, tr, ids, y, n)
         else:
-            loss = build_schedule("oases", ctx.tp_group, 2, rc, tr).forward_backward(model, ids, y)
+            loss = build_schedule("oases", ctx.tp_group, n, rc, tr).forward_backward(model, ids, y)
     summed = SequenceGradSum.for_model(model, ctx.tp_group)
     if summed is not None:
         summed()
@@ -134,14 +136,16 @@ def _dropout_body(ctx, name: str, modes: list, swap=None) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
     y = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
-    ref_loss, ref, _ = _run(ctx, cfg, ("megatron", "none"), ids, y, False, swap)
+    refs = {n: _run(ctx, cfg, ("megatron", "none", n), ids, y, False, swap)[:2]
+            for n in {2} | {m[2] for m in modes if len(m) > 2}}
     for mode in modes:
+        ref_loss, ref = refs[mode[2] if len(mode) > 2 else 2]
         loss, grads, counts = _run(ctx, cfg, mode, ids, y, True, swap)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6, msg=str(mode))
         for k in ref:
             torch.testing.assert_close(grads[k], ref[k], rtol=1e-5, atol=1e-6,
                                        msg=f"SP {mode} {k}")
-        L, n = cfg.model.n_layer, 2
+        L, n = cfg.model.n_layer, mode[2] if len(mode) > 2 else 2
         # per sub-batch: the loss's all-reduce only; forward: an all-gather per layer
         # block and the head, a reduce-scatter per block; backward: their conjugates
         assert counts["all_reduce"] == n, (mode, counts)
@@ -151,6 +155,7 @@ def _dropout_body(ctx, name: str, modes: list, swap=None) -> None:
         assert counts["reduce_scatter"] == fwd_rs + fwd_ag + again, (mode, counts)
     if swap is not None:
         return
+    ref = refs[2][1]
     # the check can fail: a chunk drawing its own mask (not the whole's) trains otherwise
     tr = TPRNGTracker(ctx.device)
     tr.seed(11, ctx.tp_rank)
@@ -173,7 +178,8 @@ def _own_mask(blk):
 
 @pytest.mark.parametrize("name,world", [("gpt-tiny", 2), ("llama-tiny", 2), ("gpt-tiny", 4)])
 def test_dropout_masks_of_a_chunk_are_the_whole_sequence_s(name, world):
-    modes = [("megatron", "none")] + PAIRS if world == 2 else [("oases", "fine")]
+    modes = ([("megatron", "none")] + PAIRS + [("oases", "fine", 4), ("oases", "full", 4)]
+             if world == 2 else [("oases", "fine", 4)])
     run_distributed(_dropout_body, world=world, tp=world, args=(name, modes))
 
 

@@ -66,7 +66,10 @@ class ParallelConfig(_Section):
     # forward all-reduce's output and recompute from there, never re-issuing a forward
     # collective.
     recompute: str = "none"
-    sub_batches: int = 2            # oases schedule only: micro-batch split along the batch
+    # oases schedule only: sub-batches per micro-batch (split along the batch). "auto": 4
+    # under sequence_parallel when the micro-batch splits in four (its turns are then
+    # staggered so that both of a block's collectives hide, oases.overlap.sequence), else 2
+    sub_batches: Union[int, str] = "auto"
     # oases only: run each micro-batch's backward interleaved with the next one's forward
     # (pp=1 with grad_accum >= 2; a pipeline's eager-1f1b steady state), so the forward's
     # all-reduces hide behind the backward's compute. sub_batches may then be 1.
@@ -125,9 +128,13 @@ class ParallelConfig(_Section):
             raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
         if self.overlap_fb and self.schedule != "oases":
             raise ConfigError("parallel.overlap_fb needs parallel.schedule=oases")
-        if self.sub_batches < (1 if self.overlap_fb else 2):
+        if isinstance(self.sub_batches, str):
+            if self.sub_batches != "auto":
+                raise ConfigError(f"parallel.sub_batches={self.sub_batches!r} is not an "
+                                  f"integer or auto")
+        elif self.sub_batches < (1 if self.overlap_fb else 2):
             raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= "
-                              f"{1 if self.overlap_fb else 2}")
+                              f"{1 if self.overlap_fb else 2} (or auto)")
         if self.compile not in (False, True, "strict"):
             raise ConfigError(f"parallel.compile={self.compile!r} is not one of false, true, "
                               f"strict")
@@ -267,6 +274,17 @@ class Config(_Section):
         return self.train.micro_batch_size * self.train.grad_accum * self.dp
 
     @property
+    def sub_batches(self) -> int:
+        """Sub-batches per micro-batch under the oases engine: ``parallel.sub_batches``,
+        its "auto" resolved (4 under sequence parallelism when the micro-batch splits in
+        four, else 2)."""
+        n = self.parallel.sub_batches
+        if n != "auto":
+            return n
+        sp = self.parallel.sequence_parallel and self.parallel.schedule == "oases"
+        return 4 if sp and self.train.micro_batch_size % 4 == 0 else 2
+
+    @property
     def padded_vocab_size(self) -> int:
         return self.padded_vocab(self.parallel.tp)
 
@@ -319,7 +337,7 @@ class Config(_Section):
         if m.ffn_hidden % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}")
         if self.parallel.schedule == "oases":
-            mbs, n = self.train.micro_batch_size, self.parallel.sub_batches
+            mbs, n = self.train.micro_batch_size, self.sub_batches
             if mbs < n or mbs % n:
                 raise ConfigError(f"train.micro_batch_size={mbs} cannot be split into "
                                   f"parallel.sub_batches={n} equal sub-batches")

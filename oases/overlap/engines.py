@@ -226,8 +226,10 @@ class OasesSchedule(SequencePrograms):
                 in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home = getattr(model, "home_degree", blocks[0].degree)
+        # sequence parallelism's short segments need a long one of another sub-batch
+        stagger = n >= 3 and getattr(model, "sequence_parallel", False)
         return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
-                        input_grad, home, rng=rng)
+                        input_grad, home, rng=rng, stagger=stagger)
 
     def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)

@@ -101,6 +101,7 @@ class OasesRun:
     forwards_left: int = 0                    # sub-batches whose forward is still running
     stash_bytes: int = 0                      # bytes stashed for recompute (memory tests)
     rng: bool = True                          # the sub-batches draw from their own streams
+    stagger: bool = False                     # odd sub-batches start a turn late (run_joint)
 
     # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
     def snap(self) -> Optional[dict]:
@@ -225,7 +226,15 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
     paired with the next one's forward, ``parallel.overlap_fb``); the turn order is
     the order given, program after program. Program ``s`` of a run runs on that
     run's sub-batch streams (``run.streams[s]``), which advance only by its draws,
-    so the interleaving never changes what a sub-batch draws."""
+    so the interleaving never changes what a sub-batch draws.
+
+    ``run.stagger``: the run's odd sub-batches start one turn late, so that they stay a
+    segment behind the even ones. A program whose segments alternate short and long
+    (sequence parallelism: the combine and prologue, then the region) then has, between
+    any two of its segments, a long segment of another program to hide its collective;
+    in step, a short segment's collective would find only the others' short segments
+    (:mod:`oases.overlap.sequence`). It needs three sub-batches or more: with two, one
+    of a sub-batch's two collectives per block still meets a short segment."""
     owners = [(run, s) for run, progs in parts for s in range(len(progs))]
     programs = [p for _, progs in parts for p in progs]
     pending: list = [None] * len(programs)
@@ -257,11 +266,16 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
     before = rng_fingerprint(quiet.tracker, quiet.device) if quiet is not None else None
     # one autocast region around all of them: the runs share the weights' casts
     with parts[0][0].cast_cache():
+        late = [run.stagger and s % 2 == 1 for run, s in owners]
         for k in range(len(programs)):
-            advance(k, None)
+            if not late[k]:
+                advance(k, None)
         while any(alive):
             for k in range(len(programs)):
-                if alive[k]:
+                if late[k]:
+                    late[k] = False
+                    advance(k, None)
+                elif alive[k]:
                     advance(k, _wait(pending[k]))
     if quiet is not None and not same_rng(before, rng_fingerprint(quiet.tracker, quiet.device)):
         raise UndeclaredRandomError(

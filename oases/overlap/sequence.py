@@ -7,11 +7,25 @@ A block of a sub-batch is three segments and two collectives, forward and backwa
     forward    | Pj: prologue(x_j) | AG h | R: region(h) | RS p | C: combine(x_j, r_j) |
     backward   | C' -> dr_j | AG dr | R' -> dh | RS dh | P' -> dx_j (+ residual) |
 
-so a sub-batch yields twice per block where it yielded once, and each of its
-collectives, half the bytes of an all-reduce, runs while the other sub-batch computes:
+so a sub-batch yields twice per block where it yielded once, and its segments
+alternate short (C P: norms, dropout, residual, on 1/tp of the tokens) and long (R).
+With two sub-batches in step, half the collectives can only hide behind a short
+segment:
 
     compute  | a:C0 P1 | b:C0 P1 | a:R1 | b:R1 | a:C1 P2 | b:C1 P2 | ...
-    comm             | AG a1   | AG b1 | RS a1 | RS b1  | AG a2   | ...
+    comm             | AG a1   | AG b1 |RS a1 | RS b1   | AG a2   | ...
+                       (AG a1 and RS b1: exposed)
+
+A sequence-parallel run of three sub-batches or more is staggered (``OasesRun.stagger``):
+the odd sub-batches run a segment behind the even ones, so every collective has a long
+segment of another sub-batch after it (four sub-batches):
+
+    compute  | a:C P | b:R | c:C P | d:R | a:R | b:C P | c:R | d:C P | a:C P | ...
+    launched       AG a  RS b  AG c    RS d  RS a  AG b    RS c  AG d
+
+    (AG a is needed by a:R, four segments on, two of them long; likewise each.)
+
+(``parallel.sub_batches`` defaults to four under sequence parallelism for this.)
 
 Recompute: ``fine`` keeps the block's input chunk x_j, the all-gathered h (the whole
 sequence: the region needs it, and recompute never re-issues a forward collective) and

@@ -43,7 +43,7 @@ def run_shape(cfg):
 
     p = cfg.parallel
     return RunShape(tp=p.tp, dp=cfg.dp, micro_batch_size=cfg.train.micro_batch_size,
-                    grad_accum=cfg.train.grad_accum, sub_batches=p.sub_batches,
+                    grad_accum=cfg.train.grad_accum, sub_batches=cfg.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
                     act_bytes=2 if run_precision(cfg) == "bf16" else 4,
                     overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel)

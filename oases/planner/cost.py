@@ -337,6 +337,10 @@ class CostModel:
         else:
             # one sub-batch alone waits for each of its collectives
             cost = cf + cb + 2 * m if r.sub_batches == 1 else max(cf, m) + max(cb, m)
+            if r.sequence_parallel and r.sub_batches == 2 and t > 1:
+                # two sub-batches in step: one of the all-gather and reduce-scatter (half
+                # of m each) meets only a short segment, each way (oases.overlap.sequence)
+                cost += m
             n_ar = 2
             if r.recompute == "full":
                 cost += max(self.profile.blocks[k][str(t)]["fwd"], m)  # re-issued all-reduce

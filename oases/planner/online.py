@@ -34,6 +34,7 @@ from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
+from oases.planner.measured import at_rows
 from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
                                      check_run, check_zero, load_plan)
 from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
@@ -81,15 +82,17 @@ def _check_rows(cfg: Config, degrees, tp: int, rows: int) -> None:
     """A replica's micro-batch must split into sub-batches, and each into the parts of
     its smallest block degree."""
     p = cfg.parallel
-    n = p.sub_batches if p.schedule == "oases" else 1
+    n = cfg.sub_batches if p.schedule == "oases" else 1
+    auto = (f" (parallel.sub_batches=auto chose {n} for sequence_parallel: set it to 2)"
+            if p.sub_batches == "auto" and n > 2 else "")
     if rows % n:
         raise ConfigError(f"a stage replica's micro-batch of {rows} sequences cannot be split "
-                          f"into parallel.sub_batches={n}")
+                          f"into parallel.sub_batches={n}{auto}")
     k = batch_divisor(list(degrees), tp) if degrees else 1
     if (rows // n) % k:
         raise ConfigError(f"the plan runs blocks at degree {tp // k}, which splits each "
                           f"{'sub-' if n > 1 else ''}batch of {rows // n} into {k} parts: "
-                          f"the micro-batch must allow that")
+                          f"the micro-batch must allow that{auto}")
 
 
 def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer] = None
@@ -115,7 +118,10 @@ def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTim
             cfg = cfg.with_changes({"parallel.sequence_parallel": True})
             p = cfg.parallel
     k = batch_divisor(degrees, p.tp)
-    rows = cfg.train.micro_batch_size // (p.sub_batches if p.schedule == "oases" else 1)
+    rows = cfg.train.micro_batch_size // (cfg.sub_batches if p.schedule == "oases" else 1)
+    if rows % k and p.sub_batches == "auto" and cfg.sub_batches > 2:  # auto: back to 2
+        cfg = cfg.with_changes({"parallel.sub_batches": 2})
+        rows = cfg.train.micro_batch_size // 2
     if rows % k:
         raise ConfigError(f"the plan runs blocks at degree {p.tp // k}, which splits each "
                           f"{'sub-' if p.schedule == 'oases' else ''}batch of {rows} into {k} "
@@ -209,9 +215,12 @@ def _auto(cfg: Config, ctx: ParallelContext,
                                      profile, limit_gib, log)
             solved[0].predicted["overlap_fb"] = fb
             if not sp and cfg.model.seq_len % cfg.parallel.tp == 0 and cfg.parallel.tp > 1:
-                solved, sp = _faster(solved, cfg.with_changes({
-                    "parallel.sequence_parallel": True, "parallel.overlap_fb": fb}),
-                    "sequence_parallel", cluster, profile, limit_gib, log)
+                with_sp = cfg.with_changes({"parallel.sequence_parallel": True,
+                                            "parallel.overlap_fb": fb})
+                # sub_batches=auto may give SP more sub-batches than were profiled
+                solved, sp = _faster(solved, with_sp, "sequence_parallel", cluster,
+                                     at_rows(profile, cfg.sub_batches / with_sp.sub_batches),
+                                     limit_gib, log)
                 solved[0].predicted["overlap_fb"] = fb
             plan, cm, uni = solved
             plan.sequence_parallel = sp

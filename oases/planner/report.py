@@ -52,7 +52,7 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
     return Plan(degrees=blocks if ch.pp == 1 else [], tp=ch.tp, model=model_dict(cfg.model),
                 stages=c.stages() if ch.pp > 1 else [], schedule=cfg.parallel.schedule,
                 recompute=cfg.parallel.recompute, micro_batch_size=ch.rows,
-                sub_batches=cfg.parallel.sub_batches, pp=ch.pp, micro_batches=ch.micro_batches,
+                sub_batches=cfg.sub_batches, pp=ch.pp, micro_batches=ch.micro_batches,
                 cluster=cluster_name, predicted=predicted)
 
 

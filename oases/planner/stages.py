@@ -113,7 +113,7 @@ class Job:
 def job_from_config(cfg) -> Job:
     """The :class:`Job` of a validated config."""
     p = cfg.parallel
-    return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, p.sub_batches,
+    return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
                2 if run_precision(cfg) == "bf16" else 4)
 

@@ -113,7 +113,7 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
                           zero=any_zero)
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.shards.optimizer_params(model))
     reducer.shards.seed_optimizer(opt)
-    schedule = build_schedule(par.schedule, ctx.tp_group, par.sub_batches, par.recompute,
+    schedule = build_schedule(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
                               tracker, params=reducer.shards.params)
     pipe = PipelineRunner.from_config(ctx, cfg) if ctx.layout is not None else None
     return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)

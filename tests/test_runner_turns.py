@@ -1,0 +1,60 @@
+"""The oases runner's turn order: round-robin, and staggered under sequence parallelism
+(oases.overlap.runner.run_joint, oases.overlap.sequence)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models import build_model
+from oases.config import load_config
+from oases.overlap.engines import OasesSchedule
+from oases.overlap.runner import OasesRun, run_joint
+
+
+def _turns(n: int, stagger: bool, segments: int = 3) -> list[str]:
+    log: list[str] = []
+
+    def program(name: str):
+        for k in range(segments):
+            log.append(f"{name}{k}")
+            yield [("ar", torch.zeros(1), None)]  # a one-rank collective: handed back as is
+
+    run = OasesRun(nn.Module(), [], [], [None] * n, [None] * n, None, torch.device("cpu"),
+                   rng=False, stagger=stagger)
+    run_joint([(run, [program("abcd"[s]) for s in range(n)])])
+    return log
+
+
+def test_in_step_without_stagger():
+    assert _turns(2, False) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_odd_sub_batches_run_a_segment_behind():
+    # between two segments of any sub-batch, the others run one segment each, and at
+    # least one of them is at the other parity (a long segment when a short one waits)
+    assert _turns(4, True) == ["a0", "c0",
+                               "a1", "b0", "c1", "d0",
+                               "a2", "b1", "c2", "d1",
+                               "b2", "d2"]
+    assert _turns(3, True) == ["a0", "c0", "a1", "b0", "c1", "a2", "b1", "c2", "b2"]
+
+
+def test_the_engine_staggers_sequence_parallel_runs_of_three_or_more():
+    cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layer=1"]).validate(1)
+    model = build_model(cfg.model, cfg.padded_vocab_size)
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    for sp, n, staggered in [(True, 4, True), (True, 2, False), (False, 4, False)]:
+        model.set_sequence_parallel(sp)
+        run = OasesSchedule(None, n)._start(model, ids, ids, None)
+        assert run.stagger == staggered, (sp, n)
+
+
+def test_auto_sub_batches():
+    def n(*over):
+        return load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases", "parallel.tp=2",
+                                  *over]).validate(2).sub_batches
+
+    assert n() == 2 and n("parallel.sequence_parallel=true") == 4
+    assert n("parallel.sequence_parallel=true", "train.micro_batch_size=6") == 2
+    assert n("parallel.sequence_parallel=true", "parallel.sub_batches=2") == 2
