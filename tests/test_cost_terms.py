@@ -155,3 +155,12 @@ def test_sequence_parallel_terms():
             assert got == pytest.approx(want - 0.75 * (stream + act))
         assert (a.calls(4), b.calls(4), b.calls(1)) == (c, 2 * c, 0.0)
         assert b.plan_time([4] * 4) > a.plan_time([4] * 4)  # more calls, same bytes
+        if rc == "fine":  # two sub-batches in step: m exposed per block, over two more calls
+            i = 1  # neither the embedding's nor the head's block
+            diff = b.node_cost(i, 4) - a.node_cost(i, 4)
+            assert diff == pytest.approx(b.m["mlp", 4] + 2 * 2 * c)
+            n4 = dict(base, sub_batches=4)  # staggered: only the two more calls
+            a4 = CostModel(SHAPE, RunShape(**n4, recompute=rc), HETERO, prof)
+            b4 = CostModel(SHAPE, RunShape(**n4, recompute=rc, sequence_parallel=True), HETERO,
+                           prof)
+            assert b4.node_cost(i, 4) - a4.node_cost(i, 4) == pytest.approx(2 * 4 * c)

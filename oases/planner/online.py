@@ -34,7 +34,6 @@ from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
-from oases.planner.measured import at_rows
 from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
                                      check_run, check_zero, load_plan)
 from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
@@ -215,12 +214,12 @@ def _auto(cfg: Config, ctx: ParallelContext,
                                      profile, limit_gib, log)
             solved[0].predicted["overlap_fb"] = fb
             if not sp and cfg.model.seq_len % cfg.parallel.tp == 0 and cfg.parallel.tp > 1:
-                with_sp = cfg.with_changes({"parallel.sequence_parallel": True,
-                                            "parallel.overlap_fb": fb})
-                # sub_batches=auto may give SP more sub-batches than were profiled
-                solved, sp = _faster(solved, with_sp, "sequence_parallel", cluster,
-                                     at_rows(profile, cfg.sub_batches / with_sp.sub_batches),
-                                     limit_gib, log)
+                # priced at the profiled sub-batches (the cost model's two, in step), so
+                # chosen only where it wins even so; sub_batches=auto then runs it staggered
+                solved, sp = _faster(solved, cfg.with_changes({
+                    "parallel.sequence_parallel": True, "parallel.overlap_fb": fb,
+                    "parallel.sub_batches": cfg.sub_batches}),
+                    "sequence_parallel", cluster, profile, limit_gib, log)
                 solved[0].predicted["overlap_fb"] = fb
             plan, cm, uni = solved
             plan.sequence_parallel = sp
