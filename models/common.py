@@ -36,7 +36,7 @@ from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
 from oases.parallel.region import GATHERED, entering
-from oases.parallel.sequence import seq_enter, seq_gather, seq_split, set_sequence_parallel
+from oases.parallel.sequence import seq_enter, set_sequence_parallel
 
 
 class CausalLM(nn.Module):
@@ -162,10 +162,10 @@ class CausalLM(nn.Module):
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, d) final hidden states (before the final norm); on
-        a later pipeline stage, the stage's (B, T, d) input -> its output."""
-        x = self.embed(ids) if self.is_first else ids
-        if self.sequence_parallel and not self.is_first:  # the stage's input, whole
-            x = seq_split(x, self.tp_group)
+        a later pipeline stage, the stage's (B, T, d) input -> its output. Under sequence
+        parallelism both are this rank's chunk, (B, T/tp, d), as are a stage's input and
+        output (:class:`~oases.pipeline.cross_mesh.CrossMeshTransfer` moves chunks)."""
+        x = self.embed(ids) if self.is_first else ids  # a later stage's: its chunk under SP
         if self.eos_id is not None and self.is_first:
             mask = document_mask(ids, self.eos_id)
             for layer in self.layers:
@@ -178,10 +178,7 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x)
             prev = layer.mlp.degree
-        x = self.reshard(x, prev, self.home_degree)
-        if self.sequence_parallel and not self.is_last:  # the stage's output, whole
-            x = seq_gather(x, self.tp_group)
-        return x
+        return self.reshard(x, prev, self.home_degree)
 
     def head_prologue(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm: sequence-local (under sequence parallelism, on the chunk)."""

@@ -210,3 +210,49 @@ def test_early_receives_run_under_nccl_rules():
 @pytest.mark.cuda(gpus=2)
 def test_early_receives_run_on_nccl():
     run_distributed(_early_receives_body, world=2, device="cuda")
+
+
+SHARDED = [  # (src, dst, batch, seq): each TP rank holds 1/tp of the positions
+    (Mesh(0, 1, 2), Mesh(2, 2, 1), 4, 4),   # tp2 -> dp2 x tp1
+    (Mesh(0, 1, 2), Mesh(2, 1, 4), 2, 8),   # tp2 -> tp4: each dst chunk half a src chunk
+    (Mesh(2, 1, 4), Mesh(0, 1, 2), 2, 8),   # tp4 -> tp2 (dst ranks before src)
+    (Mesh(0, 2, 2), Mesh(4, 1, 2), 2, 4),   # dp2 x tp2 -> dp1 x tp2
+]
+
+
+def _sharded_body(ctx):
+    rank, tail = ctx.rank, (3,)
+    for c, (src, dst, batch, seq) in enumerate(SHARDED):
+        t = CrossMeshTransfer(src, dst, batch, seq, sharded=True)
+        assert t.group is None and t.tasks == []  # no fan-out: nothing but messages
+        # every byte crosses once, from the rank that holds it to the one that wants it
+        assert sum(n for _, _, n in t.message_sizes(3)) == batch * seq * 3
+        for m in t.msgs:
+            for mesh, r in ((src, m.src), (dst, m.dst)):
+                n = seq // mesh.tp
+                k = (r - mesh.first) % mesh.tp
+                assert k * n <= m.cols[0] < m.cols[1] <= (k + 1) * n, (c, m)
+        fulls = [_known(batch, seq, tail, salt) for salt in range(2)]
+        for mesh, side in ((src, "src"), (dst, "dst")):
+            if rank not in mesh.ranks:
+                continue
+            r0, r1 = mesh.rows(mesh.replica_of(rank), batch)
+            n = seq // mesh.tp
+            k = (rank - mesh.first) % mesh.tp
+            if side == "src":  # two calls in flight
+                ps = [t.send(f[r0:r1, k * n:(k + 1) * n]) for f in fulls]
+                assert [p.wait() for p in ps] == [None, None]
+            else:
+                outs = [p.wait() for p in [t.recv(tail, torch.float32, "cpu") for _ in fulls]]
+                for out, f in zip(outs, fulls):
+                    assert out.is_contiguous() and out.shape == (r1 - r0, n, *tail)
+                    assert torch.equal(out, f[r0:r1, k * n:(k + 1) * n]), (c, rank)
+
+
+def test_sharded_transfers_move_each_chunk_once():
+    run_distributed(_sharded_body, world=WORLD)
+
+
+def test_sharded_needs_positions_that_split():
+    with pytest.raises(ValueError, match="seq 6 must divide by src tp 4"):
+        CrossMeshTransfer(Mesh(0, 1, 4), Mesh(4, 1, 2), 2, 6, sharded=True)

@@ -72,9 +72,15 @@ def test_tp4_every_mode_matches_unsharded():
                     args=([("gpt", s, r, 1, 4, ()) for s, r in MODES], 1))
 
 
+# stages of different TP: the chunks of tp 2 cross to two replicas of tp 1
+UNEVEN = [[{"layers": [0, 1], "dp": 1, "tp": 2}, {"layers": [1, 2], "dp": 2, "tp": 1}]]
+
+
 def test_pipeline_and_overlap_fb_match_unsharded():
     run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
         ("llama", "oases", "fine", 2, 2, ()), ("gpt", "megatron", "full", 2, 2, ()),
+        ("gpt", "oases", "fine", 2, 2, ("train.micro_batch_size=8",), *UNEVEN),
+        ("gpt", "megatron", "none", 2, 2, (), *UNEVEN),
         ("llama", "oases", "none", 1, 2, ("parallel.overlap_fb=true", "parallel.sub_batches=1")),
         ("llama", "megatron", "selective", 1, 2, ()),
     ],))

@@ -301,9 +301,7 @@ class OasesSchedule(SequencePrograms):
         in_group = {i for a, b in groups for i in range(a, b)}
         home = run.home
         x = sb.ids
-        sp = getattr(model, "sequence_parallel", False)
-        if sp and run.input_grad:  # a later stage's whole input: this rank's chunk
-            x = seq_split(x, model.tp_group)
+        sp = getattr(model, "sequence_parallel", False)  # a later stage's input: a chunk
         block = self._sp_block if sp else self._block
         for i, blk in enumerate(blocks):
             prev = blocks[i - 1].degree if i > 0 else home
@@ -327,7 +325,7 @@ class OasesSchedule(SequencePrograms):
             sb.blocks.append(st)
         x = yield from self._to_degree(model, x, blocks[-1].degree, home)
         if sb.targets is None:  # a pipeline stage before the last: its output goes on
-            sb.out = (yield from gather_seq(x, model.tp_group)) if sp else x.detach()
+            sb.out = x.detach()
             return
         if sp:
             yield from self._sp_loss(run, sb, x)
@@ -453,8 +451,6 @@ class OasesSchedule(SequencePrograms):
         if sb.head is None:  # the gradient of the stage's (whole) output: from the next stage
             yield from last_block
             g_out, sb.grad_out = sb.grad_out, None
-            if sp:
-                g_out = seq_split(g_out, model.tp_group)  # this rank's chunk's
         elif sp:
             g_out = yield from self._sp_loss_backward(run, sb, scale, last_block)
         else:
@@ -473,7 +469,7 @@ class OasesSchedule(SequencePrograms):
             t_to = blocks[i - 1].degree if i > 0 else home
             g = yield from self._grad_to_degree(model, g, blocks[i].degree, t_to)
             sb.blocks[i] = None
-        sb.grad_in = (yield from gather_seq(g, model.tp_group)) if sp and g is not None else g
+        sb.grad_in = g
 
     def _block_backward(self, run: OasesRun, sb: _SubBatch, i: int, grad: torch.Tensor,
                         prepare: Optional[Program]) -> Program:

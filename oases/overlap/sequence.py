@@ -33,9 +33,8 @@ the reduce-scattered r_j; ``full`` keeps each layer's input chunk and re-issues 
 collectives. The RNG states are replayed as without SP: the prologue and the region draw
 from the state captured before the prologue, the combine from the one before it.
 
-A pipeline stage's input and output stay whole (replicated over TP): the first block
-takes this rank's chunk of the input (its gradient is all-gathered), the last block's
-output chunk is all-gathered on a stage before the last (its gradient sliced); the last
+A pipeline stage's input and output, and their gradients, are this rank's chunks: the
+cross-mesh transfer moves chunks (``CrossMeshTransfer(sharded=True)``). The last
 stage's final norm runs on the chunk and the normed chunks are all-gathered before the
 vocab-parallel head (the model's ``head_prologue``, ``loss_partial(entered=True)``).
 """

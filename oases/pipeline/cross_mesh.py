@@ -36,6 +36,13 @@ Methods of :class:`CrossMeshTransfer` (bit-identical results, different traffic)
     allgather   1 x its rows (Megatron's            dist.all_gather of tp pieces
                 scatter-gather)
 
+Sequence-sharded activations (``sharded=True``, sequence parallelism): src TP rank t
+of replica i holds rows(i) x positions [t S/src.tp, (t+1) S/src.tp), and dst TP rank u
+of replica j wants rows(j) x its own 1/dst.tp of the positions. Each (rows, positions)
+intersection of a src rank's chunk and a dst rank's is one message between them: every
+byte crosses once, from the rank that holds it to the one that wants it, with no
+gather before and no fan-out after (the methods coincide).
+
 Point-to-point and why it cannot deadlock on NCCL. ProcessGroupNCCL runs the
 sends and receives of a process group in issue order on one stream per rank
 (eager init: shared with every peer and the group's collectives; lazy: one per
@@ -247,9 +254,12 @@ class CrossMeshTransfer:
 
     def __init__(self, src: Mesh, dst: Mesh, batch: int, seq: int, method: str = "broadcast",
                  host_of: Optional[Callable[[int], int]] = None,
-                 split: Optional[int] = None) -> None:
+                 split: Optional[int] = None, sharded: bool = False) -> None:
         if method not in METHODS:
             raise ValueError(f"method {method!r} must be one of {', '.join(METHODS)}")
+        if sharded and (seq % src.tp or seq % dst.tp):
+            raise ValueError(f"sequence-sharded transfer: seq {seq} must divide by src tp "
+                             f"{src.tp} and dst tp {dst.tp}")
         shared = sorted(set(src.ranks) & set(dst.ranks))
         if shared:
             raise ValueError(f"src {src} and dst {dst} share ranks {shared}: "
@@ -260,19 +270,19 @@ class CrossMeshTransfer:
         if top >= world:
             raise ValueError(f"src {src} / dst {dst} need rank {top} but the world has {world}")
         self.src, self.dst, self.batch, self.seq = src, dst, batch, seq
-        self.method = method
+        self.method, self.sharded = method, sharded
         self.rank = dist.get_rank()
         self.is_src = src.replica_of(self.rank) is not None
         self.is_dst = dst.replica_of(self.rank) is not None
-        self.tasks = plan_tasks(src, dst, batch, seq, split, host_of)
-        self.msgs = self._messages()
+        self.tasks = [] if sharded else plan_tasks(src, dst, batch, seq, split, host_of)
+        self.msgs = self._shard_messages() if sharded else self._messages()
         # this direction's own p2p group (see the module docstring); collective, like the
         # fan-out groups below: every rank creates every group in the same order
         self.p2p = new_group(sorted(src.ranks + dst.ranks))
         # One group per dst replica for the fan-out (broadcast / all_gather), created by
         # every rank in the same order (new_group is collective); a 1-rank replica has none.
         self.group = None
-        if method != "send":
+        if method != "send" and not sharded:
             for j in range(dst.dp):
                 ranks = dst.replica(j)
                 if len(ranks) > 1:
@@ -303,13 +313,39 @@ class CrossMeshTransfer:
                 msgs.append(_Msg(sender, r, rows, (0, self.seq), piece))
         return msgs
 
+    def _shard_messages(self) -> list[_Msg]:
+        """``sharded``: one message per (rows, positions) intersection of a src rank's
+        chunk and a dst rank's, in (replica pair, dst position, src position) order."""
+        src, dst, msgs = self.src, self.dst, []
+        for i, j, rows in _overlaps(src, dst, self.batch):
+            for u, r in enumerate(dst.replica(j)):
+                for t, q in enumerate(src.replica(i)):
+                    lo = max(self._cols(src, t)[0], self._cols(dst, u)[0])
+                    hi = min(self._cols(src, t)[1], self._cols(dst, u)[1])
+                    if lo < hi:
+                        msgs.append(_Msg(q, r, rows, (lo, hi)))
+        return msgs
+
+    def _cols(self, mesh: Mesh, t: int) -> tuple[int, int]:
+        """The sequence positions TP rank t of a replica of ``mesh`` holds (all, unless
+        ``sharded``)."""
+        if not self.sharded:
+            return 0, self.seq
+        n = self.seq // mesh.tp
+        return t * n, (t + 1) * n
+
+    def _tp_rank(self, mesh: Mesh) -> int:
+        return (self.rank - mesh.first) % mesh.tp
+
     # -- src side ------------------------------------------------------------
     def send(self, x: torch.Tensor) -> Pending:
-        """Post this rank's messages; x = this replica's rows, (B/src.dp, S, *tail)."""
+        """Post this rank's messages; x = this replica's rows, (B/src.dp, S, *tail)
+        (``sharded``: this rank's positions, (B/src.dp, S/src.tp, *tail))."""
         if not self.is_src:
             raise ValueError(f"rank {self.rank} is not in the src mesh {self.src}")
         i = self.src.replica_of(self.rank)
-        want = (self.batch // self.src.dp, self.seq)
+        c0, c1 = self._cols(self.src, self._tp_rank(self.src))
+        want = (self.batch // self.src.dp, c1 - c0)
         if tuple(x.shape[:2]) != want:
             raise ValueError(f"send: x has shape {tuple(x.shape)}, expected {want} + tail")
         x = x.contiguous()
@@ -318,7 +354,7 @@ class CrossMeshTransfer:
         for k, m in enumerate(self.msgs):
             if m.src != self.rank:
                 continue
-            part = x[m.rows[0] - off:m.rows[1] - off, m.cols[0]:m.cols[1]]   # (r, c, *tail)
+            part = x[m.rows[0] - off:m.rows[1] - off, m.cols[0] - c0:m.cols[1] - c0]
             if m.piece is not None:
                 flat = part.reshape(-1)                  # a view: x is contiguous, cols full
                 a, b, _ = _chunk(flat.numel(), *m.piece)
@@ -337,16 +373,38 @@ class CrossMeshTransfer:
 
     # -- dst side ------------------------------------------------------------
     def recv(self, tail: tuple, dtype: torch.dtype, device) -> Pending:
-        """Post this rank's receives; ``wait()`` returns (B/dst.dp, S, *tail), contiguous."""
+        """Post this rank's receives; ``wait()`` returns (B/dst.dp, S, *tail), contiguous
+        (``sharded``: this rank's positions, (B/dst.dp, S/dst.tp, *tail))."""
         if not self.is_dst:
             raise ValueError(f"rank {self.rank} is not in the dst mesh {self.dst}")
         j = self.dst.replica_of(self.rank)
         off = self.dst.rows(j, self.batch)[0]
-        out = torch.empty((self.batch // self.dst.dp, self.seq, *tail), dtype=dtype,
+        c0, c1 = self._cols(self.dst, self._tp_rank(self.dst))
+        out = torch.empty((self.batch // self.dst.dp, c1 - c0, *tail), dtype=dtype,
                           device=device)
+        if self.sharded:
+            return self._recv_sharded(off, c0, out)
         post = {"broadcast": self._recv_broadcast, "send": self._recv_send,
                 "allgather": self._recv_allgather}[self.method]
         return post(j, off, out)
+
+    def _recv_sharded(self, off: int, c0: int, out: torch.Tensor) -> Pending:
+        posted = []   # (buffer, view of out, irecv work), in message order
+        for k, m in enumerate(self.msgs):
+            if m.dst != self.rank:
+                continue
+            view = out[m.rows[0] - off:m.rows[1] - off, m.cols[0] - c0:m.cols[1] - c0]
+            buf = view if view.is_contiguous() else torch.empty_like(view)
+            posted.append((buf, view, dist.irecv(buf, src=m.src, group=self.p2p, tag=k)))
+
+        def finish() -> torch.Tensor:
+            for buf, view, work in posted:
+                work.wait()
+                if buf is not view:
+                    view.copy_(buf)
+            return out
+
+        return Pending(finish, [out, posted])
 
     def _recv_send(self, j: int, off: int, out: torch.Tensor) -> Pending:
         works = [dist.irecv(out[m.rows[0] - off:m.rows[1] - off], src=m.src,

@@ -64,18 +64,21 @@ class PipelineRunner:
     the transfers of every boundary in the same order (they create process groups)."""
 
     def __init__(self, ctx, *, kind: str, microbatches: int, batch: int, seq: int,
-                 d_model: int, method: str = "broadcast", overlap_fb: bool = False) -> None:
+                 d_model: int, method: str = "broadcast", overlap_fb: bool = False,
+                 sequence_parallel: bool = False) -> None:
         """``kind``: the pipeline schedule; ``batch`` x ``seq`` x ``d_model``: one
         micro-batch's activation across the pipeline's DP replicas; ``method``: how a
-        boundary's activation is resharded (:mod:`oases.pipeline.cross_mesh`)."""
+        boundary's activation is resharded (:mod:`oases.pipeline.cross_mesh`);
+        ``sequence_parallel``: a stage's input and output (and their gradients) are each
+        TP rank's positions, and cross as such (``CrossMeshTransfer(sharded=True)``)."""
         layout = ctx.layout
         self.ctx, self.kind, self.n = ctx, kind, microbatches
         self.tail = (d_model,)
         self.recv_f = self.send_f = self.recv_b = self.send_b = None
         for b in range(layout.pp - 1):  # each direction of each boundary: its own p2p group
             src, dst = _mesh(layout.stages[b]), _mesh(layout.stages[b + 1])
-            fwd = CrossMeshTransfer(src, dst, batch, seq, method)
-            bwd = CrossMeshTransfer(dst, src, batch, seq, method)
+            fwd = CrossMeshTransfer(src, dst, batch, seq, method, sharded=sequence_parallel)
+            bwd = CrossMeshTransfer(dst, src, batch, seq, method, sharded=sequence_parallel)
             if ctx.stage == b:
                 self.send_f, self.recv_b = fwd, bwd
             elif ctx.stage == b + 1:
@@ -91,7 +94,8 @@ class PipelineRunner:
         """The runner of a validated run config on this rank's stage of ``ctx.layout``."""
         return cls(ctx, kind=cfg.parallel.pp_schedule, microbatches=cfg.train.grad_accum,
                    batch=cfg.pipeline_batch, seq=cfg.model.seq_len, d_model=cfg.model.d_model,
-                   method=cfg.parallel.pp_transfer, overlap_fb=cfg.parallel.overlap_fb)
+                   method=cfg.parallel.pp_transfer, overlap_fb=cfg.parallel.overlap_fb,
+                   sequence_parallel=cfg.parallel.sequence_parallel)
 
     def step(self, engine: Engine, model, batches: list, scales: list[float], amp: AmpFactory,
              before_last_backward: Callable[[], None] = lambda: None):
