@@ -32,6 +32,10 @@ def test_plan_auto_searches_tries_and_runs_a_layout(tmp_path, run_train):
     assert "plan=auto: trial 1/2" in text and "plan=auto: trial 2/2" in text, text
     assert "is the fastest" in text
     plan = load_plan(str(out / "plan.yaml"))
+    # searched again with sequence parallelism; the plan records the faster
+    on = "plan=auto: sequence_parallel on" in text
+    assert on or "plan=auto: sequence_parallel off" in text, text
+    assert plan.sequence_parallel == on
     # the run is the plan's layout: a pipeline prints its stages, pp=1 its degrees
     if (plan.pp or 1) > 1:
         stages = " | ".join(f"stage {p}: layers {s['layers'][0]}-{s['layers'][1] - 1} "
@@ -63,3 +67,19 @@ def test_plan_search_allows_a_pipelined_config():
     cfg = load_config(None, ["model.name=gpt-tiny", "train.grad_accum=2", "parallel.pp=2",
                              "parallel.plan=auto", "parallel.plan_search=amp"]).validate(4)
     assert cfg.parallel.plan_search == "amp"
+
+
+def test_a_searched_plan_with_sequence_parallelism_runs_it(tmp_path):
+    from oases.planner.auto_layout import _pointed_at
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
+                             "train.grad_accum=2"]).validate(4)
+    stage = {"layers": [0, 1], "dp": 1, "tp": 2, "degrees": [2, 2]}
+    for degrees, n in (([2, 2], 4), ([2, 1], 2)):  # a degree-1 block halves the rows: 4 x 2 > 4
+        path = tmp_path / f"plan-{n}.yaml"
+        path.write_text(yaml.safe_dump({
+            "tp": 2, "pp": 2, "micro_batch_size": 4, "micro_batches": 2,
+            "sequence_parallel": True, "stages": [stage, dict(stage, degrees=degrees)]}))
+        run = _pointed_at(cfg, path, 4)
+        assert run.parallel.sequence_parallel and run.sub_batches == n
+    assert not cfg.parallel.sequence_parallel  # the config itself is left as it is

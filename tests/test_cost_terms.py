@@ -4,6 +4,7 @@ rows, and a profile averaged over nodes of different speeds taken to speed 1.0."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -164,3 +165,23 @@ def test_sequence_parallel_terms():
             b4 = CostModel(SHAPE, RunShape(**n4, recompute=rc, sequence_parallel=True), HETERO,
                            prof)
             assert b4.node_cost(i, 4) - a4.node_cost(i, 4) == pytest.approx(2 * 4 * c)
+
+
+def test_sequence_parallel_layouts():
+    """The layout search under SP: only a tp that divides the sequence, the choices'
+    cost models price SP, and the plan a search writes runs SP at sub-batches its
+    degrees can split (auto: four, else two)."""
+    from oases.planner.auto_layout import _rows_split
+
+    shape = ModelShape("gpt", 2, 64, 4, 4, 256, 128, 6)  # seq 6: tp 4 cannot split it
+    job = Job(shape, global_batch=8, sub_batches=2, schedule="oases", recompute="fine")
+    sp = dataclasses.replace(job, sequence_parallel=True)
+    assert {ch.tp for ch in enumerate_choices(job, 4)} == {1, 2, 4}
+    assert {ch.tp for ch in enumerate_choices(sp, 4)} == {1, 2}
+    ch = next(ch for ch in enumerate_choices(sp, 4) if ch.tp == 2)
+    prob = build(sp, ch, HETERO, analytic_profile(shape, profile_run(sp, 2, 4), [1, 2]),
+                 profile_run(sp, 2, 4))
+    assert all(m.run.sequence_parallel for m in prob.models)
+    assert _rows_split({"tp": 2, "micro_batch_size": 8, "degrees": [2, 1]}, 4)
+    assert not _rows_split({"tp": 2, "micro_batch_size": 4, "degrees": [2, 1]}, 4)
+    assert _rows_split({"tp": 2, "micro_batch_size": 4, "stages": [{"degrees": [2, 2]}]}, 4)

@@ -39,6 +39,7 @@ from oases.planner import report as rep
 from oases.planner.calibrate import time_throwaway
 from oases.planner.cluster import load_cluster
 from oases.planner.online import measure_profile, resolve_layout, resolve_plan, stage_logger
+from oases.planner.plan_file import batch_divisor
 from oases.planner.search import search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
@@ -136,6 +137,19 @@ def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
     cluster = load_cluster(p.cluster)
     limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
     res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log)
+    if not job.sequence_parallel and base.tp > 1:
+        # SP priced at the profiled sub-batches, in step: kept only where it wins even so
+        log("plan=auto: the layout search again with sequence parallelism")
+        try:
+            with_sp = search(dataclasses.replace(job, sequence_parallel=True), world, cluster,
+                             profile, base, p.plan_search, memory_limit=limit, log=log)
+        except ConfigError:  # no layout with SP fits
+            with_sp = None
+        if with_sp is not None:
+            t0, t1 = res.best.time, with_sp.best.time
+            log(f"plan=auto: sequence_parallel {'on' if t1 < t0 else 'off'} (predicted "
+                f"{1e3 * t1:.1f} ms per iteration with it, {1e3 * t0:.1f} ms without)")
+            res = with_sp if t1 < t0 else res
     for line in rep.summary(res, res.best):
         log(line)
     ranked = res.ranked[:p.plan_trials]
@@ -159,12 +173,26 @@ def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
     """A copy of ``cfg`` that runs the plan at ``path``: the layout and batch it was
     priced for."""
     d = yaml.safe_load(path.read_text())
-    return cfg.with_changes({
+    sp = bool(d.get("sequence_parallel")) or cfg.parallel.sequence_parallel
+    chosen = cfg.with_changes({
         "parallel.plan": str(path), "parallel.pp": int(d.get("pp") or 1),
         "parallel.tp": int(d["tp"]), "train.micro_batch_size": int(d["micro_batch_size"]),
-        "train.grad_accum": int(d["micro_batches"]),
+        "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
         **extra})
+    n = chosen.sub_batches
+    if chosen.parallel.sub_batches == "auto" and n > 2 and not _rows_split(d, n):
+        chosen = chosen.with_changes({"parallel.sub_batches": 2})  # auto: back to two
+    return chosen
+
+
+def _rows_split(d: dict, n: int) -> bool:
+    """Whether the plan ``d``'s micro-batch splits into ``n`` sub-batches, each into the
+    parts of its smallest degree."""
+    tp = int(d["tp"])
+    degrees = [d.get("degrees") or []] + [s.get("degrees") or [] for s in d.get("stages") or []]
+    k = max(batch_divisor([int(t) for t in g], tp) for g in degrees)
+    return int(d["micro_batch_size"]) % (n * k) == 0
 
 
 def _overrides(cfg: Config) -> list[str]:

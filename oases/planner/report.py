@@ -53,7 +53,8 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
                 stages=c.stages() if ch.pp > 1 else [], schedule=cfg.parallel.schedule,
                 recompute=cfg.parallel.recompute, micro_batch_size=ch.rows,
                 sub_batches=cfg.sub_batches, pp=ch.pp, micro_batches=ch.micro_batches,
-                cluster=cluster_name, predicted=predicted)
+                cluster=cluster_name, predicted=predicted,
+                sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models))
 
 
 def _line(name: str, c: Optional[Candidate], ref: Candidate) -> str:

@@ -97,6 +97,7 @@ class Job:
     pp_transfer: str = "broadcast"
     act_bytes: int = 4
     residual_bytes: int = 4
+    sequence_parallel: bool = False  # then only a tp that divides the sequence
 
     @property
     def splits(self) -> int:
@@ -107,7 +108,8 @@ class Job:
         return RunShape(tp=tp, dp=dp, micro_batch_size=rows, grad_accum=1,
                         sub_batches=self.sub_batches, schedule=self.schedule,
                         recompute=self.recompute, act_bytes=self.act_bytes,
-                        residual_bytes=self.residual_bytes)
+                        residual_bytes=self.residual_bytes,
+                        sequence_parallel=self.sequence_parallel)
 
 
 def job_from_config(cfg) -> Job:
@@ -115,7 +117,8 @@ def job_from_config(cfg) -> Job:
     p = cfg.parallel
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
-               2 if run_precision(cfg) == "bf16" else 4)
+               2 if run_precision(cfg) == "bf16" else 4,
+               sequence_parallel=p.sequence_parallel)
 
 
 def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:
@@ -155,7 +158,7 @@ def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> lis
             continue
         per = world // pp
         for tp in job.shape.valid_degrees(per):
-            if max_tp and tp > max_tp:
+            if (max_tp and tp > max_tp) or (job.sequence_parallel and job.shape.seq_len % tp):
                 continue
             dp = per // tp
             if job.global_batch % dp:
