@@ -217,6 +217,10 @@ def _import_body(ctx, hf_dir, ids, ref):
     hf_loss = F.cross_entropy(ref[:, :-1].reshape(-1, ref.shape[-1]), ids[:, 1:].reshape(-1))
     with torch.no_grad():
         assert_close(model(ids, targets), hf_loss, rtol=0, atol=ATOL)
+        if ctx.tp > 1 and ids.shape[1] % ctx.tp == 0:  # the same import under SP
+            model.set_sequence_parallel(True)
+            assert_close(model(ids, targets), hf_loss, rtol=0, atol=ATOL)
+            model.set_sequence_parallel(False)
     # every shard is exactly shard(full) of the unsharded import
     full = build_model(cfg.model, cfg.padded_vocab_size, None, seed=None)
     load_hf_weights(full, hf_dir, 0, 1)

@@ -92,14 +92,17 @@ LAYOUTS = {  # name: (world, tp, micro-batch size): every layout has a global ba
     "tp4": (4, 4, 4),
     "dp2xtp1": (2, 1, 2),
     "dp2xtp2": (4, 2, 2),
+    # the same layout with sequence parallelism (which changes no parameter) under oases
+    "tp2+sp": (2, 2, 4, "parallel.sequence_parallel=true", "parallel.schedule=oases",
+               "parallel.recompute=fine"),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_at_another_layout(layout, run_a, tmp_path):
-    world, tp, mbs = LAYOUTS[layout]
+    world, tp, mbs, *extra = LAYOUTS[layout]
     b = resume_copy(run_a, tmp_path / "b")
-    train(b, world, tp, f"train.micro_batch_size={mbs}", "resume=auto")
+    train(b, world, tp, f"train.micro_batch_size={mbs}", "resume=auto", *extra)
 
     a_recs, b_recs = records(run_a), records(b)
     assert sorted(b_recs) == [1, 2, 3, 4]
