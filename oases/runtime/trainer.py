@@ -238,6 +238,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
               f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
               f"schedule {par.schedule}, recompute {par.recompute}"
+              f"{f', {cfg.sub_batches} sub-batches' if par.schedule == 'oases' else ''}"
+              f"{', sequence parallel' if par.sequence_parallel else ''}"
               f"{f', zero {par.zero}' if par.zero else ''} | "
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
