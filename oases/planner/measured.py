@@ -29,16 +29,3 @@ def at_speed(profile: Profile, speed: float) -> Profile:
                   for t, e in per.items()} for k, per in profile.blocks.items()}
     const = {k: v / speed if k in _CONSTANT_TIMES else v for k, v in profile.constant.items()}
     return Profile(blocks, const, profile.comm)
-
-
-def at_rows(profile: Profile, ratio: float) -> Profile:
-    """The profile of sub-batches ``ratio`` times as many rows (another
-    ``parallel.sub_batches``), by proportion: the blocks' seconds and saved bytes scale,
-    the per-micro-batch constants do not. Small matmuls run below proportion, so for
-    fewer rows (ratio < 1) the estimate errs fast."""
-    if ratio == 1.0:
-        return profile
-    blocks = {k: {t: {**e, "fwd": e["fwd"] * ratio, "bwd": e["bwd"] * ratio,
-                      "saved": e["saved"] * ratio}
-                  for t, e in per.items()} for k, per in profile.blocks.items()}
-    return Profile(blocks, profile.constant, profile.comm)
