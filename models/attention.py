@@ -19,7 +19,7 @@ from oases.parallel.comm import group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
-from oases.parallel.sequence import part_mask, seq_part
+from oases.parallel.sequence import part_dropout, seq_part
 
 
 class ResidualBlock(TPBlock):
@@ -49,11 +49,7 @@ class ResidualBlock(TPBlock):
         """Under sequence parallelism ``x`` and ``reduced`` are this rank's sequence chunk
         (oases.parallel.sequence), and the mask is that chunk of the whole sequence's."""
         y = self.proj.add_bias(reduced)
-        seq = seq_part(self)
-        if (self.batch_part[1] == 1 and seq[1] == 1) or not self.training \
-                or self.dropout.p == 0.0:
-            return x + self.dropout(y)
-        return x + y * part_mask(self.dropout, y, self.batch_part, seq)  # 0 or 1/(1-p)
+        return x + part_dropout(self.dropout, y, self.batch_part, seq_part(self))
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

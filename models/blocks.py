@@ -13,7 +13,7 @@ from models.attention import ResidualBlock
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from oases.parallel.sequence import part_mask, seq_part
+from oases.parallel.sequence import part_dropout, seq_part
 from oases.parallel.sharding import set_spec
 
 
@@ -75,9 +75,7 @@ class TokenEmbedding(TPBlock):
         if self.wpe is not None:
             reduced = reduced + (self.wpe[j * T: (j + 1) * T] if positions is None
                                  else self.wpe[positions])
-        if n == 1 or not self.training or self.dropout.p == 0.0:
-            return self.dropout(reduced)
-        return reduced * part_mask(self.dropout, reduced, (0, 1), (j, n))
+        return part_dropout(self.dropout, reduced, seq=(j, n))
 
 
 class TiedEmbedding(nn.Module):

@@ -35,8 +35,7 @@ from oases.parallel.layers import ColumnParallelLinear
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
-from oases.parallel.region import GATHERED, entering
-from oases.parallel.sequence import seq_enter, set_sequence_parallel
+from oases.parallel.sequence import gathered_region, set_sequence_parallel
 
 
 class CausalLM(nn.Module):
@@ -69,7 +68,7 @@ class CausalLM(nn.Module):
         self.layer_range = (a, b)
         self.is_first, self.is_last = a == 0, b == cfg.n_layer
         T = group_size(tp_group)
-        self.home_degree = T  # degree of the stage's input and output (replicated over TP)
+        self.home_degree = T  # degree of the stage's input and output
         if self.is_first:
             self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
         elif self.is_last and cfg.tie_embeddings:
@@ -145,9 +144,9 @@ class CausalLM(nn.Module):
                 layer.attn.doc_mask = None
 
     def set_sequence_parallel(self, on: bool) -> None:
-        """``parallel.sequence_parallel``: the activations between the blocks, and the final
-        norm, hold this rank's chunk of the sequence (oases.parallel.sequence); a pipeline
-        stage's input and output stay whole (replicated over TP)."""
+        """``parallel.sequence_parallel``: the activations between the blocks, a pipeline
+        stage's input and output, and the final norm hold this rank's chunk of the
+        sequence (oases.parallel.sequence)."""
         if on:
             T, tp = self.cfg.seq_len, group_size(self.tp_group)
             if T % tp:
@@ -196,9 +195,7 @@ class CausalLM(nn.Module):
         h = self.head_prologue(x)
         if not self.sequence_parallel:
             return self.head_region(h)
-        h = seq_enter(h, self.tp_group)  # (B, T, d); backward reduce-scatters
-        with entering(GATHERED):
-            return self.head_region(h)
+        return gathered_region(self.head_region, h, self.tp_group)  # on (B, T, d)
 
     def loss_partial(self, x: torch.Tensor, targets: torch.Tensor, entered: bool = False):
         """The loss up to its one collective: (state, buffer to sum over ``tp_group``).

@@ -171,7 +171,9 @@ def test_sequence_parallel_layouts():
     """The layout search under SP: only a tp that divides the sequence, the choices'
     cost models price SP, and the plan a search writes runs SP at sub-batches its
     degrees can split (auto: four, else two)."""
-    from oases.planner.auto_layout import _rows_split
+    from oases.config import load_config
+    from oases.planner.auto_layout import _plan_divisor
+    from oases.planner.online import fit_sub_batches
 
     shape = ModelShape("gpt", 2, 64, 4, 4, 256, 128, 6)  # seq 6: tp 4 cannot split it
     job = Job(shape, global_batch=8, sub_batches=2, schedule="oases", recompute="fine")
@@ -182,6 +184,13 @@ def test_sequence_parallel_layouts():
     prob = build(sp, ch, HETERO, analytic_profile(shape, profile_run(sp, 2, 4), [1, 2]),
                  profile_run(sp, 2, 4))
     assert all(m.run.sequence_parallel for m in prob.models)
-    assert _rows_split({"tp": 2, "micro_batch_size": 8, "degrees": [2, 1]}, 4)
-    assert not _rows_split({"tp": 2, "micro_batch_size": 4, "degrees": [2, 1]}, 4)
-    assert _rows_split({"tp": 2, "micro_batch_size": 4, "stages": [{"degrees": [2, 2]}]}, 4)
+    assert _plan_divisor({"tp": 2, "degrees": [2, 1]}) == 2
+    assert _plan_divisor({"tp": 2, "stages": [{"degrees": [2, 2]}]}) == 1
+
+    def fitted(mbs: int, k: int) -> int:  # auto's four sub-batches, where k parts fit
+        cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
+                                 "parallel.tp=2", "parallel.sequence_parallel=true",
+                                 f"train.micro_batch_size={mbs}"]).validate(2)
+        return fit_sub_batches(cfg, k).sub_batches
+
+    assert (fitted(8, 2), fitted(4, 2), fitted(4, 1)) == (4, 2, 4)

@@ -112,8 +112,8 @@ class SequenceGradSum:
     the DP reduction (both are sums; Megatron-LM sums its layer norms' alike); one
     all-reduce of one flat buffer per degree."""
 
-    def __init__(self, params: dict[int, tuple], order: list[int]) -> None:
-        self.params, self.order = params, order  # degree -> (group, [parameters])
+    def __init__(self, params: dict[int, tuple]) -> None:
+        self.params = params  # degree -> (group, [parameters])
 
     @classmethod
     def for_model(cls, model: nn.Module, group) -> Optional["SequenceGradSum"]:
@@ -136,12 +136,12 @@ class SequenceGradSum:
         for p in model.parameters():
             if id(p) not in seen and p.requires_grad and getattr(p, "tp_spec", None) is None:
                 by_degree.setdefault(T, (group, []))[1].append(p)
-        # every rank sums the same degrees in the same order (a rank's plan degrees are
-        # the same set on every rank of its stage)
-        return cls(by_degree, sorted(by_degree)) if by_degree else None
+        return cls(by_degree) if by_degree else None
 
     @torch.no_grad()
     def __call__(self) -> None:
-        for t in self.order:
+        # every rank sums the same degrees in the same order (a rank's plan degrees are
+        # the same set on every rank of its stage)
+        for t in sorted(self.params):
             group, params = self.params[t]
             _sum_in_place([p.grad for p in params if p.grad is not None], group)

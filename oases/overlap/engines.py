@@ -226,10 +226,9 @@ class OasesSchedule(SequencePrograms):
                 in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home = getattr(model, "home_degree", blocks[0].degree)
-        # sequence parallelism's short segments need a long one of another sub-batch
-        stagger = n >= 3 and getattr(model, "sequence_parallel", False)
+        sp = getattr(model, "sequence_parallel", False)
         return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
-                        input_grad, home, rng=rng, stagger=stagger)
+                        input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3)
 
     def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
@@ -301,7 +300,7 @@ class OasesSchedule(SequencePrograms):
         in_group = {i for a, b in groups for i in range(a, b)}
         home = run.home
         x = sb.ids
-        sp = getattr(model, "sequence_parallel", False)  # a later stage's input: a chunk
+        sp = run.sequence_parallel  # then a later stage's input is a chunk
         block = self._sp_block if sp else self._block
         for i, blk in enumerate(blocks):
             prev = blocks[i - 1].degree if i > 0 else home
@@ -366,20 +365,26 @@ class OasesSchedule(SequencePrograms):
     # ------------------------------------------------------------ backward
     def _cut_backward(self, cuts: list[Cut], name: str, prepare: Optional[Program],
                       block: int = HEAD) -> Program:
-        """All-reduce the input gradients at the cuts, then continue backward from them.
-        ``prepare`` (the recompute of the next block down, or None) needs only the stash:
-        under ``_early_prepare`` it runs while the all-reduce is in flight, before this
-        sub-batch yields; otherwise after the wait."""
+        """All-reduce the cuts' input gradients, continue from them (:meth:`_reduce_back`)."""
         cuts = [c for c in cuts if c.leaf.grad is not None]
+        yield from self._reduce_back([("ar", c.leaf.grad, c.group) for c in cuts],
+                                     [c.source for c in cuts], prepare, block, name)
+
+    def _reduce_back(self, reqs: list, sources: list, prepare: Optional[Program],
+                     block: int, name: str, after=None) -> Program:
+        """Launch the collectives ``reqs`` of input gradients and continue backward from
+        ``sources`` with their results (each through ``after``). ``prepare`` (the next
+        block down's recompute, or None) needs only the stash: under ``_early_prepare``
+        it runs while they are in flight, before this sub-batch yields; else after."""
         early = self._early_prepare and prepare is not None
-        if cuts:
-            ticket = yield Launch([("ar", c.leaf.grad, c.group) for c in cuts])
+        if reqs:
+            ticket = yield Launch(reqs)
             if early:
                 yield from prepare
             grads = yield Wait(ticket)
             with self._enter(block, span=name):
-                torch.autograd.backward([c.source for c in cuts], grads)
-        if prepare is not None and not (early and cuts):
+                torch.autograd.backward(sources, [after(g) for g in grads] if after else grads)
+        if prepare is not None and not (early and reqs):
             yield from prepare
 
     def _rebuild(self, run: OasesRun, blk, st: _BlockState, reduced: torch.Tensor,
@@ -427,7 +432,7 @@ class OasesSchedule(SequencePrograms):
         st = sb.blocks[i]
         if st.out is not None:
             return
-        sp = getattr(run.model, "sequence_parallel", False)
+        sp = run.sequence_parallel
         with self._enter(i):
             if self.recompute == "fine":
                 (self._sp_recompute_fine if sp else self._recompute_fine)(run, i, st,
@@ -447,8 +452,8 @@ class OasesSchedule(SequencePrograms):
         group_of = {i: (a, b) for a, b in groups for i in range(a, b)}
         home = run.home
         last_block = self._prepare(run, group_of, sb, len(blocks) - 1)
-        sp = getattr(model, "sequence_parallel", False)
-        if sb.head is None:  # the gradient of the stage's (whole) output: from the next stage
+        sp = run.sequence_parallel
+        if sb.head is None:  # the gradient of the stage's output: from the next stage
             yield from last_block
             g_out, sb.grad_out = sb.grad_out, None
         elif sp:

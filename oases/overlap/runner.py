@@ -101,7 +101,8 @@ class OasesRun:
     forwards_left: int = 0                    # sub-batches whose forward is still running
     stash_bytes: int = 0                      # bytes stashed for recompute (memory tests)
     rng: bool = True                          # the sub-batches draw from their own streams
-    stagger: bool = False                     # odd sub-batches start a turn late (run_joint)
+    sequence_parallel: bool = False           # the model's (oases.overlap.sequence)
+    stagger: bool = False                     # odd sub-batches a turn late (SP, run_joint)
 
     # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
     def snap(self) -> Optional[dict]:

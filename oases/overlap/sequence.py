@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from oases.overlap.runner import Launch, OasesRun, Program, Wait, collect
+from oases.overlap.runner import OasesRun, Program, collect
 from oases.overlap.state import _BlockState, _SubBatch
 from oases.parallel.engine import HEAD
 from oases.parallel.region import GATHERED, entering
@@ -61,7 +61,7 @@ def gather_seq(x: torch.Tensor, group) -> Program:
 
 class SequencePrograms:
     """The sequence-parallel segments of :class:`~oases.overlap.engines.OasesSchedule`
-    (mixed into it; ``self`` has its ``_enter``, ``recompute`` and ``_early_prepare``)."""
+    (mixed into it; ``self`` has its ``_enter``, ``recompute`` and ``_reduce_back``)."""
 
     # ---------------------------------------------------------------- forward
     def _sp_block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool,
@@ -122,30 +122,14 @@ class SequencePrograms:
         sb.loss = loss.detach()
 
     # --------------------------------------------------------------- backward
-    def _sp_reduce_back(self, grad: torch.Tensor, group, source: torch.Tensor,
-                        prepare: Optional[Program], block: int, name: str) -> Program:
-        """Reduce-scatter ``grad`` (of a gathered leaf) and continue backward from
-        ``source`` (the chunk it was gathered from); ``prepare`` (the recompute of the
-        next block down) runs while the reduce-scatter is in flight under
-        ``_early_prepare``, else after it."""
-        early = self._early_prepare and prepare is not None
-        ticket = yield Launch([("rs", seq_major(grad), group)])
-        if early:
-            yield from prepare
-        (dh,) = yield Wait(ticket)
-        with self._enter(block, span=name):
-            torch.autograd.backward(source, batch_major(dh))
-        if prepare is not None and not early:
-            yield from prepare
-
     def _sp_loss_backward(self, run: OasesRun, sb: _SubBatch, scale: float,
                           prepare: Program) -> Program:
         """Backward of :meth:`_sp_loss`; returns the gradient of the last block's output."""
         x_last, h, g, loss = sb.head
         with self._enter(HEAD, span=f"B{sb.name} loss"):
             torch.autograd.backward(loss, torch.ones_like(loss) * scale)
-        yield from self._sp_reduce_back(g.grad, run.model.tp_group, h, prepare, HEAD,
-                                        f"B{sb.name} head")
+        yield from self._reduce_back([("rs", seq_major(g.grad), run.model.tp_group)], [h],
+                                     prepare, HEAD, f"B{sb.name} head", batch_major)
         sb.head = None
         return x_last.grad
 
@@ -159,11 +143,10 @@ class SequencePrograms:
         (dp,) = yield from collect([("ag", seq_major(st.r.grad), grp)])
         with self._enter(i, span=f"B{sb.name} {i} region"):
             torch.autograd.backward(st.p, batch_major(dp))
-        if st.h is not None and st.g.grad is not None:
-            yield from self._sp_reduce_back(st.g.grad, grp, st.h, prepare, i,
-                                            f"B{sb.name} {i} in")
-        elif prepare is not None:
-            yield from prepare
+        # the region input's gradient reduce-scattered back to the prologue's output chunk
+        into = st.h is not None and st.g.grad is not None
+        yield from self._reduce_back([("rs", seq_major(st.g.grad), grp)] if into else [],
+                                     [st.h], prepare, i, f"B{sb.name} {i} in", batch_major)
 
     # -------------------------------------------------------------- recompute
     def _sp_recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:

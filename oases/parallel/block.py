@@ -42,8 +42,7 @@ import torch
 import torch.nn as nn
 
 from oases.parallel.comm import group_size, reduce_from_tp
-from oases.parallel.region import GATHERED, entering
-from oases.parallel.sequence import seq_enter, seq_leave
+from oases.parallel.sequence import gathered_region, seq_leave
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -89,9 +88,7 @@ class TPBlock(nn.Module):
             return self.combine(x, reduce_from_tp(self.partial(x), self.tp_group))
         if x.is_floating_point():  # an activation's sequence chunk
             prologue, region = self.halves()
-            h = seq_enter(prologue(x), self.tp_group)
-            with entering(GATHERED):
-                p = region(h)
+            p = gathered_region(region, prologue(x), self.tp_group)
         else:  # token ids, whole on every rank
             p = self.partial(x)
         return self.combine(x, seq_leave(p, self.tp_group))

@@ -134,9 +134,7 @@ def _reduce_scatter_into(out: torch.Tensor, src: torch.Tensor, group, n: int):
 def reduce_scatter_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     """Start a reduce-scatter (sum) along dim 0; returns (this rank's chunk, work). The
     chunk is valid after ``work.wait()``."""
-    n = group_size(group)
-    if t.shape[0] % n:
-        raise ValueError(f"dim 0 of size {t.shape[0]} does not split over {n} ranks")
+    n = _ranks_split(t, group, 0)
     src = t.contiguous()
     CommCounter.record("reduce_scatter", src)
     if NoopCollectives.active(group):
@@ -147,34 +145,28 @@ def reduce_scatter_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
 
 
 def _all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """:func:`all_gather_async` along ``dim`` (moved first), waited for."""
+    out, work = all_gather_async(t.movedim(dim, 0), group)
+    work.wait()
+    return out.movedim(0, dim).contiguous()  # rank chunks concatenated along dim
+
+
+def _ranks_split(t: torch.Tensor, group, dim: int) -> int:
+    """The group's size, which must divide ``t`` along ``dim``."""
     n = group_size(group)
-    src = t.movedim(dim, 0).contiguous()
-    CommCounter.record("all_gather", src)
-    if NoopCollectives.active(group):
-        return torch.cat([src] * n).movedim(0, dim).contiguous()
-    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    _all_gather_single(out, src, group=group)
-    # rank chunks are concatenated along the moved dim; move it back
-    return out.movedim(0, dim).contiguous()
+    if t.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
+    return n
 
 
 def _split(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    n = group_size(group)
-    if t.shape[dim] % n:
-        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
-    return t.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    return t.chunk(_ranks_split(t, group, dim), dim=dim)[group_rank(group)].contiguous()
 
 
 def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    n = group_size(group)
-    if t.shape[dim] % n:
-        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {n} ranks")
-    src = t.movedim(dim, 0).contiguous()
-    CommCounter.record("reduce_scatter", src)
-    if NoopCollectives.active(group):
-        return src.chunk(n)[group_rank(group)].movedim(0, dim).contiguous()
-    out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    _reduce_scatter_into(out, src, group, n).wait()
+    """:func:`reduce_scatter_async` along ``dim`` (moved first), waited for."""
+    out, work = reduce_scatter_async(t.movedim(dim, 0), group)
+    work.wait()
     return out.movedim(0, dim).contiguous()
 
 

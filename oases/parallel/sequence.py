@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from oases.parallel.comm import (all_gather_to_tp, gather_from_tp, group_rank, group_size,
                                  reduce_scatter_to_tp, scatter_to_tp)
+from oases.parallel.region import GATHERED, entering
 
 SEQ_DIM = 1  # activations are (B, T, ...)
 
@@ -72,16 +73,28 @@ def batch_major(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(0, SEQ_DIM).contiguous()
 
 
-def part_mask(dropout: nn.Module, y: torch.Tensor, rows: tuple[int, int],
-                  seq: tuple[int, int]) -> torch.Tensor:
-    """``dropout``'s mask for ``y``, part ``rows = (g, k)`` of the batch and chunk
-    ``seq = (j, n)`` of the sequence of a (k B, n T, ...) whole: the whole's mask drawn
-    from the generator, as an unsplit run draws it, and this part of it kept (a copy,
-    so that what backward keeps is the part only)."""
+def part_dropout(dropout: nn.Module, y: torch.Tensor, rows: tuple[int, int] = (0, 1),
+                 seq: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """``dropout(y)`` for ``y`` part ``rows = (g, k)`` of the batch and chunk ``seq =
+    (j, n)`` of the sequence of a (k B, n T, ...) whole: with the whole's mask, drawn from
+    the generator as an unsplit run draws it, of which this part is kept (a copy, so that
+    what backward keeps is the part only). A whole ``y``, evaluation or p = 0: plain
+    ``dropout(y)``."""
     (g, k), (j, n) = rows, seq
+    if (k == 1 and n == 1) or not dropout.training or dropout.p == 0.0:
+        return dropout(y)
     B, T = y.shape[0], y.shape[SEQ_DIM]
     whole = y.new_ones((k * B, n * T, *y.shape[2:]))             # (k B, n T, ...)
-    return dropout(whole).narrow(0, g * B, B).narrow(SEQ_DIM, j * T, T).clone()
+    return y * dropout(whole).narrow(0, g * B, B).narrow(SEQ_DIM, j * T, T).clone()
+
+
+def gathered_region(region, x: torch.Tensor, group) -> torch.Tensor:
+    """``region`` on the whole sequence all-gathered from the chunks ``x``, entered
+    through :data:`~oases.parallel.region.GATHERED` (the all-gather's backward
+    reduce-scatters the input gradient; the region adds no collective of its own)."""
+    h = seq_enter(x, group)
+    with entering(GATHERED):
+        return region(h)
 
 
 def set_sequence_parallel(module: nn.Module, on: bool) -> None:

@@ -38,7 +38,8 @@ from oases.parallel.groups import (ParallelContext, build_context, build_pipelin
 from oases.planner import report as rep
 from oases.planner.calibrate import time_throwaway
 from oases.planner.cluster import load_cluster
-from oases.planner.online import measure_profile, resolve_layout, resolve_plan, stage_logger
+from oases.planner.online import (fit_sub_batches, measure_profile, resolve_layout, resolve_plan,
+                                  stage_logger)
 from oases.planner.plan_file import batch_divisor
 from oases.planner.search import search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
@@ -180,19 +181,14 @@ def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
         **extra})
-    n = chosen.sub_batches
-    if chosen.parallel.sub_batches == "auto" and n > 2 and not _rows_split(d, n):
-        chosen = chosen.with_changes({"parallel.sub_batches": 2})  # auto: back to two
-    return chosen
+    return fit_sub_batches(chosen, _plan_divisor(d))
 
 
-def _rows_split(d: dict, n: int) -> bool:
-    """Whether the plan ``d``'s micro-batch splits into ``n`` sub-batches, each into the
-    parts of its smallest degree."""
+def _plan_divisor(d: dict) -> int:
+    """The parts the plan ``d``'s smallest degree splits each (sub-)batch into."""
     tp = int(d["tp"])
     degrees = [d.get("degrees") or []] + [s.get("degrees") or [] for s in d.get("stages") or []]
-    k = max(batch_divisor([int(t) for t in g], tp) for g in degrees)
-    return int(d["micro_batch_size"]) % (n * k) == 0
+    return max(batch_divisor([int(t) for t in g], tp) for g in degrees)
 
 
 def _overrides(cfg: Config) -> list[str]:

@@ -94,6 +94,16 @@ def _check_rows(cfg: Config, degrees, tp: int, rows: int) -> None:
                           f"the micro-batch must allow that{auto}")
 
 
+def fit_sub_batches(cfg: Config, k: int) -> Config:
+    """``cfg``, or, where ``parallel.sub_batches=auto`` gives more than two sub-batches
+    (sequence parallelism) and a plan's smallest degree splits each into ``k`` parts
+    they do not hold, ``cfg`` at two."""
+    if cfg.parallel.sub_batches == "auto" and cfg.sub_batches > 2 \
+            and (cfg.train.micro_batch_size // cfg.sub_batches) % k:
+        return cfg.with_changes({"parallel.sub_batches": 2})
+    return cfg
+
+
 def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTimer] = None
                  ) -> tuple[Config, Optional[list[int]]]:
     """The config to run (``cfg``, or with ``parallel.plan=auto`` the copy that runs what
@@ -117,10 +127,8 @@ def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTim
             cfg = cfg.with_changes({"parallel.sequence_parallel": True})
             p = cfg.parallel
     k = batch_divisor(degrees, p.tp)
+    cfg = fit_sub_batches(cfg, k)
     rows = cfg.train.micro_batch_size // (cfg.sub_batches if p.schedule == "oases" else 1)
-    if rows % k and p.sub_batches == "auto" and cfg.sub_batches > 2:  # auto: back to 2
-        cfg = cfg.with_changes({"parallel.sub_batches": 2})
-        rows = cfg.train.micro_batch_size // 2
     if rows % k:
         raise ConfigError(f"the plan runs blocks at degree {p.tp // k}, which splits each "
                           f"{'sub-' if p.schedule == 'oases' else ''}batch of {rows} into {k} "
