@@ -28,9 +28,11 @@ install-test: $(VENV)/.installed-test
 data/pydoc/train.bin: | $(VENV)/.installed
 	$(BIN)/python -m oases.prepare --builtin pydoc --out data/pydoc
 
+# CUDA_DEVICE_MAX_CONNECTIONS=1 (kernels in issue order; train.py sets it too): yours wins
 train: $(VENV)/.installed data/pydoc/train.bin
 	$(BIN)/python -m oases.config --config $(CONFIG) --nproc $(NPROC) $(ARGS)
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+	CUDA_DEVICE_MAX_CONNECTIONS=$${CUDA_DEVICE_MAX_CONNECTIONS:-1} \
+	    $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests

@@ -56,7 +56,7 @@ from oases.planner.api import run_shape
 from oases.planner.cluster import Cluster
 from oases.planner.cost import CostModel, ModelShape
 from oases.planner.profile import get_profile
-from oases.runtime.build import model_for, seed_tracker, training_for
+from oases.runtime.build import fast_init, model_for, seed_tracker, training_for
 from oases.runtime.step import train_step
 
 MODES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"],
@@ -99,20 +99,10 @@ class _Batch:
         return self.x, self.y
 
 
-@torch.no_grad()
-def _fast_init(model) -> None:
-    for p in model.parameters():
-        rule = p.init_rule
-        if rule[0] == "normal":
-            p.normal_(0.0, rule[1])
-        else:
-            p.fill_(1.0 if rule[0] == "ones" else 0.0)
-
-
 def _build(cfg, ctx):
     tracker = seed_tracker(cfg, ctx)
     model = model_for(cfg, ctx, tracker, None, None)
-    _fast_init(model)
+    fast_init(model)
     return training_for(cfg, ctx, model, tracker)
 
 

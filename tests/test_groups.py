@@ -139,23 +139,6 @@ def test_a_subgroup_times_out_after_the_worlds_timeout():
 # the NCCL settings, as pure functions
 
 
-def test_nccl_waits_block_unless_the_user_chose():
-    assert G.nccl_error_env({}) == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-    for chosen in ({"TORCH_NCCL_BLOCKING_WAIT": "0"}, {"NCCL_BLOCKING_WAIT": "1"},
-                   {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {"NCCL_ASYNC_ERROR_HANDLING": "1"}):
-        assert G.nccl_error_env(chosen) == {}, chosen
-
-
-def test_prepare_backend_sets_the_nccl_variables_only_for_nccl(monkeypatch):
-    for k in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-              "NCCL_ASYNC_ERROR_HANDLING"):
-        monkeypatch.delenv(k, raising=False)
-    G.prepare_backend("gloo")
-    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
-    G.prepare_backend("nccl")
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-
-
 def test_device_id_and_high_priority_streams_on_nccl_only():
     gpu = torch.device("cuda", 1)
     assert G.init_kwargs("nccl", gpu) == {"device_id": gpu}
@@ -217,14 +200,19 @@ _HANG = textwrap.dedent("""
     from oases.parallel.groups import join_world
     from oases.runtime.trainer import _collective_failure
     join_world("cuda", "auto", timeout_s=2)
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
     assert dist.distributed_c10d._get_default_group().bound_device_id == torch.device("cuda", 0)
     x = torch.ones(1, device="cuda")
     dist.all_reduce(x)  # the communicator is up
     torch.cuda._sleep(int(4e10))  # ~20 s of cycles at 2 GHz
     t0 = time.monotonic()
+    dist.all_reduce(x, async_op=True).wait()  # queued behind the sleep: times out in 2 s
+    assert time.monotonic() - t0 < 1.0, "the wait blocked the host"
     try:
-        dist.all_reduce(x)  # queued behind 20 s of sleep on the stream: times out in 2 s
+        while time.monotonic() - t0 < 60:  # the watchdog aborts; the next collective raises
+            time.sleep(0.2)
+            dist.all_reduce(x)
     except Exception as e:
         assert _collective_failure(e), repr(e)
         print(f"raised after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
@@ -236,11 +224,14 @@ _HANG = textwrap.dedent("""
 
 @pytest.mark.cuda
 def test_an_nccl_timeout_raises_in_the_caller():
-    """With oases' NCCL settings a collective that does not finish within the timeout
-    raises a catchable error in the calling thread (the default would let the watchdog
-    abort the process). One GPU: the collective is held back by a kernel sleeping on the
-    stream it waits for."""
+    """With oases' NCCL settings a wait never blocks the host, and a collective that does
+    not finish within the timeout has its communicator aborted by the watchdog, so the
+    next collective raises a catchable error in the calling thread (torch's default
+    would take the process down). One GPU: the collective is held back by a kernel
+    sleeping on the stream it waits for. The flight recorder's dump wait is cut to 4 x
+    0.5 s here."""
     env = {k: v for k, v in subprocess_env().items() if "NCCL" not in k}
+    env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "500"
     proc = subprocess.run([sys.executable, "-c", _HANG], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -256,7 +247,11 @@ def test_hung_peer_on_nccl_exits_4_with_one_line(tmp_path):
     out, log = tmp_path / "run", tmp_path / "torchrun.log"
     args = [*TINY, f"out_dir={out}", "parallel.tp=2", "parallel.device=cuda",
             "train.steps=100000", "parallel.timeout_s=5", "resume=none"]
-    rc, text, elapsed = run_with_hung_rank(args, out, log, 300, 60)
+    os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "500"  # the dump wait: 4 x 0.5 s
+    try:
+        rc, text, elapsed = run_with_hung_rank(args, out, log, 300, 60)
+    finally:
+        del os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]
     assert rc != 0 and elapsed < 30, (rc, elapsed)
     rank0 = [ln for ln in text.splitlines() if ln.startswith("error: [rank 0] ")]
     assert len(rank0) == 1 and "parallel.timeout_s=5" in rank0[0], text[-4000:]

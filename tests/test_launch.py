@@ -40,9 +40,12 @@ def test_slurm_command_line():
                "train.steps=50", "parallel.tp=2")
     assert r.returncode == 0, r.stderr
     words = shlex.split(r.stdout)
-    assert words[:2] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-                         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90"]
-    cmd = words[2:]
+    # kernels start in issue order, and a hung collective ends the run with exit 4
+    # (torchrun would give its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1: SIGABRT)
+    assert words[:4] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90", "CUDA_DEVICE_MAX_CONNECTIONS=1",
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING=2"]
+    cmd = words[4:]
     assert cmd[0] == sys.executable and cmd[1:3] == ["-m", "torch.distributed.run"]
     script = cmd.index("train.py")
     assert cmd[3:script] == ["--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
@@ -50,6 +53,14 @@ def test_slurm_command_line():
                              "--rdzv-conf=is_host=0", "--max-restarts=2"]
     assert cmd[script + 1:] == ["--config", "configs/gpt-tiny.yaml", "train.steps=50",
                                 "parallel.tp=2", "resume=auto"]
+
+
+def test_the_users_cuda_and_nccl_choices_stand():
+    chosen = {**SLURM, "CUDA_DEVICE_MAX_CONNECTIONS": "8", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    r = launch(chosen, "--config", "configs/gpt-tiny.yaml", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert not [w for w in shlex.split(r.stdout)
+                if w.startswith(("CUDA_DEVICE_MAX_CONNECTIONS=", "TORCH_NCCL_"))]
 
 
 def test_slurm_settings_sources():

@@ -29,6 +29,7 @@ STEPS = 4
 BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"train.steps={STEPS}",
         "train.warmup_steps=2", "train.log_interval=2", "train.micro_batch_size=4",
         "parallel.tp=2", "parallel.schedule=oases", "parallel.recompute=fine",
+        "parallel.sub_batches=2",  # the trace below shows both sub-batches
         "checkpoint.save_final=false", "eval.interval=0", "seed=5",
         "wandb.mode=offline", "wandb.tags=[tiny,ci]", "wandb.entity=team"]
 

@@ -58,3 +58,21 @@ def test_auto_sub_batches():
     assert n() == 2 and n("parallel.sequence_parallel=true") == 4
     assert n("parallel.sequence_parallel=true", "train.micro_batch_size=6") == 2
     assert n("parallel.sequence_parallel=true", "parallel.sub_batches=2") == 2
+
+
+def test_a_partial_sum_is_reduced_where_it_lies_only_when_nothing_else_holds_it():
+    """Without a graph kept (recompute) the fresh partial sum is the all-reduce's buffer;
+    a partial kept in a graph, or one that is the block's input or a parameter's memory,
+    is copied first (reducing it in place would change what they hold)."""
+    from oases.overlap.runner import reduce_buffer
+
+    blk = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    p = blk(x).detach()
+    assert reduce_buffer(p, False, blk, x) is p
+    for graph, partial in ((True, p), (False, x), (False, blk.weight.detach()),
+                           (False, p.t())):  # kept, the input, a parameter, strided
+        buf = reduce_buffer(partial, graph, blk, x)
+        assert buf is not partial and buf.is_contiguous()
+        assert buf.untyped_storage().data_ptr() != partial.untyped_storage().data_ptr()
+        assert torch.equal(buf, partial)

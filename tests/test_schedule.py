@@ -257,10 +257,18 @@ def test_block_protocol_on_a_toy_model():
 
 def test_sub_batch_config_errors():
     with pytest.raises(ConfigError, match="sub-batches"):
-        load_config(None, ["parallel.schedule=oases", "train.micro_batch_size=3"]).validate(1)
+        load_config(None, ["parallel.schedule=oases", "train.micro_batch_size=3",
+                           "parallel.sub_batches=2"]).validate(1)
     with pytest.raises(ConfigError, match="sub-batches"):
-        load_config(None, ["parallel.schedule=oases", "train.micro_batch_size=1"]).validate(1)
+        load_config(None, ["parallel.schedule=oases", "train.micro_batch_size=1",
+                           "parallel.sub_batches=2"]).validate(1)
+    # auto takes what the micro-batch allows (the run decides at start-up)
+    odd = load_config(None, ["parallel.schedule=oases", "train.micro_batch_size=3"]).validate(1)
+    assert odd.sub_batches == 1
     with pytest.raises(ConfigError, match="needs parallel.schedule=oases"):
         load_config(None, ["parallel.recompute=fine"]).validate(1)
-    with pytest.raises(ConfigError, match="sub_batches"):
-        load_config(None, ["parallel.schedule=oases", "parallel.sub_batches=1"]).validate(1)
+    with pytest.raises(ConfigError, match="sub_batches=0 must be >= 1"):
+        load_config(None, ["parallel.schedule=oases", "parallel.sub_batches=0"]).validate(1)
+    one = load_config(None, ["parallel.schedule=oases", "parallel.sub_batches=1",
+                             "train.micro_batch_size=1"]).validate(1)
+    assert one.sub_batches == 1  # the micro-batch whole: no split, the engine's recompute

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Mapping, NoReturn, Optional
 
 from oases.errors import EXIT_USER_ERROR, UserError
+from oases.parallel.nccl_env import ABORT_ONLY, ERROR_VARS, MAX_CONNECTIONS
 
 EXIT_PREEMPTED = 5      # oases' status for "stopped on a signal after a checkpoint"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -128,10 +129,19 @@ def torchrun_command(s: NodeSettings, config: str, overrides: list[str], max_res
             f"--max-restarts={max_restarts}", script, *train_args(config, overrides)]
 
 
-def command_env(grace_s: int) -> dict[str, str]:
-    """Variables the agent runs with (on top of the node's environment)."""
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)}
+def command_env(grace_s: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Variables the agent runs with (on top of the node's environment). Its workers
+    create their CUDA context in order of their kernels' issue
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``, :mod:`oases.parallel.nccl_env`) and have a hung
+    collective's communicators aborted rather than the process (torchrun would give
+    them ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), unless the node's environment chose."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)}
+    if MAX_CONNECTIONS not in environ:
+        env[MAX_CONNECTIONS] = "1"
+    if not any(k in environ for k in ERROR_VARS):
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = ABORT_ONLY
+    return env
 
 
 def run(cmd: list[str], env: Mapping[str, str]) -> int:
@@ -206,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    extra = command_env(args.grace_s)
+    extra = command_env(args.grace_s, os.environ)
     line = shlex.join([f"{k}={v}" for k, v in extra.items()] + cmd)
     if args.dry_run:
         print(line, flush=True)

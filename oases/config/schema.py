@@ -66,9 +66,10 @@ class ParallelConfig(_Section):
     # forward all-reduce's output and recompute from there, never re-issuing a forward
     # collective.
     recompute: str = "none"
-    # oases schedule only: sub-batches per micro-batch (split along the batch). "auto": 4
-    # under sequence_parallel when the micro-batch splits in four (its turns are then
-    # staggered so that both of a block's collectives hide, oases.overlap.sequence), else 2
+    # oases schedule only: sub-batches per micro-batch (split along the batch; 1: no
+    # split). "auto": chosen at start-up by timing the counts the micro-batch takes (1, 2,
+    # and 4 under sequence_parallel, whose turns are then staggered so that both of a
+    # block's collectives hide) on the run's own devices (oases.runtime.sub_batches)
     sub_batches: Union[int, str] = "auto"
     # oases only: run each micro-batch's backward interleaved with the next one's forward
     # (pp=1 with grad_accum >= 2; a pipeline's eager-1f1b steady state), so the forward's
@@ -132,9 +133,9 @@ class ParallelConfig(_Section):
             if self.sub_batches != "auto":
                 raise ConfigError(f"parallel.sub_batches={self.sub_batches!r} is not an "
                                   f"integer or auto")
-        elif self.sub_batches < (1 if self.overlap_fb else 2):
-            raise ConfigError(f"parallel.sub_batches={self.sub_batches} must be >= "
-                              f"{1 if self.overlap_fb else 2} (or auto)")
+        elif isinstance(self.sub_batches, bool) or self.sub_batches < 1:
+            raise ConfigError(f"parallel.sub_batches={self.sub_batches!r} must be >= 1 "
+                              f"(or auto)")
         if self.compile not in (False, True, "strict"):
             raise ConfigError(f"parallel.compile={self.compile!r} is not one of false, true, "
                               f"strict")
@@ -276,13 +277,16 @@ class Config(_Section):
     @property
     def sub_batches(self) -> int:
         """Sub-batches per micro-batch under the oases engine: ``parallel.sub_batches``,
-        its "auto" resolved (4 under sequence parallelism when the micro-batch splits in
-        four, else 2)."""
+        or for "auto" the count to assume before a run decides (4 under sequence
+        parallelism when the micro-batch splits in four, else 2 where it splits in two,
+        else 1). A run decides "auto" at start-up (:mod:`oases.runtime.sub_batches`)
+        and carries the integer on from there."""
         n = self.parallel.sub_batches
         if n != "auto":
             return n
+        mbs = self.train.micro_batch_size
         sp = self.parallel.sequence_parallel and self.parallel.schedule == "oases"
-        return 4 if sp and self.train.micro_batch_size % 4 == 0 else 2
+        return 4 if sp and mbs % 4 == 0 else 2 if mbs % 2 == 0 else 1
 
     @property
     def padded_vocab_size(self) -> int:

@@ -90,8 +90,8 @@ from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
-from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect, run_joint,
-                                  run_programs)
+from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect,
+                                  reduce_buffer, run_joint, run_programs)
 from oases.overlap.sequence import SequencePrograms, gather_seq
 from oases.overlap.state import _BlockState, _Graft, _SubBatch
 from oases.parallel.comm import require_default_stream
@@ -350,8 +350,7 @@ class OasesSchedule(SequencePrograms):
         with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp(), \
                 CutRecorder() as rec:
             p = blk.partial(x_in)
-        buf = p.detach().clone(memory_format=torch.contiguous_format)  # the collective's layout
-        (reduced,) = yield from collect([("ar", buf, blk.tp_group)])  # of the partial sum
+        (reduced,) = yield from collect([("ar", reduce_buffer(p, keep, blk, x_in), blk.tp_group)])
         if not keep:
             st.rng_combine = run.snap()
             if self.recompute == "fine":

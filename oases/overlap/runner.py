@@ -25,7 +25,7 @@ from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import (_rng_restore, _rng_snapshot, draws_random, rng_fingerprint,
                                        same_rng)
-from oases.parallel.comm import _trivial, all_gather_async, all_reduce, reduce_scatter_async
+from oases.parallel.comm import all_gather_async, all_reduce, reduce_scatter_async, trivial
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.timing import label
 
@@ -164,8 +164,8 @@ class ModelFacts:
     def __call__(self, model: nn.Module, blocks: list) -> tuple[bool, bool]:
         facts = self._of.get(model)
         if facts is None:
-            facts = {"alone": all(_trivial(b.tp_group) for b in blocks)
-                     and _trivial(getattr(model, "tp_group", None))}
+            facts = {"alone": all(trivial(b.tp_group) for b in blocks)
+                     and trivial(getattr(model, "tp_group", None))}
             self._of[model] = facts
         if model.training not in facts:
             facts[model.training] = draws_random(model)
@@ -177,9 +177,29 @@ def collect(reqs: list[tuple]) -> Program:
     yields them), through ``yield from``: asked of the runner, which runs the other
     sub-batches meanwhile, when one of them communicates; else at once. A collective
     over one rank (a block of degree 1) has nothing to hide: a switch there only costs."""
-    if all(_trivial(group) for _, _, group in reqs):
+    if all(trivial(group) for _, _, group in reqs):
         return [t for _, t, _ in reqs]  # what _launch and _wait give for a one-rank group
     return (yield reqs)
+
+
+def reduce_buffer(p: torch.Tensor, graph: bool, blk: nn.Module, x_in: torch.Tensor
+                  ) -> torch.Tensor:
+    """The buffer a block's partial sum ``p`` is all-reduced in, in place. Where the
+    forward keeps no graph (``graph`` False: recompute keeps the stash instead), ``p``
+    itself: a partial sum is a new tensor (a matmul's output) that nothing else holds,
+    and reducing it where it lies saves a copy of the activation per collective. A
+    partial that hands back memory of its input or of the block's parameters (a view,
+    the input itself) gets a copy, as every partial kept in a graph does (the graph may
+    have saved it: an op that saves its output, such as ``tanh``)."""
+    if not graph and p.is_contiguous() and not _aliases(p, blk, x_in):
+        return p
+    return p.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _aliases(p: torch.Tensor, blk: nn.Module, x_in: torch.Tensor) -> bool:
+    mem = p.untyped_storage().data_ptr()
+    return mem == x_in.untyped_storage().data_ptr() or any(
+        mem == w.untyped_storage().data_ptr() for w in blk.parameters())
 
 
 def _launch(reqs: list[tuple]) -> list:
@@ -190,7 +210,7 @@ def _launch(reqs: list[tuple]) -> list:
     (Active observers see them through the comm functions.)"""
     out = []
     for kind, t, group in reqs:
-        if _trivial(group):
+        if trivial(group):
             out.append((t, None))
         elif kind == "ar":
             t = t.contiguous()

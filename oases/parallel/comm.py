@@ -23,6 +23,7 @@ Who all-reduces the gradient of a TP region's input (:func:`copy_to_tp`,
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -42,7 +43,7 @@ __all__ = ["CommCounter", "CommObserver", "CommScope", "Cut", "CutRecorder", "No
            "column_linear", "comm_scope", "copy_to_tp", "count_collectives", "current_scope",
            "gather_from_tp", "group_rank", "group_size", "launch_observed", "reduce_from_tp",
            "reduce_scatter_async", "reduce_scatter_to_tp", "require_default_stream",
-           "scatter_to_tp"]
+           "scatter_to_tp", "trivial"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -63,8 +64,19 @@ def require_default_stream(device: torch.device, who: str) -> None:
                            f"that allocated them while another stream may still read them")
 
 
+# A group's size, asked at every collective (is it trivial?) and by every layer: read once
+# per group (dist.get_world_size validates its argument each call). Weak keys: a group
+# destroyed and collected leaves the cache.
+_sizes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    n = _sizes.get(group)
+    if n is None:
+        n = _sizes[group] = dist.get_world_size(group)
+    return n
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -226,8 +238,9 @@ _ReduceScatterToTP = _conjugate_pair("_ReduceScatterToTP", _reduce_scatter, _all
 _AllGatherToTP = _conjugate_pair("_AllGatherToTP", _all_gather, _reduce_scatter)
 
 
-def _trivial(group) -> bool:
-    return group is None or dist.get_world_size(group) == 1
+def trivial(group) -> bool:
+    """A group over one rank (or none): its collectives are identities."""
+    return group is None or group_size(group) == 1
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -290,42 +303,42 @@ AUTOGRAD_ENTRY = _AutogradEntry()
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region: identity forward, all-reduce of the gradient backward."""
-    return x if _trivial(group) else (entered_region() or AUTOGRAD_ENTRY).copy(x, group)
+    return x if trivial(group) else (entered_region() or AUTOGRAD_ENTRY).copy(x, group)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   group) -> torch.Tensor:
     """``F.linear(copy_to_tp(x, group), weight, bias)`` through the entered
     :class:`~oases.parallel.region.TPRegionEntry` (a column-parallel layer's input)."""
-    if _trivial(group):
+    if trivial(group):
         return F.linear(x, weight, bias)
     return (entered_region() or AUTOGRAD_ENTRY).linear(x, weight, bias, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a TP region: all-reduce partial sums forward, identity backward."""
-    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+    return x if trivial(group) else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """All-gather shards along ``dim`` (forward); backward keeps this rank's chunk."""
-    return x if _trivial(group) else _GatherFromTP.apply(x, group, dim % x.dim())
+    return x if trivial(group) else _GatherFromTP.apply(x, group, dim % x.dim())
 
 
 def scatter_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk along ``dim`` (forward); backward all-gathers."""
-    return x if _trivial(group) else _ScatterToTP.apply(x, group, dim % x.dim())
+    return x if trivial(group) else _ScatterToTP.apply(x, group, dim % x.dim())
 
 
 def reduce_scatter_to_tp(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ranks and keep this rank's chunk along ``dim``; backward all-gathers."""
-    return x if _trivial(group) else _ReduceScatterToTP.apply(x, group, dim % x.dim())
+    return x if trivial(group) else _ReduceScatterToTP.apply(x, group, dim % x.dim())
 
 
 def all_gather_to_tp(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """All-gather along ``dim``; backward reduce-scatters (the conjugate of
     :func:`reduce_scatter_to_tp`, as in sequence parallelism)."""
-    return x if _trivial(group) else _AllGatherToTP.apply(x, group, dim % x.dim())
+    return x if trivial(group) else _AllGatherToTP.apply(x, group, dim % x.dim())
 
 
 @contextlib.contextmanager

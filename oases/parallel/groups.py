@@ -16,9 +16,10 @@ it created (``groups``); :meth:`ParallelContext.close` destroys them, which is h
 planner's trials give back a layout's communicators before the next one is built.
 
 On NCCL, ``work.wait()`` neither blocks the host nor raises: a hung peer is found by
-the process group's watchdog, which by default takes the process down (SIGABRT) before
-oases can say why. :func:`nccl_error_env` makes the wait block and raise instead, so a
-timeout ends as every other collective failure does (exit status 4, one line).
+the process group's watchdog, which oases has abort the communicators (without taking
+the process down), so that the run's next collective raises and the run ends as on
+every other collective failure, with one line and exit status 4
+(:mod:`oases.parallel.nccl_env`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from oases.errors import UserError
+from oases.parallel.nccl_env import prepare_backend
 from oases.parallel.ranks import (destroy_groups, kv_replica_ranks, new_group, new_groups,
                                   recording_groups, world_timeout)
 from oases.parallel.reshard import DegreeGroups
@@ -146,32 +148,6 @@ def join_world(device: str = "auto", backend: str = "auto",
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 **init_kwargs(backend, dev))
     return dev
-
-
-# TORCH_NCCL_BLOCKING_WAIT (and its old name) makes ProcessGroupNCCL's wait() block the
-# host until the collective ends or its timeout passes, then abort the communicator and
-# raise a DistBackendError in the caller's thread; no watchdog thread is started. The
-# default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, SkipCleanUp, in torch 2.13) leaves waits
-# non-blocking and lets the watchdog rethrow the timeout on its own thread, which ends
-# the process with SIGABRT and no oases line. A user who set either variable chose.
-_NCCL_ERROR_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT",
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
-
-
-def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables to set before an NCCL process group is created so that a collective
-    that times out raises (then exit status 4 with one line): blocking waits, unless
-    ``environ`` already chooses how NCCL handles errors."""
-    if any(k in environ for k in _NCCL_ERROR_VARS):
-        return {}
-    return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-
-
-def prepare_backend(backend: str) -> None:
-    """Before ``init_process_group``: NCCL reads its error handling from the environment
-    when each process group is constructed (:func:`nccl_error_env`)."""
-    if backend == "nccl":
-        os.environ.update(nccl_error_env(os.environ))
 
 
 def init_kwargs(backend: str, device: torch.device) -> dict:

@@ -42,12 +42,15 @@ def profiling() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+_NO_RANGE = contextlib.nullcontext()  # reusable: entered and left as often as wanted
+
+
 def label(name: str):
     """A ``record_function`` range called ``name`` while a ``torch.profiler`` records,
     else a no-op (the engines label every sub-batch segment, launch and wait)."""
     if profiling():
         return torch.autograd.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NO_RANGE
 
 
 def on_cuda(device: DeviceLike) -> bool:

@@ -159,8 +159,23 @@ def zero_level_of(model, levels: Optional[list[int]], default: int,
     return lambda p: min(of.get(id(p), levels[-1]), cap.get(id(p), 3))
 
 
+@torch.no_grad()
+def fast_init(model) -> None:
+    """Weights by each parameter's init rule, drawn on its device with torch's generator:
+    for timing only (not oases' initialisation, which gives the same weights at every
+    layout and draws on the host, slowly for a large model)."""
+    for p in model.parameters():
+        rule = p.init_rule
+        if rule[0] == "normal":
+            p.normal_(0.0, rule[1])
+        else:
+            p.fill_(1.0 if rule[0] == "ones" else 0.0)
+
+
 class _FixedBatches:
     """One random micro-batch, over and over (timing only)."""
+
+    masked = False  # random token ids: every target counts
 
     def __init__(self, cfg: Config) -> None:
         g = torch.Generator().manual_seed(cfg.seed)
@@ -193,15 +208,18 @@ class ThrowawayStep:
         destroy_groups(self.groups)
 
 
-def throwaway_step(cfg: Config, ctx: ParallelContext,
-                   degrees: Optional[list[int]]) -> ThrowawayStep:
+def throwaway_step(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]],
+                   fast: bool = False) -> ThrowawayStep:
     """A :class:`ThrowawayStep` with these per-block degrees. It draws random numbers:
     callers that must not be affected fork the random state (``resolve_plan`` does).
-    Collective: every rank builds it."""
+    ``fast``: weights drawn on the device (:func:`fast_init`), where only the time of a
+    step matters. Collective: every rank builds it."""
     made: list = []
     with recording_groups(made):
         tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
+        model = model_for(cfg, ctx, tracker, degrees, None if fast else cfg.seed)
+        if fast:
+            fast_init(model)
         state = training_for(cfg, ctx, model, tracker)
     # groups the context built on first use (its degree groups) are the context's
     own = [g for g in made if g not in ctx.groups]

@@ -178,6 +178,8 @@ class TrainBatches:
     rank runs every micro-step), as each call advances the shared counter.
     """
 
+    masked = False  # no target is ever IGNORE_INDEX: every one counts in the loss
+
     def __init__(self, cfg: DataConfig, seq_len: int, vocab_size: int,
                  micro_batch_size: int, dp_rank: int, dp: int, seed: int) -> None:
         _check_layout(seq_len, micro_batch_size, dp_rank, dp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -19,36 +20,62 @@ from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.optim import clip_grads_norm
 from oases.runtime.state import StepStats, TrainState
 
-__all__ = ["StepStats", "TrainState", "autocast", "evaluate", "step_shares", "train_step"]
+__all__ = ["StepStats", "TrainState", "amp_factory", "autocast", "evaluate", "step_shares",
+           "train_step"]
 
 
 def autocast(cfg: Config, ctx: ParallelContext):
     """The run's autocast context (``train.precision``, resolved for ``ctx.device``)."""
+    return amp_factory(cfg, ctx)()
+
+
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable
+
+
+def amp_factory(cfg: Config, ctx: ParallelContext) -> Callable[[], ContextManager]:
+    """What makes the run's autocast context, the precision resolved once: the engines
+    enter one around every forward segment, so it is made many times a step."""
     if resolve_precision(cfg.train.precision, ctx.device.type) == "bf16":
-        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+        device = ctx.device.type
+        return lambda: torch.autocast(device, dtype=torch.bfloat16)
+    return lambda: _NO_AUTOCAST
 
 
-def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext,
-                dp: int) -> tuple[list[float], list[float]]:
+def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext, dp: int,
+                masked: bool = True) -> tuple[list, list]:
     """Each micro-batch's share of the step's loss on this rank, and the scale its
     backward is seeded with.
 
     The step's loss is one mean over the targets that count in the whole global batch
     (:mod:`oases.overlap.loss_weights`): micro-batch ``i`` of this DP rank, counting
     ``n_i`` targets, has the share ``n_i / N``, ``N`` the count over every micro-batch
-    and DP rank (one all-reduce of an int). The DP reduction sums the replicas'
-    gradients and divides by ``dp`` (:class:`~oases.dp.reducer.GradReducer`), so the
-    seed is ``dp * n_i / N``; with every target counting that is ``1 / grad_accum``,
-    bit for bit. ``targets``: the step's micro-batches' targets, on the CPU."""
-    counts = [int(loss_tokens(model, y)) for y in targets]
-    total = sum(counts)
+    and DP rank. The DP reduction sums the replicas' gradients and divides by ``dp``
+    (:class:`~oases.dp.reducer.GradReducer`), so the seed is ``dp * n_i / N``; with every
+    target counting that is ``1 / grad_accum``, bit for bit. ``targets``: the step's
+    micro-batches' targets, on the CPU.
+
+    ``masked`` False (the batches never hold ``IGNORE_INDEX``: token corpora) means every
+    target counts, on every rank alike: ``N`` is known without asking the others, and the
+    shares are floats. Else the counts are summed over DP on the device and the shares
+    are 0-d tensors there: the step reads nothing back to the host for them (the engines
+    and the loss take tensor scales as they take floats)."""
+    if not masked:
+        counts = [_full_count(model, y) for y in targets]
+        total = max(sum(counts) * ctx.dp, 1)
+        return [c / total for c in counts], [dp * c / total for c in counts]
+    counts = torch.stack([torch.as_tensor(loss_tokens(model, y)) for y in targets])
+    counts = counts.to(ctx.device, torch.float64, non_blocking=True)
+    total = counts.sum()
     if ctx.dp > 1:  # every rank of a stage reads its own rows of the same global batch
-        t = torch.tensor(total, dtype=torch.int64, device=ctx.device)
-        all_reduce(t, ctx.dp_group)
-        total = int(t)
-    total = max(total, 1)  # nothing counts: loss 0, no gradient
-    return [c / total for c in counts], [dp * c / total for c in counts]
+        all_reduce(total, ctx.dp_group)
+    shares = counts / total.clamp(min=1)  # nothing counts: loss 0, no gradient
+    return list(shares.float()), list((dp * shares).float())
+
+
+def _full_count(model, targets: torch.Tensor) -> int:
+    """:func:`loss_tokens` of targets that all count: their number (1: the model's mean
+    is not over tokens), without an ATen call."""
+    return targets.numel() if hasattr(model, "loss_tokens") else 1
 
 
 def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[float, float]:
@@ -76,9 +103,10 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
         g["lr"] = lr
     reducer.zero_grad()
     n = cfg.train.grad_accum
-    amp = lambda: autocast(cfg, ctx)  # noqa: E731
+    amp = amp_factory(cfg, ctx)
     micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
-    shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp)
+    shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp,
+                                getattr(batches, "masked", True))
     if pipe is not None:
         whole = IntervalTimer(ctx.device)  # the step on the device's timeline, as busy is
         t0 = whole.start()
@@ -159,7 +187,7 @@ def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext, pipe=Non
     for x, y in val:
         n = int(loss_tokens(model, y))
         if pipe is not None:
-            out = pipe.forward_only(model, x, y, lambda: autocast(cfg, ctx))
+            out = pipe.forward_only(model, x, y, amp_factory(cfg, ctx))
         else:
             with autocast(cfg, ctx):
                 out = model(x.to(ctx.device), y.to(ctx.device))

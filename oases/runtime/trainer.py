@@ -26,18 +26,20 @@ from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
 from oases.parallel.comm import NoopCollectives
 from oases.parallel.compile import CompileLog
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, init_kwargs,
-                                   join_world, pick_device, prepare_backend)
+                                   join_world, pick_device)
+from oases.parallel.nccl_env import error_handling, kernel_order, prepare_backend
 from oases.parallel.timing import IntervalTimer
 from oases.planner import auto_layout
 from oases.planner.calibrate import time_throwaway
 from oases.planner.online import resolve_layout, resolve_plan
 from oases.runtime import checkpoint as ckpt
+from oases.runtime import sub_batches
 from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.metrics import MetricsLogger
 from oases.runtime.observe import comm_clock_for, layout_name, run_config
 from oases.runtime.optim import lr_at
-from oases.runtime.preempt import StopSignals
+from oases.runtime.preempt import StopSignals, host_group
 from oases.runtime.profiling import StepProfiler
 from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
                                   trim_metrics)
@@ -119,8 +121,14 @@ def run(cfg: Config) -> None:
     cfg = cfg.validate(world).freeze()
     # the device is known from here (no process group needed): everything after this,
     # the layout search and the planner included, sees the precision the run uses
+    order = kernel_order()  # before the CUDA context exists (pick_device creates it)
     device = pick_device(cfg.parallel.device)
     cfg = for_device(cfg, device)
+    # NCCL's error handling and flight recorder, before any process group (nccl_env)
+    backend = backend_for(device, cfg.parallel.backend)
+    prepare_backend(backend, str(Path(cfg.out_dir) / "nccl_trace"))
+    cuda_note = "" if device.type != "cuda" else \
+        f"{order}; {error_handling()}" if backend == "nccl" else order
     use_tf32(device)
     if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
         if int(os.environ.get("RANK", "0")) == 0:
@@ -138,7 +146,7 @@ def run(cfg: Config) -> None:
                            cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp)
     failed = False
     try:
-        _run(cfg, ctx)
+        _run(cfg, ctx, cuda_note)
     except (RuntimeError, ckpt.CheckpointException) as e:
         if not _collective_failure(e):
             raise
@@ -171,7 +179,7 @@ def _collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
 
 
-def _run(cfg: Config, ctx: ParallelContext) -> None:
+def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
     # CPU kernels used here are deterministic already (the resume test checks bit-exact
     # curves); torch.use_deterministic_algorithms would cost an inductor import per process.
     out = Path(cfg.out_dir)
@@ -193,6 +201,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                                         throwaway_step(planned, ctx, d), ctx.device, n))
         if degrees is not None and ctx.is_main:
             print(f"plan: per-block TP degrees {degrees}", flush=True)
+    cfg, split = sub_batches.resolve(cfg, ctx, degrees)  # parallel.sub_batches=auto: decided
     par = cfg.parallel
     if ctx.layout is not None and ctx.is_main:
         print(f"pipeline: {ctx.layout.describe()} | {par.pp_schedule}, "
@@ -238,11 +247,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         print(f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
               f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
               f"schedule {par.schedule}, recompute {par.recompute}"
-              f"{f', {cfg.sub_batches} sub-batches' if par.schedule == 'oases' else ''}"
+              f"{f', {split}' if split else ''}"
               f"{', sequence parallel' if par.sequence_parallel else ''}"
               f"{f', zero {par.zero}' if par.zero else ''} | "
               f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
               f"{cfg.train.precision} | out_dir {out}", flush=True)
+        if cuda_note:
+            print(f"cuda: {cuda_note}", flush=True)
 
     saver = ckpt.AsyncSaver() if cfg.checkpoint.async_save else None
 
@@ -255,7 +266,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             return None
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
                 **layout_meta(ctx), "padded_vocab_size": cfg.padded_vocab_size,
-                "skipped_steps": skipped}
+                "skipped_steps": skipped, "sub_batches": cfg.sub_batches}
         # each rank writes what it owns (ZeRO: its ranges of the buckets), nothing gathered
         write = ckpt.save if saver is None else saver.save
         path = write(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
@@ -276,8 +287,13 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
     # a host clock would need a synchronize around every step; CUDA events need none and
     # are read (one wait) only at log steps.
     step_clock = IntervalTimer(ctx.device)
-    # exposed and hidden TP communication
+    # Exposed and hidden TP communication, timed on the last step of each log interval
+    # only: the clock stamps every wait (CUDA events on CUDA, a completion callback on the
+    # CPU), host work that the other steps are spared.
     comm_clock = comm_clock_for(model, ctx) if cfg.metrics.comm_clock else None
+
+    def logged(done: int) -> bool:
+        return done % cfg.train.log_interval == 0 or done == cfg.train.steps
     window = cfg.profile.window()
     if par.trace and (window is None or window[1] <= start):  # one step after warm-up
         window = (min(start + 3, cfg.train.steps),) * 2
@@ -289,7 +305,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
         print("parallel.tp_comm_noop=true: TP collectives are skipped; losses are NOT valid "
               "(timing only)", flush=True)
     compiled = CompileLog() if par.compile else None
-    stop = StopSignals()
+    stop = StopSignals(host_group())
     try:
         noop.__enter__()
         stop.__enter__()
@@ -300,7 +316,8 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             lr = lr_at(step, cfg.train)
             prof.before(step + 1)
             t_host = time.perf_counter() if compiled is not None and step == start else 0.0
-            with comm_clock if comm_clock is not None else contextlib.nullcontext():
+            timed = comm_clock is not None and logged(step + 1)
+            with comm_clock if timed else contextlib.nullcontext():
                 loss, norm = train_step(state, batches, lr)
             step_clock.stop(t0)
             if compiled is not None and step == start and ctx.is_main:
@@ -323,7 +340,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 if ctx.is_main:
                     print(f"step {done}: non-finite loss ({loss}) or gradient norm ({norm}); "
                           f"step skipped ({skipped} so far, train.on_nonfinite=skip)", flush=True)
-            if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
+            if logged(done):
                 taken = step_clock.take_each()  # the steps since the last log
                 step_times += taken
                 dt = sum(taken) / len(taken)  # the interval's mean, so its throughput
@@ -335,7 +352,7 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
                 if reducer.shards.store is not None:  # ZeRO-3: rank 0's wait for all-gathers
                     extra["zero_gather_wait_s"] = reducer.shards.store.take_wait() / len(taken)
                 logger.log(done, loss, lr, norm, dt, tokens_per_step, step_times_left=eta,
-                           extra=extra, comm=comm_clock and comm_clock.per_step(len(taken)))
+                           extra=extra, comm=comm_clock and comm_clock.per_step(1))
                 again = compiled.since(done) if compiled is not None else None
                 if again and ctx.is_main:
                     print(again, flush=True)
@@ -344,14 +361,16 @@ def _run(cfg: Config, ctx: ParallelContext) -> None:
             saved = None
             if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0:
                 saved = save(done)
-            sig = stop.agreed(ctx.device)
+            sig = stop.agreed()
             if sig is not None and done < cfg.train.steps:
+                stop.finish()
                 saved = saved or save(done)
                 if saver is not None:
                     saver.wait()
                 raise Preempted(f"{sig} received: stopped after step {done}/{cfg.train.steps}; "
                                 f"checkpoint {saved or 'not saved (non-finite weights)'}; "
                                 f"resume=auto continues")
+        stop.finish()
         final = cfg.train.steps
         if val is not None and not (cfg.eval.interval and final % cfg.eval.interval == 0) \
                 and start < final:
