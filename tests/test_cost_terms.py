@@ -194,3 +194,51 @@ def test_sequence_parallel_layouts():
         return fit_sub_batches(cfg, k).sub_batches
 
     assert (fitted(8, 2), fitted(4, 2), fitted(4, 1)) == (4, 2, 4)
+
+
+def test_every_sub_batch_is_priced():
+    """Without communication (links that take no time) the oases engine's step is its
+    compute, whatever the split: one sub-batch of the whole micro-batch, two of half, four
+    of a quarter. Block compute linear in the rows through the origin (no fixed part) then
+    prices the same step at every count, to rounding. (The model used to count one
+    turn per block whatever the count: four sub-batches priced at half the compute.) A
+    fixed part per block makes more sub-batches dearer, by one fixed part per block per
+    extra sub-batch and pass."""
+    fast = dataclasses.replace(HETERO, intra_node_bandwidth_gbps=1e12,
+                               inter_node_bandwidth_gbps=1e12, latency_ms=0.0,
+                               bandwidth_matrix_gbps=None)
+    times = {}
+    for n in (1, 2, 4):
+        run = RunShape(tp=2, dp=1, micro_batch_size=8, grad_accum=1, sub_batches=n,
+                       schedule="oases", recompute="fine")
+        prof = analytic_profile(SHAPE, run, [1, 2])
+        cm = CostModel(SHAPE, run, fast, prof)
+        assert cm.m["attn", 2] < 1e-9  # nothing to hide
+        times[n] = cm.plan_time([2] * 4) - cm.constant_time()
+        blocks = sum(cm.cf[k, 2] + cm.cb[k, 2] for k in cm.kinds)
+        assert times[n] == pytest.approx(n * blocks, rel=1e-6), n
+    assert times[1] == pytest.approx(times[2], rel=1e-6) == pytest.approx(times[4], rel=1e-6)
+
+
+def test_plan_auto_prices_each_sub_batch_count():
+    """plan=auto with parallel.sub_batches=auto solves at every count the micro-batch
+    takes and keeps the fastest prediction: two where a collective takes as long as a
+    segment (one sub-batch would wait for each), one where every collective call costs
+    far more than it can hide (a host-bound step)."""
+    from oases.config import load_config
+    from oases.planner.api import make_plan, run_shape
+    from oases.planner.online import _sub_batches
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
+                             "parallel.recompute=fine", "parallel.tp=2",
+                             "train.micro_batch_size=8"]).validate(2)
+    run = run_shape(cfg)
+    prof = analytic_profile(ModelShape.from_config(cfg.model), run, [1, 2])
+    quiet = lambda *a, **k: None  # noqa: E731
+    plan, n = _sub_batches(make_plan(cfg, HETERO, prof, None, quiet), cfg, HETERO, prof, 1e6,
+                           quiet)
+    assert n == 2 and plan[0].sub_batches == 2
+    costly = Profile(prof.blocks, prof.constant, {"call_s": 1.0})
+    plan, n = _sub_batches(make_plan(cfg, HETERO, costly, None, quiet), cfg, HETERO, costly,
+                           1e6, quiet)
+    assert n == 1 and plan[0].sub_batches == 1

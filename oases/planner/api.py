@@ -18,10 +18,12 @@ def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print):
 
     run = run_shape(cfg)
     shape = ModelShape.from_config(cfg.model)
-    # the degrees the profile has: the profiler skips those whose batch parts would not
-    # hold whole sequences (they cannot run either)
+    # the degrees the profile has (the profiler skips those whose batch parts would not
+    # hold whole sequences: they cannot run either) and whose parts of this run's
+    # sub-batches are whole sequences
     degrees = [t for t in shape.valid_degrees(run.tp)
-               if all(str(t) in profile.blocks.get(k, {}) for k in ("attn", "mlp"))]
+               if all(str(t) in profile.blocks.get(k, {}) for k in ("attn", "mlp"))
+               and (run.micro_batch_size / run.sub_batches * t / run.tp).is_integer()]
     cm = CostModel(shape, run, cluster, profile, degrees)
     sol = ilp.solve(cm, memory_limit_bytes)
     uni = ilp.best_uniform(cm, memory_limit_bytes)

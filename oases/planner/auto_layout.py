@@ -181,7 +181,10 @@ def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
         **extra})
-    return fit_sub_batches(chosen, _plan_divisor(d))
+    chosen = fit_sub_batches(chosen, _plan_divisor(d))
+    if chosen.parallel.sub_batches == "auto":  # the count the layout was priced at runs
+        chosen = chosen.with_changes({"parallel.sub_batches": chosen.sub_batches})
+    return chosen
 
 
 def _plan_divisor(d: dict) -> int:

@@ -16,7 +16,10 @@ block's collective:
     backward  sum_i max(cb_i, m_i)  +  sum_i max(cb_{i-1}, m_i)
 
 The first sum are *node* costs (one block's choice), the second *edge* costs
-(two adjacent choices). Where adjacent degrees differ, the edge also pays the
+(two adjacent choices). With n sub-batches (cf, cb then one sub-batch's share of
+the micro-batch) every block runs n segments per pass, one in the node cost and the
+n - 1 others in the edge cost, each paired with a collective of its neighbour; with
+one sub-batch nothing pairs: cf + cb + 2 m, each collective waited for whole. Where adjacent degrees differ, the edge also pays the
 resharding all-gather, in forward when the degree grows, in backward when it
 drops, for both sub-batches and without much compute to hide behind (the
 overlap it breaks). ``recompute=full`` adds, per block, the re-issued forward
@@ -438,25 +441,38 @@ class CostModel:
         reshard = self._reshard(i, ta, tb) * r.grad_accum  # every micro-batch, paired or not
         if r.schedule != "oases" or r.sub_batches == 1:
             return reshard
+        # every sub-batch after the first takes its turn on the compute stream here, each
+        # segment paired with a collective of the neighbouring block (module docstring)
         turns = max(self.cf[k1, tb], self.m[k0, ta]) + max(self.cb[k0, ta], self.m[k1, tb])
+        turns *= r.sub_batches - 1
         return reshard + turns * (1 if self._paired_run() else r.grad_accum)
 
     def edge_in(self, t: int) -> float:
-        """Embedding (degree T) -> first block."""
+        """Embedding (degree T) -> first block: each sub-batch after the first pairs the
+        block's forward with the embedding's all-reduce, and the embedding's backward
+        with the block's input-gradient all-reduce; one sub-batch waits for the
+        embedding's all-reduce whole."""
         k = self.kinds[0]
         c = self._reshard(0, self.T, t)
         if self.run.schedule == "oases":
-            c += max(self.cf[k, t], self.m_edge) + max(self.profile.constant.get("embed_bwd", 0.0),
-                                                      self.m[k, t])
+            if self.run.sub_batches == 1:
+                return c + self.m_edge
+            c += (self.run.sub_batches - 1) * (
+                max(self.cf[k, t], self.m_edge) +
+                max(self.profile.constant.get("embed_bwd", 0.0), self.m[k, t]))
         return c
 
     def edge_out(self, t: int) -> float:
-        """Last block -> head (degree T)."""
+        """Last block -> head (degree T), as :meth:`edge_in`: the head's forward with the
+        block's all-reduce, the block's backward with the head's input-gradient one."""
         k = self.kinds[-1]
         c = self._reshard(self.n, t, self.T)
         if self.run.schedule == "oases":
-            c += max(self.profile.constant.get("head_fwd", 0.0), self.m[k, t]) + \
-                max(self.cb[k, t], self.m_edge)
+            if self.run.sub_batches == 1:
+                return c + self.m_edge
+            c += (self.run.sub_batches - 1) * (
+                max(self.profile.constant.get("head_fwd", 0.0), self.m[k, t]) +
+                max(self.cb[k, t], self.m_edge))
         return c
 
     def constant_time(self) -> float:

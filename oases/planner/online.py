@@ -34,6 +34,7 @@ from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
+from oases.planner.stages import scale_profile
 from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
                                      check_run, check_zero, load_plan)
 from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
@@ -229,22 +230,56 @@ def _auto(cfg: Config, ctx: ParallelContext,
                     "parallel.sub_batches": cfg.sub_batches}),
                     "sequence_parallel", cluster, profile, limit_gib, log)
                 solved[0].predicted["overlap_fb"] = fb
+            n = cfg.sub_batches
+            if cfg.parallel.sub_batches == "auto" and cfg.parallel.schedule == "oases":
+                solved, n = _sub_batches(solved, cfg.with_changes({
+                    "parallel.sequence_parallel": sp, "parallel.overlap_fb": fb}),
+                    cluster, profile, limit_gib, log)
+                solved[0].predicted["overlap_fb"] = fb
             plan, cm, uni = solved
             plan.sequence_parallel = sp
             report(plan, cm, uni)
             path = Path(cfg.out_dir) / "plan.yaml"
             plan.save(path)
             print(f"plan=auto: wrote {path}", flush=True)
-            obj[0] = (plan.degrees, fb, sp)
+            obj[0] = (plan.degrees, fb, sp, n)
         except UserError as e:
             obj[0] = e
     dist.broadcast_object_list(obj, src=0)
     if isinstance(obj[0], UserError):
         raise obj[0]
-    degrees, fb, sp = obj[0]  # every rank runs what rank 0 chose
+    degrees, fb, sp, n = obj[0]  # every rank runs what rank 0 chose
     if (fb, sp) != (cfg.parallel.overlap_fb, cfg.parallel.sequence_parallel):
         cfg = cfg.with_changes({"parallel.overlap_fb": fb, "parallel.sequence_parallel": sp})
+    if cfg.parallel.sub_batches == "auto" and cfg.parallel.schedule == "oases":
+        cfg = cfg.with_changes({"parallel.sub_batches": n})  # the count it was priced at
     return cfg, degrees
+
+
+def _sub_batches(solved: tuple, cfg: Config, cluster, profile, limit_gib: float, log
+                 ) -> tuple[tuple, int]:
+    """``parallel.sub_batches=auto`` under plan=auto: ``solved`` (priced at
+    ``cfg.sub_batches``, the profile's) or the plan solved at another count the micro-batch
+    takes (1, 2, and 4 under sequence parallelism), whichever is predicted faster. The
+    profile is rescaled to each count's rows (its blocks' fixed part paid per
+    sub-batch: :func:`~oases.planner.stages.scale_profile`)."""
+    base = run_shape(cfg)
+    shape = ModelShape.from_config(cfg.model)
+    best, n_best = solved, cfg.sub_batches
+    tried = {n_best: solved[0].predicted["step_time_s"]}
+    mbs = cfg.train.micro_batch_size
+    for n in (1, 2, 4):
+        if n in tried or mbs % n or (n == 4 and not cfg.parallel.sequence_parallel):
+            continue
+        other = cfg.with_changes({"parallel.sub_batches": n})
+        prof = scale_profile(profile, base, run_shape(other), shape)
+        alt = make_plan(other, cluster, prof, limit_gib * 2**30)
+        tried[n] = alt[0].predicted["step_time_s"]
+        if tried[n] < best[0].predicted["step_time_s"]:
+            best, n_best = alt, n
+    log(f"plan=auto: {n_best} sub-batch{'es' if n_best > 1 else ''} (predicted step "
+        + ", ".join(f"{k}: {1e3 * v:.1f} ms" for k, v in sorted(tried.items())) + ")")
+    return best, n_best
 
 
 def _faster(solved: tuple, other: Config, switch: str, cluster, profile, limit_gib: float,

@@ -197,10 +197,12 @@ class StageLinks:
 def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelShape
                   ) -> Profile:
     """``profile`` (taken at ``base``) for ``run``'s rows per degree. A block at degree
-    t runs ``mbs / sub * t / tp`` rows: the ratio to the base is the same at every
-    degree. Saved bytes: the weights' part (:meth:`CostModel.weight_bytes`) is fixed,
-    the rest scales with the rows."""
-    rows = (run.micro_batch_size / run.tp) / (base.micro_batch_size / base.tp)
+    t runs ``mbs / sub * t / tp`` rows (``sub`` sub-batches): the ratio to the base is
+    the same at every degree, and the block's fixed part (launches, Python) is paid per
+    sub-batch whatever its rows (:func:`_at_rows`). Saved bytes: the weights' part
+    (:meth:`CostModel.weight_bytes`) is fixed, the rest scales with the rows."""
+    rows = (run.micro_batch_size / run.sub_batches / run.tp) / \
+        (base.micro_batch_size / base.sub_batches / base.tp)
     head = (run.micro_batch_size / base.micro_batch_size) * (base.tp / run.tp)
     blocks: dict = {}
     for kind, per_degree in profile.blocks.items():
@@ -212,8 +214,9 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
                                    saved=w + max(0.0, e["saved"] - w) * rows)
     const = dict(profile.constant)
     for k in ("fwd", "bwd", "head_fwd", "embed_bwd"):
-        if k in const:
-            const[k] = const[k] * head
+        if k in const:  # per micro-batch, the last two per sub-batch
+            const[k] = const[k] * head * (base.sub_batches / run.sub_batches
+                                          if k in ("head_fwd", "embed_bwd") else 1)
     if "peak" in const:
         const["peak"] = const["peak"] * head
     const["step"] = 0.0  # per stage, see Problem.constant
