@@ -237,11 +237,22 @@ def _meta(writers: dict, spec, dtype: str, split_by: str, inputs: list[Input], a
     return meta
 
 
+def unescape(sep: str) -> str:
+    """``--split-on``'s backslash escapes (``\\n``, ``\\t``, ``\\x00``, ``\\u2028``) decoded;
+    any other character stays itself (``é``, ``。``)."""
+    try:
+        # backslashreplace: what latin-1 lacks reaches the decoder as its own \u escape
+        return codecs.decode(sep.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--split-on '{sep}' has a bad escape ({e.reason}); write a "
+                        f"separator such as '\\n\\n' or '\\x1e'") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.split_on is not None:
-        args.split_on = codecs.decode(args.split_on, "unicode_escape")
     try:
+        if args.split_on is not None:
+            args.split_on = unescape(args.split_on)
         inputs = ([Input(Path("pydoc"), "builtin")] if args.builtin
                   else expand(args.input))
         out = Path(args.out)
