@@ -55,7 +55,7 @@ class WandbSink:
                 dir=out_dir, config=run_config, id=run_id, resume="allow" if run_id else None,
                 # the other ranks wait for the outcome (open_wandb); WANDB_SILENT (above)
                 # also keeps W&B from prompting for a login at a terminal
-                settings=wandb.Settings(init_timeout=_init_timeout()))
+                settings={"init_timeout": _init_timeout()})
         except Exception as e:  # noqa: BLE001 - no API key, no network, a bad entity, ...
             fix = ("log in (`wandb login`, or WANDB_API_KEY), or set wandb.mode=offline and "
                    "`wandb sync` the run later" if cfg.mode == "online" else
@@ -91,7 +91,7 @@ def _init_timeout() -> float:
         wanted = float(os.environ.get("WANDB_INIT_TIMEOUT", "90"))
     except ValueError:
         wanted = 90.0
-    timeout = world_timeout()
+    timeout = world_timeout() if dist.is_initialized() else None
     return wanted if timeout is None else min(wanted, timeout.total_seconds() / 2)
 
 
