@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import torch
 
 from oases.cli import export as export_cli
 from oases.cli import prepare as prepare_cli
@@ -351,8 +352,6 @@ def _failing_sink(*args, **kwargs):
 
 def _open_wandb_body(ctx, results: str):
     """Rank 0's W&B fails; every rank must raise the ConfigError at the same all-reduce."""
-    import torch  # deferred: a worker's own import
-
     sinks.WandbSink = _failing_sink
     cfg = type("W", (), {"mode": "online"})()
     try:

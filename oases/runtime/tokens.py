@@ -74,7 +74,7 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def inside(name: str) -> bool:
+def _inside(name: str) -> bool:
     """Whether the file name ``name``, read from a data file, stays in the directory it is
     joined to: relative, without ``..`` and not empty. Checked on the name alone, not
     the resolved path: a symlink inside the directory is its owner's choice."""
@@ -100,7 +100,7 @@ def _check_shards(shards, meta_path: Path) -> None:
                         f"{{\"file\": NAME, ...}} records, but it is {what}")
     for entries in shards.values():
         for e in entries:
-            if not inside(e["file"]):
+            if not _inside(e["file"]):
                 raise DataError(f"{meta_path}: shard file {e['file']!r} is outside "
                                 f"{meta_path.parent}; meta.json lists files beside it")
 
