@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import torch
@@ -146,6 +146,23 @@ def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
 # ---------------------------------------------------------------------------
 # Reading an HF checkpoint directory, slice by slice.
 
+def _weight_files(d: Path, index: str, weight_map, where: str) -> dict[str, Path]:
+    """An index's ``weight_map`` (tensor name -> file) as paths in ``d``; a file name
+    that leaves ``d`` (absolute, or with ``..``) is refused: the index is data, and must
+    not make the loader read files elsewhere. Checked on the name, not the resolved path:
+    a Hugging Face cache's snapshot directory holds symlinks into its blobs."""
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{where}: {index}'s weight_map is not a mapping of tensor "
+                              f"names to file names")
+    for name, file in weight_map.items():
+        parts = PurePosixPath(file).parts
+        if not parts or file.startswith("/") or ".." in parts or "\0" in file:
+            raise CheckpointError(f"{where}: {index} puts {name} in {file!r}, which is "
+                                  f"outside {d}; an index names files beside it")
+    return {k: d / v for k, v in weight_map.items()}
+
+
 class _Weights:
     """The tensors of an HF model directory: single-file or sharded (``*.index.json``),
     safetensors or torch pickle (``.bin``)."""
@@ -164,7 +181,7 @@ class _Weights:
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     raise CheckpointError(f"{self.where}: {index} is not a valid index "
                                           f"({type(e).__name__}: {e})") from None
-                self.kind, self.files = kind, {k: d / v for k, v in wm.items()}
+                self.kind, self.files = kind, _weight_files(d, index, wm, self.where)
                 return
         for single, kind in (("model.safetensors", "st"), ("pytorch_model.bin", "bin")):
             if (d / single).is_file():

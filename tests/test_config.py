@@ -244,7 +244,9 @@ def test_save_config_round_trip(tmp_path, yaml_file):
 
 @pytest.mark.parametrize("override", ["train.lr=nan", "train.grad_clip=nan",
                                       "train.weight_decay=nan", "train.min_lr=nan",
-                                      "model.init_std=-0.02", "model.init_std=nan"])
+                                      "model.init_std=-0.02", "model.init_std=nan",
+                                      "parallel.timeout_s=nan", "parallel.timeout_s=inf",
+                                      "parallel.timeout_s=1e10"])
 def test_nan_and_negative_values_refused(override):
     # NaN passes `value < 0 or value == 0` (every comparison with NaN is False), so
     # _positive() must reject it explicitly; a NaN learning rate silently ruins a run.

@@ -260,6 +260,29 @@ def test_shape_disagreement_and_missing_tensor(hf_dirs, tmp_path):
         load_hf_weights(model, d, 0, 1)
 
 
+@pytest.mark.parametrize("how", ["parent", "absolute", "not a mapping"])
+def test_index_that_names_files_outside_its_directory(hf_dirs, tmp_path, how):
+    """A sharded checkpoint's index is data: a weight_map entry outside the directory
+    (``../``, absolute) would have the loader read any file; refused before any is
+    opened, like a weight_map that is not names to file names."""
+    d = shutil.copytree(hf_dirs["llama-sharded"][0], tmp_path / "hf")
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name, file = next(iter(data["weight_map"].items()))
+    (d / file).rename(tmp_path / file)  # the shard now lies beside the directory
+    data["weight_map"][name] = {"parent": f"../{file}", "absolute": str(tmp_path / file),
+                                "not a mapping": [file]}[how]
+    if how == "not a mapping":
+        data["weight_map"] = list(data["weight_map"].items())
+    index.write_text(json.dumps(data))
+    cfg = load_config(None, [f"model.init_from=hf:{d}"]).validate(1)
+    model = build_model(cfg.model, cfg.padded_vocab_size, seed=None)
+    msg = ("weight_map is not a mapping of tensor names to file names" if how == "not a mapping"
+           else f"puts {re.escape(name)} in '.*{re.escape(file)}', which is outside")
+    with pytest.raises(CheckpointError, match=msg):
+        load_hf_weights(model, d, 0, 1)
+
+
 # ---------------------------------------------------------------------------
 # Bad input through train.py: one line, exit status 2
 

@@ -172,3 +172,78 @@ def test_existing_or_partial_output_is_kept_without_force(tmp_path, capsys):
     one_line_error(capsys, prep("--input", tmp_path / "a.jsonl", "--out", out),
                    "holds a prepared corpus")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("where", ["shards", "meta.json"])
+def test_force_that_fails_half_way_keeps_the_old_corpus_whole(tmp_path, capsys, monkeypatch,
+                                                              where):
+    """``--force`` over a prepared corpus fails with a full disk while writing the new
+    shards, or after them while writing meta.json: ``--out`` still holds the old corpus,
+    byte for byte, and it reads as before; nothing is left beside it. Then a forced run
+    that succeeds replaces the corpus whole (a shard layout of other names, none of the
+    old files left) and keeps what else ``--out`` held."""
+    from oases.cli import prepare_write
+    from oases.runtime.tokens import open_corpus
+
+    write_jsonl(tmp_path / "old.jsonl", DOCS[:20])
+    write_jsonl(tmp_path / "new.jsonl", DOCS[20:])
+    out = tmp_path / "out"
+    assert prep("--input", tmp_path / "old.jsonl", "--out", out) == 0
+    (out / "NOTES.txt").write_text("the user's own file\n")
+    before = _files(out)
+    old_train = np.asarray(open_corpus(out / "train", "uint16", 256).tokens)
+    beside = sorted(p.name for p in tmp_path.iterdir())
+    enospc = OSError(28, "No space left on device")
+    if where == "shards":  # the third piece written of the new corpus
+        real, calls = prepare_write.ShardWriter.write, []
+
+        def write(self, ids, docs_ended):
+            calls.append(1)
+            if len(calls) == 3:
+                raise enospc
+            return real(self, ids, docs_ended)
+        monkeypatch.setattr(prepare_write.ShardWriter, "write", write)
+    else:  # every shard of the new corpus is complete by then
+        def dumps(*a, **k):
+            raise enospc
+        monkeypatch.setattr(json, "dumps", dumps)
+    args = ("--input", tmp_path / "new.jsonl", "--out", out, "--force", "--shard-tokens", "150")
+    one_line_error(capsys, prep(*args), f"cannot write to {out}", "No space left on device")
+    monkeypatch.undo()
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside
+    assert np.array_equal(open_corpus(out / "train", "uint16", 256).tokens, old_train)
+    assert docs_of(tokens(out, "train")) + docs_of(tokens(out, "val")) != []
+
+    assert prep(*args) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    listed = {e["file"] for s in ("train", "val") for e in meta["shards"][s]}
+    assert sorted(p.name for p in out.iterdir()) == sorted(listed | {"meta.json", "NOTES.txt"})
+    assert "train.bin" not in listed and len(listed) > 2  # old names gone, not overwritten
+    assert (out / "NOTES.txt").read_text() == "the user's own file\n"
+    assert sorted(docs_of(tokens(out, "train")) + docs_of(tokens(out, "val"))) == \
+        sorted(DOCS[20:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside
+
+
+def test_force_swaps_by_two_renames_where_there_is_no_atomic_exchange(tmp_path, monkeypatch):
+    """Without renameat2's exchange (another C library, or a filesystem without it) the
+    new corpus still replaces the old one whole and the other files stay."""
+    from oases.cli import prepare_write
+
+    monkeypatch.setattr(prepare_write, "_exchange", lambda a, b: False)
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:20])
+    write_jsonl(tmp_path / "b.jsonl", DOCS[20:])
+    out = tmp_path / "out"
+    assert prep("--input", tmp_path / "a.jsonl", "--out", out, "--shard-tokens", "150") == 0
+    (out / "NOTES.txt").write_text("kept\n")
+    assert prep("--input", tmp_path / "b.jsonl", "--out", out, "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt", "meta.json", "train.bin",
+                                                     "val.bin"]
+    assert sorted(docs_of(tokens(out, "train")) + docs_of(tokens(out, "val"))) == \
+        sorted(DOCS[20:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "out"]

@@ -17,7 +17,9 @@ checkpoint's ``meta.json``, the rest (norm eps, rope theta) from the run's
 ``config.yaml`` (in the parent of ``checkpoints/``).
 
 Bad input is one line on stderr and exit status 2; a non-empty ``--to-hf``
-directory is refused rather than overwritten.
+directory is refused rather than overwritten, and a destination that cannot be created
+or written (no permission, a full disk) is one line too, the directory left as it was
+(absent, or empty).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import warnings
@@ -93,6 +96,17 @@ def _tokenizer(ck: Path, choice: Optional[str]):
     return t, ""
 
 
+def _clear(out: Path, made: bool) -> None:
+    """Leave ``out`` as it was before a failed export: empty, or absent."""
+    for p in out.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if made:
+        out.rmdir()
+
+
 def export_checkpoint(src: str | Path, out_dir: str | Path,
                       tokenizer: Optional[str] = None) -> tuple[Path, str]:
     """Write the HF directory ``out_dir`` for the checkpoint ``src``; returns (the
@@ -111,25 +125,27 @@ def export_checkpoint(src: str | Path, out_dir: str | Path,
     if tok is not None:
         cfg_json.update(bos_token_id=tok.bos_id, eos_token_id=toks.eos_json(tok))
     made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror or e
+        raise UserError(f"--to-hf {out} cannot be created: {why}") from None
     try:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
             warnings.simplefilter("ignore", UserWarning)
-            _write_safetensors(ck, mc, tmp)
+            _write_safetensors(ck, mc, out / "model.safetensors.tmp")
         if tok is not None:
             toks.write_hf_files(tok, out, mc.vocab_size, mc.seq_len)
-    except BaseException:  # leave the directory as it was (empty, or absent)
-        for p in out.iterdir():
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        if made:
-            out.rmdir()
+        (out / "config.json.tmp").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+        os.replace(out / "config.json.tmp", out / "config.json")
+    except OSError as e:  # the checkpoint's reads raise CheckpointError: this is a write
+        _clear(out, made)
+        raise UserError(f"cannot write --to-hf {out}: {e.strerror or e}") from None
+    except BaseException:
+        _clear(out, made)
         raise
-    tmp.rename(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     return ck, note
 
 

@@ -23,7 +23,9 @@ a corpus of one document is cut by tokens instead, its last ``--val-fraction``.
 Bad input (a missing file, a glob matching nothing, a bad jsonl line, a missing text
 key or column, a vocabulary too big for the dtype, an output already there) is one
 line on stderr with exit status 2; nothing already written is touched without
-``--force``, and a failed run leaves no shard behind.
+``--force``. The corpus is written in a directory beside ``--out`` and swapped in whole
+once complete, so a run that fails (or is killed), forced or not, leaves ``--out`` as it
+was: never a mix of the old corpus and the new one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 
 from oases.cli.prepare_encode import Encoder, resolve_tokenizer, worker_encode, worker_init
 from oases.cli.prepare_sources import Input, expand, read
-from oases.cli.prepare_write import SPLITS, Router, ShardWriter, check_out
+from oases.cli.prepare_write import SPLITS, Router, ShardWriter, Staging, check_out
 from oases.errors import EXIT_USER_ERROR, DataError, UserError
 from oases.progress import progress
 from oases.runtime.tokens import np_dtype
@@ -156,17 +158,14 @@ def prepare(inputs: list[Input], out: Path, args) -> dict:
         raise DataError(f"--val-docs={args.val_docs} must be >= 0")
     if args.shard_tokens <= 0 or args.workers <= 0:
         raise DataError("--shard-tokens and --workers must be > 0")
-    old = check_out(out, args.force)
+    check_out(out, args.force)
     spec = resolve_tokenizer(args.tokenizer, args.eos_id, args.bos)
     dtype = args.dtype or ("uint16" if spec.vocab_size <= 65536 else "uint32")
     if dtype == "uint16" and spec.vocab_size > 65536:
         raise DataError(f"--dtype uint16 cannot hold the vocab of {spec.vocab_size} tokens "
                         f"of --tokenizer {args.tokenizer}; use --dtype uint32")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create --out {out}: {e.strerror or e}") from None
-    writers = {s: ShardWriter(out, s, np_dtype(dtype), args.shard_tokens) for s in SPLITS}
+    stage = Staging(out)  # the new corpus, beside --out until it is complete
+    writers = {s: ShardWriter(stage.dir, s, np_dtype(dtype), args.shard_tokens) for s in SPLITS}
     router = Router(args.val_fraction, args.val_docs)
     t0, doc, bad, nbytes = time.monotonic(), 0, 0, 0
     total = sum(i.size() for i in inputs) or None
@@ -182,21 +181,20 @@ def prepare(inputs: list[Input], out: Path, args) -> dict:
         meta = _meta(writers, spec, dtype, split_by, inputs, args)
         meta["_stats"] = {"docs": doc, "skipped": bad, "bytes": total or nbytes,
                           "seconds": time.monotonic() - t0}
-        written = {e["file"] for s in SPLITS for e in meta["shards"][s]} | {"meta.json"}
-        for p in old:  # a forced run: what the new set does not replace goes
-            if p.name not in written:
-                p.unlink(missing_ok=True)
-        tmp = out / "meta.json.tmp"
-        tmp.write_text(json.dumps({k: v for k, v in meta.items() if k != "_stats"},
-                                  indent=2) + "\n")
-        os.replace(tmp, out / "meta.json")
+        with open(stage.dir / "meta.json", "w") as f:
+            f.write(json.dumps({k: v for k, v in meta.items() if k != "_stats"}, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        stage.publish()  # --out: the old corpus until here, the new one whole from here
     except OSError as e:
         for w in writers.values():
             w.discard()
+        stage.discard()
         raise DataError(f"cannot write to {out}: {e.strerror or e}") from None
     except BaseException:
         for w in writers.values():
             w.discard()
+        stage.discard()
         raise
     return meta
 
@@ -239,11 +237,22 @@ def _meta(writers: dict, spec, dtype: str, split_by: str, inputs: list[Input], a
     return meta
 
 
+def unescape(sep: str) -> str:
+    """``--split-on``'s backslash escapes (``\\n``, ``\\t``, ``\\x00``, ``\\u2028``) decoded;
+    any other character stays itself (``é``, ``。``)."""
+    try:
+        # backslashreplace: what latin-1 lacks reaches the decoder as its own \u escape
+        return codecs.decode(sep.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--split-on '{sep}' has a bad escape ({e.reason}); write a "
+                        f"separator such as '\\n\\n' or '\\x1e'") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.split_on is not None:
-        args.split_on = codecs.decode(args.split_on, "unicode_escape")
     try:
+        if args.split_on is not None:
+            args.split_on = unescape(args.split_on)
         inputs = ([Input(Path("pydoc"), "builtin")] if args.builtin
                   else expand(args.input))
         out = Path(args.out)

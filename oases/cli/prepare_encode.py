@@ -89,6 +89,8 @@ def resolve_tokenizer(name: str, eos_id: Optional[int], bos: str) -> TokenizerSp
     """``--tokenizer`` (bytes, a tokenizer.json or its directory, a tiktoken file),
     ``--eos-id`` and ``--bos`` (auto | none | an id) into a spec; vocab_size covers an
     EOS/BOS id given beyond the tokenizer's own vocabulary."""
+    if bos not in ("auto", "none") and not bos.isdigit():
+        raise DataError(f"--bos {bos} is not auto, none or a token id (an integer >= 0)")
     if name == "bytes":
         kind, path, vocab, eos, tbos, sha = "bytes", "", 256, 0, None, None
     else:

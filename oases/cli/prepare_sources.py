@@ -21,11 +21,12 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from oases.errors import DataError
+from oases.errors import DataError, first_line
 
 # text handed to a worker at a time: big enough to amortise the hand-over, small
 # enough that (2 x workers) chunks in flight stay well under the memory target
@@ -156,10 +157,11 @@ def _txt(path: Path, split_on: Optional[str]) -> Iterator[tuple[tuple, int]]:
 
 
 def _open_bytes(path: Path):
-    """A binary stream of the file's (decompressed) contents, and its raw file."""
+    """A binary stream of the file's (decompressed) contents, its raw file, and the
+    exceptions its reads raise for a corrupt or truncated file."""
     raw = open(path, "rb")
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw), raw
+    if path.name.endswith(".gz"):  # zlib.error: a corrupt deflate stream
+        return gzip.GzipFile(fileobj=raw), raw, (OSError, EOFError, zlib.error)
     if path.name.endswith(".zst"):
         try:
             import zstandard  # deferred: optional, .zst inputs only
@@ -167,14 +169,16 @@ def _open_bytes(path: Path):
             raw.close()
             raise DataError(f"{path} needs the 'zstandard' package: pip install zstandard"
                             ) from None
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw
-    return raw, raw
+        # ZstdError is neither an OSError nor a ValueError
+        return (zstandard.ZstdDecompressor().stream_reader(raw), raw,
+                (OSError, zstandard.ZstdError))
+    return raw, raw, (OSError,)
 
 
 def _jsonl(path: Path, text_key: str) -> Iterator[tuple[tuple, int]]:
     """Whole lines, about CHUNK_BYTES at a time; the workers parse them."""
     try:
-        stream, raw = _open_bytes(path)
+        stream, raw, corrupt = _open_bytes(path)
     except OSError as e:
         raise DataError(f"cannot read input file {path}: {e.strerror or e}") from None
     line, carry, pos = 1, b"", 0
@@ -182,8 +186,8 @@ def _jsonl(path: Path, text_key: str) -> Iterator[tuple[tuple, int]]:
         while True:
             try:
                 block = stream.read(CHUNK_BYTES)
-            except (OSError, EOFError, ValueError) as e:
-                raise DataError(f"{path}: cannot decompress: {e}") from None
+            except corrupt as e:
+                raise DataError(f"{path}: cannot decompress: {first_line(e)}") from None
             data = carry + block
             if block:
                 cut = data.rfind(b"\n") + 1
@@ -234,6 +238,27 @@ def _batched(batches, where: str, total_rows: int, size: int, skip_bad: bool
         yield ("texts", texts, None, None, bad), size - given
 
 
+def _arrow_errors() -> tuple:
+    """What pyarrow raises for a damaged file: ArrowException (ArrowInvalid, ...),
+    OSError (ArrowIOError), and UnicodeDecodeError for a string column that is not
+    UTF-8."""
+    import pyarrow as pa  # deferred: optional, parquet and HF inputs only
+
+    return pa.ArrowException, OSError, UnicodeDecodeError
+
+
+def _row_groups(pf, key: str, where: str) -> Iterator:
+    """The record batches of column ``key``, a row group at a time (memory is a row
+    group, not the file); a damaged row group is a DataError naming it."""
+    errors = _arrow_errors()
+    for rg in range(pf.num_row_groups):
+        try:
+            yield from pf.iter_batches(batch_size=_ROWS, columns=[key], row_groups=[rg])
+        except errors as e:
+            raise DataError(f"{where}: row group {rg} of {pf.num_row_groups} cannot be read: "
+                            f"{first_line(e)}") from None
+
+
 def _parquet(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
     try:
         import pyarrow.parquet as pq  # deferred: optional, parquet inputs only
@@ -242,14 +267,13 @@ def _parquet(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid (an Exception) for a bad file
-        raise DataError(f"{path} is not a readable parquet file: {e}") from None
+        raise DataError(f"{path} is not a readable parquet file: {first_line(e)}") from None
     names = pf.schema_arrow.names
     if key not in names:
         raise DataError(f"parquet file {path} has no column {key!r} (columns: "
                         f"{', '.join(names)}); pass --text-key")
-    # iter_batches reads one row group at a time: memory is a row group, not the file
-    yield from _batched(pf.iter_batches(batch_size=_ROWS, columns=[key]), str(path),
-                        pf.metadata.num_rows, path.stat().st_size, skip_bad)
+    yield from _batched(_row_groups(pf, key, str(path)), str(path), pf.metadata.num_rows,
+                        path.stat().st_size, skip_bad)
 
 
 def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
@@ -257,10 +281,36 @@ def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
         import datasets  # deferred: optional and slow to import, HF dataset inputs only
     except ImportError:
         raise DataError(f"{path} needs the 'datasets' package: pip install datasets") from None
+    try:
+        parts = _hf_parts(datasets, path)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets and pyarrow: any failure is a bad file
+        raise DataError(f"HF dataset {path} cannot be read: {first_line(e)}") from None
+    size = Input(path, "hf").size() or 1
+    total = sum(len(d) for d in parts)
+    for ds in parts:
+        if key not in ds.column_names:
+            raise DataError(f"HF dataset {path} has no column {key!r} (columns: "
+                            f"{', '.join(ds.column_names)}); pass --text-key")
+    errors = _arrow_errors()
+    for ds in parts:
+        share = size * len(ds) // max(total, 1)
+        table = ds.with_format("arrow").select_columns([key])
+        try:
+            yield from _batched((table[i:i + _ROWS] for i in range(0, len(ds), _ROWS)),
+                                str(path), len(ds), share, skip_bad)
+        except errors as e:
+            raise DataError(f"HF dataset {path} cannot be read: {first_line(e)}") from None
+
+
+def _hf_parts(datasets, path: Path) -> list:
+    """The datasets of an HF input: an .arrow file, a save_to_disk directory (its train
+    split), or a directory of .arrow files."""
     if path.is_file():
-        parts = [datasets.Dataset.from_file(str(path))]
-    elif any((path / f).is_file() for f in ("dataset_info.json", "state.json",
-                                            "dataset_dict.json")):
+        return [datasets.Dataset.from_file(str(path))]
+    if any((path / f).is_file() for f in ("dataset_info.json", "state.json",
+                                          "dataset_dict.json")):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             splits = sorted(ds)
@@ -268,20 +318,8 @@ def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
                 raise DataError(f"{path} holds the splits {', '.join(splits)} but no 'train'; "
                                 f"pass the split's own directory")
             ds = ds["train" if "train" in ds else splits[0]]
-        parts = [ds]
-    else:
-        parts = [datasets.Dataset.from_file(str(f)) for f in sorted(path.glob("*.arrow"))]
-    size = Input(path, "hf").size() or 1
-    total = sum(len(d) for d in parts)
-    for ds in parts:
-        if key not in ds.column_names:
-            raise DataError(f"HF dataset {path} has no column {key!r} (columns: "
-                            f"{', '.join(ds.column_names)}); pass --text-key")
-    for ds in parts:
-        share = size * len(ds) // max(total, 1)
-        table = ds.with_format("arrow").select_columns([key])
-        yield from _batched((table[i:i + _ROWS] for i in range(0, len(ds), _ROWS)),
-                            str(path), len(ds), share, skip_bad)
+        return [ds]
+    return [datasets.Dataset.from_file(str(f)) for f in sorted(path.glob("*.arrow"))]
 
 
 def parse_jsonl(data: bytes, where: str, first_line: int, key: str, skip_bad: bool

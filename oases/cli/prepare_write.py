@@ -4,12 +4,20 @@ has succeeded, then renamed: ``train.bin`` when one shard holds the split (the l
 of a small corpus), else ``train-00000.bin``, ``train-00001.bin``, ... ``meta.json``
 lists every shard with its token count, largest id and documents, and the loader
 (:mod:`oases.runtime.tokens`) reads the list as one corpus.
+
+The whole corpus is written into a directory beside ``--out`` (:class:`Staging`) and
+swapped in whole once it is complete, so ``--out`` holds the old corpus or the new
+one, never a mix of both, whatever stops the run.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
+import shutil
+import tempfile
 from fractions import Fraction
 from pathlib import Path
 from typing import Optional
@@ -43,6 +51,94 @@ def check_out(out: Path, force: bool) -> list[Path]:
         raise DataError(f"--out {out} {what} ({names or 'meta.json'}) and it already exists; "
                         f"pass --force to overwrite")
     return old
+
+
+# renameat2(2)'s flag that swaps two paths atomically (Linux >= 3.15; glibc >= 2.28)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one step; False where the C library or
+    the filesystem does not offer it (the caller then renames twice)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Staging:
+    """A directory beside ``--out`` (same parent, so the same filesystem) that receives
+    the whole new corpus; :meth:`publish` swaps it in for ``--out`` in one step and
+    keeps whatever else ``--out`` held; :meth:`discard` removes it. A killed run leaves
+    it behind as ``.NAME.prepare-*``, next to an untouched ``--out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.target = Path(os.path.realpath(out))  # a symlinked --out: its directory
+        if os.path.ismount(self.target):
+            raise DataError(f"--out {out} is a mount point; the corpus is written beside "
+                            f"--out and swapped in whole, so give a directory inside it "
+                            f"(such as {out}/corpus)")
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.prepare-",
+                                             dir=self.target.parent))
+        except OSError as e:
+            raise DataError(f"cannot create the new corpus beside --out {out} (in "
+                            f"{self.target.parent}): {e.strerror or e}") from None
+        self.swapped = False
+
+    def publish(self) -> None:
+        """Make the staged corpus ``--out``: renamed into place when there is no ``--out``,
+        else swapped with it, the old ``--out``'s other entries moved over and the old
+        corpus deleted."""
+        _fsync_dir(self.dir)
+        if not self.target.exists():
+            os.rename(self.dir, self.target)
+            _fsync_dir(self.target.parent)
+            return
+        if not _exchange(self.dir, self.target):
+            # no atomic swap here: --out is missing for the moment between the renames
+            # (the old corpus then sits in the staging directory's place), never mixed
+            aside = self.dir.with_name(self.dir.name + ".old")
+            os.rename(self.target, aside)
+            try:
+                os.rename(self.dir, self.target)
+            except OSError:
+                os.rename(aside, self.target)
+                raise
+            os.rename(aside, self.dir)
+        self.swapped = True  # from here self.dir is the old --out: never discarded
+        _fsync_dir(self.target.parent)
+        for p in self.dir.iterdir():  # keep what the old --out held besides its corpus
+            if not (_SHARD_RE.match(p.name) or p.name == "meta.json"):
+                try:
+                    os.rename(p, self.target / p.name)
+                except OSError as e:
+                    raise DataError(f"the new corpus is in --out {self.out}, but {p.name} "
+                                    f"could not be moved over from the old one, kept in "
+                                    f"{self.dir}: {e.strerror or e}") from None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Remove the staged corpus (a failed run); nothing once the swap is done."""
+        if not self.swapped:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Router:
@@ -98,10 +194,15 @@ class ShardWriter:
         if docs_ended:
             (self.shards[-1] if self.shards else self._open())["docs"] += docs_ended
 
-    def close(self) -> None:
+    def close(self, sync: bool = True) -> None:
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            try:
+                if sync:  # on disk before the corpus is swapped in
+                    self._f.flush()
+                    os.fsync(self._f.fileno())
+            finally:
+                self._f.close()
+                self._f = None
 
     def take_tail(self, n: int) -> list[np.ndarray]:
         """Remove the last ``n`` tokens (a one-document corpus's val part), in order."""
@@ -136,7 +237,10 @@ class ShardWriter:
         return entries
 
     def discard(self) -> None:
-        self.close()
+        try:
+            self.close(sync=False)
+        except OSError:
+            pass  # a full disk: the staged corpus goes whole
         for s in self.shards:
             s["tmp"].unlink(missing_ok=True)
 

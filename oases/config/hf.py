@@ -16,6 +16,7 @@ rather than imported approximately.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,32 @@ def _get(cfg: dict, key: str, where: str, default: Any = ...) -> Any:
     return default
 
 
+def _int(cfg: dict, key: str, where: str, default: Any = ...) -> int:
+    """``cfg[key]`` as an int: a JSON integer (or a float with an integral value), not a
+    string, a bool or a fraction."""
+    return _number(_get(cfg, key, where, default), key, where, int)
+
+
+def _float(cfg: dict, key: str, where: str, default: Any = ...) -> float:
+    return _number(_get(cfg, key, where, default), key, where, float)
+
+
+def _number(v: Any, key: str, where: str, kind: type) -> Any:
+    ok = (isinstance(v, int) and not isinstance(v, bool)
+          or isinstance(v, float) and math.isfinite(v) and (kind is float or v == int(v)))
+    if not ok:
+        what = "an integer" if kind is int else "a finite number"
+        raise ConfigError(f"{where}: config.json's {key}={json.dumps(v)} is not {what}")
+    return kind(v)
+
+
+def _bool(cfg: dict, key: str, where: str, default: bool) -> bool:
+    v = _get(cfg, key, where, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: config.json's {key}={json.dumps(v)} is not true or false")
+    return v
+
+
 def _architecture(cfg: dict, where: str) -> str:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
@@ -109,17 +136,17 @@ def _gpt2(cfg: dict, where: str) -> dict:
         raise ConfigError(f"{where}: scale_attn_weights=false is not supported")
     if cfg.get("add_cross_attention"):
         raise ConfigError(f"{where}: add_cross_attention=true is not supported")
-    d = int(_get(cfg, "n_embd", where))
-    return dict(arch="gpt", n_layer=int(_get(cfg, "n_layer", where)), d_model=d,
-                n_head=int(_get(cfg, "n_head", where)),
-                n_kv_heads=int(_get(cfg, "n_head", where)),
-                ffn_hidden=int(_get(cfg, "n_inner", where, 4 * d)),
-                vocab_size=int(_get(cfg, "vocab_size", where)),
-                seq_len=int(_get(cfg, "n_positions", where)),
-                norm_eps=float(_get(cfg, "layer_norm_epsilon", where, 1e-5)),
-                **_rope({}, where, int(_get(cfg, "n_positions", where))),  # unused by GPT
+    d = _int(cfg, "n_embd", where)
+    return dict(arch="gpt", n_layer=_int(cfg, "n_layer", where), d_model=d,
+                n_head=_int(cfg, "n_head", where),
+                n_kv_heads=_int(cfg, "n_head", where),
+                ffn_hidden=_int(cfg, "n_inner", where, 4 * d),
+                vocab_size=_int(cfg, "vocab_size", where),
+                seq_len=_int(cfg, "n_positions", where),
+                norm_eps=_float(cfg, "layer_norm_epsilon", where, 1e-5),
+                **_rope({}, where, _int(cfg, "n_positions", where)),  # unused by GPT
                 sliding_window=0,
-                tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, True)),
+                tie_embeddings=_bool(cfg, "tie_word_embeddings", where, True),
                 bias=True)
 
 
@@ -150,8 +177,8 @@ def _rope(cfg: dict, where: str, max_pos: int) -> dict:
         raise ConfigError(f"{where}: partial_rotary_factor={prf} is not supported "
                           f"(oases rotates the whole head)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
-    out = dict(ROPE_DEFAULTS, rope_theta=float(theta if theta is not None else 10000.0),
-               rope_type=kind, rope_original_max_len=max_pos)
+    theta = _number(theta if theta is not None else 10000.0, "rope_theta", where, float)
+    out = dict(ROPE_DEFAULTS, rope_theta=theta, rope_type=kind, rope_original_max_len=max_pos)
     need = {"linear": ("factor",), "dynamic": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")}.get(kind, ())
@@ -159,11 +186,12 @@ def _rope(cfg: dict, where: str, max_pos: int) -> dict:
         if params.get(k) is None:
             raise ConfigError(f"{where}: rope_type={kind!r} needs {k} in rope_scaling")
     if need:
-        out["rope_factor"] = float(params["factor"])
+        out["rope_factor"] = _float(params, "factor", where)
     if kind == "llama3":
-        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
-                   rope_high_freq_factor=float(params["high_freq_factor"]),
-                   rope_original_max_len=int(params["original_max_position_embeddings"]))
+        out.update(rope_low_freq_factor=_float(params, "low_freq_factor", where),
+                   rope_high_freq_factor=_float(params, "high_freq_factor", where),
+                   rope_original_max_len=_int(params, "original_max_position_embeddings",
+                                              where))
     return out
 
 
@@ -178,35 +206,35 @@ def _llama(cfg: dict, where: str, arch: str) -> dict:
     act = _get(cfg, "hidden_act", where, "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act={act!r} is not supported (SwiGLU needs silu)")
-    d = int(_get(cfg, "hidden_size", where))
-    n_head = int(_get(cfg, "num_attention_heads", where))
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and n_head and int(head_dim) * n_head != d:
+    d = _int(cfg, "hidden_size", where)
+    n_head = _int(cfg, "num_attention_heads", where)
+    head_dim = _int(cfg, "head_dim", where, None) if cfg.get("head_dim") is not None else None
+    if head_dim is not None and n_head and head_dim * n_head != d:
         raise ConfigError(f"{where}: head_dim={head_dim} x num_attention_heads={n_head} != "
                           f"hidden_size={d} is not supported")
-    n_layer = int(_get(cfg, "num_hidden_layers", where))
+    n_layer = _int(cfg, "num_hidden_layers", where)
     window = 0
     if name == "qwen2":
         sliding = [t for t in cfg.get("layer_types") or () if t != "full_attention"]
-        if cfg.get("use_sliding_window") and int(cfg.get("max_window_layers", 0)) < n_layer:
+        if cfg.get("use_sliding_window") and _int(cfg, "max_window_layers", where, 0) < n_layer:
             raise ConfigError(f"{where}: use_sliding_window=true is not supported (Qwen2's "
                               f"windowed layers from max_window_layers on)")
         if sliding:
             raise ConfigError(f"{where}: layer_types={sliding[0]!r} is not supported "
                               f"(every layer attends fully)")
     elif name == "mistral":
-        window = int(cfg.get("sliding_window") or 0)
+        window = _int(cfg, "sliding_window", where, 0)
     elif cfg.get("sliding_window"):
         raise ConfigError(f"{where}: sliding_window={cfg['sliding_window']} is not supported "
                           f"for {arch}")
-    max_pos = int(_get(cfg, "max_position_embeddings", where))
+    max_pos = _int(cfg, "max_position_embeddings", where)
     return dict(arch=name, n_layer=n_layer, d_model=d, n_head=n_head,
-                n_kv_heads=int(_get(cfg, "num_key_value_heads", where, n_head)),
-                ffn_hidden=int(_get(cfg, "intermediate_size", where)),
-                vocab_size=int(_get(cfg, "vocab_size", where)), seq_len=max_pos,
-                norm_eps=float(_get(cfg, "rms_norm_eps", where, 1e-6)),
+                n_kv_heads=_int(cfg, "num_key_value_heads", where, n_head),
+                ffn_hidden=_int(cfg, "intermediate_size", where),
+                vocab_size=_int(cfg, "vocab_size", where), seq_len=max_pos,
+                norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
                 **_rope(cfg, where, max_pos), sliding_window=window,
-                tie_embeddings=bool(_get(cfg, "tie_word_embeddings", where, False)),
+                tie_embeddings=_bool(cfg, "tie_word_embeddings", where, False),
                 bias=False)
 
 

@@ -30,6 +30,9 @@ from oases.config.typed_yaml import build_dataclass, set_dotted
 from oases.errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "bf16")
+# The longest parallel.timeout_s: torch turns it into a timedelta (inf overflows) and
+# gloo and NCCL into int64 nanoseconds added to a clock (past ~9e9 s they wrap).
+MAX_TIMEOUT_S = 1e8
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -141,7 +144,9 @@ class ParallelConfig(_Section):
                               f"strict")
         _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
-        _positive("parallel.timeout_s", self.timeout_s)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf and NaN too
+            raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be a number of "
+                              f"seconds in (0, {MAX_TIMEOUT_S:.0e}] (about three years)")
         if self.nccl_high_priority_tp and (self.backend == "gloo" or self.device == "cpu"):
             raise ConfigError("parallel.nccl_high_priority_tp needs NCCL on CUDA (parallel."
                               f"backend={self.backend}, parallel.device={self.device})")
@@ -399,9 +404,15 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} "
+                              f"{'is not a file' if p.exists() else 'does not exist'}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte "
+                              f"0x{e.object[e.start]:02x} at offset {e.start})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

@@ -80,9 +80,11 @@ def load_plan(path: str) -> Plan:
     if not p.is_file():
         raise UserError(f"plan file {path} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
         raise UserError(f"plan file {path} is not valid YAML") from None
+    except OSError as e:
+        raise UserError(f"plan file {path} cannot be read: {e.strerror or e}") from None
     if not isinstance(data, dict) or not {"degrees", "stages", "zero"} & set(data):
         raise UserError(f"plan file {path} has no 'degrees', 'stages' or 'zero' list")
     known = set(Plan.__dataclass_fields__)
@@ -95,15 +97,19 @@ def load_plan(path: str) -> Plan:
     if not isinstance(degrees, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                 for d in degrees):
         raise UserError(f"plan file {path}: degrees must be a list of integers")
-    for k in ("pp", "micro_batches", "micro_batch_size"):
-        v = data.get(k, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise UserError(f"plan file {path}: {k} must be an integer >= 0, got {v!r}")
-    if not isinstance(data.get("sequence_parallel", False), bool):
-        raise UserError(f"plan file {path}: sequence_parallel must be true or false, got "
-                        f"{data['sequence_parallel']!r}")
+    for k, least in (("pp", 0), ("micro_batches", 0), ("micro_batch_size", 0), ("tp", 1),
+                     ("sub_batches", 1)):
+        v = data.get(k, least)
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise UserError(f"plan file {path}: {k} must be an integer >= {least}, got {v!r}")
+    for k, kind, name in (("sequence_parallel", bool, "true or false"),
+                          ("model", dict, "a mapping"), ("predicted", dict, "a mapping"),
+                          ("schedule", str, "a string"), ("recompute", str, "a string"),
+                          ("cluster", str, "a string")):
+        if data.get(k) is not None and not isinstance(data[k], kind):
+            raise UserError(f"plan file {path}: {k} must be {name}, got {data[k]!r}")
     return Plan(**{k: data[k] for k in data if k in known and k != "tp"} | {
-        "degrees": degrees, "tp": int(data.get("tp", max(degrees) if degrees else 1)),
+        "degrees": degrees, "tp": data.get("tp", max(degrees) if degrees else 1),
         "model": data.get("model") or {}})
 
 

@@ -63,6 +63,10 @@ class MegatronCorpus:
         self.idx = idx
         self.bin = idx.with_suffix(".bin")
         raw = self._read_idx()
+        off = len(MAGIC) + _HEADER.size
+        if len(raw) < off:
+            raise DataError(f"{idx} is truncated: {len(raw)} bytes, shorter than the "
+                            f"{off}-byte Megatron index header")
         version, code, n_seq, n_doc = _HEADER.unpack_from(raw, len(MAGIC))
         if version != 1:
             raise DataError(f"{idx}: Megatron index version {version} is not 1")
@@ -70,7 +74,6 @@ class MegatronCorpus:
             raise DataError(f"{idx}: dtype code {code} is not an integer token dtype "
                             f"({', '.join(map(str, DTYPE_CODES))})")
         self.dtype = DTYPE_CODES[code]
-        off = len(MAGIC) + _HEADER.size
         need = off + 4 * n_seq + 8 * n_seq + 8 * n_doc
         if len(raw) < need:
             raise DataError(f"{idx} is truncated: {len(raw)} bytes, its header promises "

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from oases.overlap.comm_clock import hidden_fraction
-from oases.runtime.sinks import TensorBoardSink, WandbSink, require_tensorboard
+from oases.runtime.sinks import TensorBoardSink, open_wandb, require_tensorboard
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s by device name and the run's precision
 # (vendor datasheets): "bf16" with fp32 accumulation, "fp32" as TF32. A key is matched as
@@ -144,10 +144,11 @@ class MetricsLogger:
         self.sinks: list = []
         if tensorboard:  # every rank: a missing package fails alike everywhere
             require_tensorboard()
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":  # every rank: see open_wandb
+            wandb = open_wandb(wandb_cfg, out_dir, run_config, resume, group, is_main, device)
+            self.sinks += [wandb] if wandb is not None else []
         if not is_main:
             return
-        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
-            self.sinks.append(WandbSink(wandb_cfg, out_dir, run_config, resume, group))
         if tensorboard:
             self.sinks.append(TensorBoardSink(out_dir, start_step if resume else 0))
 

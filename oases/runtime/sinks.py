@@ -23,7 +23,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from oases.errors import ConfigError
+import torch
+import torch.distributed as dist
+
+from oases.errors import ConfigError, first_line
+from oases.parallel.ranks import world_timeout
 from oases.runtime.metric_keys import STEP_KEYS, SUMMARY, grouped, step_key, values
 
 
@@ -43,11 +47,21 @@ class WandbSink:
             state = json.loads(self.state_path.read_text())
         self.logged = {k: int(state.get(k, 0)) for k in ("train", "eval")}
         run_id = state.get("id")
-        self.run = wandb.init(
-            project=cfg.project, entity=cfg.entity or None, name=cfg.name or Path(out_dir).name,
-            group=cfg.group or group or None, tags=list(cfg.tags) or None,
-            notes=cfg.notes or None, mode=cfg.mode, dir=out_dir, config=run_config, id=run_id,
-            resume="allow" if run_id else None)
+        try:
+            self.run = wandb.init(
+                project=cfg.project, entity=cfg.entity or None,
+                name=cfg.name or Path(out_dir).name, group=cfg.group or group or None,
+                tags=list(cfg.tags) or None, notes=cfg.notes or None, mode=cfg.mode,
+                dir=out_dir, config=run_config, id=run_id, resume="allow" if run_id else None,
+                # the other ranks wait for the outcome (open_wandb); WANDB_SILENT (above)
+                # also keeps W&B from prompting for a login at a terminal
+                settings={"init_timeout": _init_timeout()})
+        except Exception as e:  # noqa: BLE001 - no API key, no network, a bad entity, ...
+            fix = ("log in (`wandb login`, or WANDB_API_KEY), or set wandb.mode=offline and "
+                   "`wandb sync` the run later" if cfg.mode == "online" else
+                   "set wandb.mode=disabled to run without it")
+            raise ConfigError(f"wandb.mode={cfg.mode}: W&B did not start "
+                              f"({type(e).__name__}: {first_line(e)}); {fix}") from e
         define_metrics(self.run)
         self.id = self.run.id
         self._save()
@@ -67,6 +81,40 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _init_timeout() -> float:
+    """How long ``wandb.init`` may take: ``WANDB_INIT_TIMEOUT`` (W&B's default 90 s), at
+    most half the world's collective timeout, so that rank 0 gives up (and says why)
+    before the ranks waiting for it time out."""
+    try:
+        wanted = float(os.environ.get("WANDB_INIT_TIMEOUT", "90"))
+    except ValueError:
+        wanted = 90.0
+    timeout = world_timeout() if dist.is_initialized() else None
+    return wanted if timeout is None else min(wanted, timeout.total_seconds() / 2)
+
+
+def open_wandb(cfg, out_dir: str, run_config: Optional[dict], resume: bool, group: str,
+               is_main: bool, device: torch.device) -> Optional[WandbSink]:
+    """Rank 0's :class:`WandbSink` (None on the other ranks), called by every rank: a W&B
+    that does not start (no API key, no network) is a ConfigError on every rank alike, so
+    rank 0 prints the one line and the others stop with it, rather than rank 0 failing
+    alone and the others reporting a peer that died. One all-reduce over the world."""
+    sink, error = None, None
+    if is_main:
+        try:
+            sink = WandbSink(cfg, out_dir, run_config, resume, group)
+        except ConfigError as e:
+            error = e
+    failed = error is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if failed:
+        raise error or ConfigError(f"wandb.mode={cfg.mode}: W&B did not start on rank 0")
+    return sink
 
 
 def define_metrics(run) -> None:

@@ -27,7 +27,7 @@ import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional, Union
 
 import numpy as np
@@ -59,7 +59,8 @@ def np_dtype(dtype: str) -> np.dtype:
 
 
 def read_meta(path: Path) -> dict:
-    """``meta.json`` next to ``path``, or {} if there is none (or it is not a mapping)."""
+    """``meta.json`` next to ``path``, or {} if there is none (or it is not a mapping);
+    its ``shards`` checked (:func:`_check_shards`)."""
     meta_path = path.parent / "meta.json"
     if not meta_path.is_file():
         return {}
@@ -67,7 +68,49 @@ def read_meta(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{meta_path} (next to {path}) is not readable JSON: {e}") from None
-    return meta if isinstance(meta, dict) else {}
+    if not isinstance(meta, dict):
+        return {}
+    _check_shards(meta.get("shards"), meta_path)
+    return meta
+
+
+def _inside(name: str) -> bool:
+    """Whether the file name ``name``, read from a data file, stays in the directory it is
+    joined to: relative, without ``..`` and not empty. Checked on the name alone, not
+    the resolved path: a symlink inside the directory is its owner's choice."""
+    parts = PurePosixPath(name).parts
+    return bool(parts) and not name.startswith("/") and ".." not in parts and "\0" not in name
+
+
+def _check_shards(shards, meta_path: Path) -> None:
+    """``shards`` (absent, or split -> a list of ``{"file": NAME, ...}``, every NAME a
+    file beside ``meta.json``) or a one-line DataError naming what it holds instead."""
+    if shards is None:
+        return
+    if isinstance(shards, dict):
+        bad = next((v for v in shards.values() if not isinstance(v, list)), None)
+        bad = bad if bad is not None else next(
+            (e for v in shards.values() for e in v
+             if not isinstance(e, dict) or not isinstance(e.get("file"), str)), None)
+        what = None if bad is None else f"a split holding {_kind(bad)}"
+    else:
+        what = _kind(shards)
+    if what is not None:
+        raise DataError(f"{meta_path}: 'shards' must map each split to a list of "
+                        f"{{\"file\": NAME, ...}} records, but it is {what}")
+    for entries in shards.values():
+        for e in entries:
+            if not _inside(e["file"]):
+                raise DataError(f"{meta_path}: shard file {e['file']!r} is outside "
+                                f"{meta_path.parent}; meta.json lists files beside it")
+
+
+def _kind(v) -> str:
+    """How a wrong JSON value reads in a message: "a str 'x'", "a list of str"."""
+    if isinstance(v, list):
+        inner = sorted({type(e).__name__ for e in v})
+        return f"a list of {' and '.join(inner)}" if inner else "an empty list"
+    return f"a {type(v).__name__} {json.dumps(v)[:40]}"
 
 
 def _check_meta(path: Path, dtype: str, meta: dict) -> None:
@@ -80,12 +123,12 @@ def _check_meta(path: Path, dtype: str, meta: dict) -> None:
 
 
 def _shard_entries(meta: dict) -> dict[str, dict]:
-    """``meta.json``'s shard records by file name (every split's)."""
-    out = {}
+    """``meta.json``'s shard records by file name (every split's; checked by
+    :func:`read_meta`)."""
+    out: dict[str, dict] = {}
     for entries in (meta.get("shards") or {}).values():
-        for e in entries if isinstance(entries, list) else ():
-            if isinstance(e, dict) and isinstance(e.get("file"), str):
-                out.setdefault(e["file"], e)
+        for e in entries:
+            out.setdefault(e["file"], e)
     return out
 
 
@@ -225,9 +268,9 @@ def _split_shards(p: Path) -> Optional[tuple[list[Path], dict]]:
     """The shard files that ``DIR/meta.json`` lists for the split named by ``p``'s stem."""
     meta = read_meta(p)
     entries = (meta.get("shards") or {}).get(p.name.split(".")[0])
-    if not isinstance(entries, list) or not entries:
+    if not entries:
         return None
-    return [p.parent / str(e.get("file")) for e in entries if isinstance(e, dict)], meta
+    return [p.parent / e["file"] for e in entries], meta
 
 
 def resolve(path: PathLike) -> list[Path]:
