@@ -8,7 +8,7 @@ NPROC  ?= 2
 CONFIG ?= configs/gpt-tiny.yaml
 ARGS   ?=
 
-.PHONY: train test gpu-check install install-test clean
+.PHONY: train test gpu-check gpu-wheels install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +38,27 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
 
-# On a machine with CUDA GPUs: the cuda tests, speed and overlap (docs/gpu-check.md)
+# On a machine with CUDA GPUs: waits, host against GPU, the cuda tests, speed and overlap,
+# within 9 minutes (docs/gpu-check.md). Offline, with a python3 that has CUDA torch:
+#   make gpu-wheels            (here, with network: what such an image lacks, into .whl/)
+#   make gpu-check GPU_PYTHON=python3      (there; installs .whl/*.whl into /tmp/site)
+GPU_PYTHON ?=
+GPU_ENV = CUDA_DEVICE_MAX_CONNECTIONS=$${CUDA_DEVICE_MAX_CONNECTIONS:-1} PYTHONUNBUFFERED=1
+ifeq ($(GPU_PYTHON),)
 gpu-check: $(VENV)/.installed-test
-	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
+	$(GPU_ENV) $(BIN)/python -m benchmarks.gpu_check $(ARGS)
+else
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index \
+	    --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
+	$(GPU_ENV) PYTHONPATH=$(CURDIR):/tmp/site $(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
+endif
+
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: \
+	    --python-version $(GPU_WHEEL_PYTHON) --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "pulp<4"
 
 clean:
 	rm -rf runs wandb .pytest_cache

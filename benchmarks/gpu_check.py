@@ -1,34 +1,42 @@
-"""Validate and measure oases on this machine's GPUs, in one command.
+"""Validate and measure oases on this machine's GPUs, in one command, within a budget.
 
     make gpu-check                     # python -m benchmarks.gpu_check
-    python -m benchmarks.gpu_check --skip-tests --models gpt-1.3b --rounds 1   # quicker
+    python -m benchmarks.gpu_check --budget-s 300 --skip-tests     # quicker
 
-On a machine with CUDA GPUs, in order:
+On a machine with CUDA GPUs, in this order (the most wanted answers first), each part
+given what is left of ``--budget-s`` (540 s: the check finishes, with its results
+file, inside ten minutes on one H100) and the results file rewritten after each part:
 
 1. **Environment**: GPU model and count, driver, CUDA, NCCL and torch versions, and the
    dense bf16 peak the MFU figures divide by.
-2. **Correctness**: the cuda-marked tests (``pytest -m cuda tests``). With one GPU: the
+2. **Waits** (:mod:`benchmarks.lib.gpu_wait`): the ``oases`` engine's turn at a
+   collective on a one-rank NCCL group, with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the old
+   default: the host polls each wait) and with oases' settings (the stream waits, the
+   host runs on): seconds per turn and the host's seconds per wait.
+3. **Host against GPU** (:mod:`benchmarks.lib.gpu_host`): per engine (megatron+full,
+   oases+fine at one and two sub-batches), the host's time to issue a forward-backward
+   of gpt-1.3b at a tp rank's shapes (``--host-tp``), against the time kernels ran in
+   it, and per block per sub-batch; at the first tp with ``CUDA_DEVICE_MAX_CONNECTIONS``
+   1 and unset.
+4. **Correctness**: the cuda-marked tests (``pytest -m cuda tests``). With one GPU: the
    single-rank paths, and two ranks sharing the GPU over gloo with CUDA tensors (the
    overlapped schedule's stream ordering); with two or more, the NCCL tier as well.
-3. **Speed, one GPU**: for gpt-1.3b and llama-1b in bf16, the largest power-of-two
-   micro-batch each mode fits (probed), then tokens/s, TFLOP/s, MFU and peak memory of
-   the megatron engine, the oases engine (2 sub-batches, fine recompute) and
-   ``recompute=selective``, at the smallest of those micro-batches so that the modes
-   compare at equal work; ``--rounds`` rounds with the modes interleaved, the median
-   reported. Peak memory is set against the planner's prediction for the same run
-   (its profile measured on this GPU).
-4. **Overlap, two or more GPUs**: tp = 2 tokens/s of megatron+full, oases+fine and
-   oases+fine with ``parallel.tp_comm_noop`` (no TP communication: the bound), through
-   ``torchrun train.py``; and a ``torch.profiler`` trace of one step of each engine, from
-   which the share of NCCL kernel time that runs under computation kernels is computed
-   (:mod:`benchmarks.lib.kernel_overlap`). The runs' logs and the traces (open them in
-   Perfetto or chrome://tracing) stay in ``runs/gpu-check/``.
+5. **Speed, one GPU**: gpt-1.3b in bf16 under the megatron engine, the oases engine
+   (fine recompute, ``sub_batches`` 1 and 2) and ``recompute=selective`` at
+   ``--mbs`` (``--probe``: the largest power-of-two micro-batch each mode fits):
+   tokens/s, TFLOP/s, MFU and peak memory, ``--rounds`` rounds with the modes
+   interleaved, the median reported; peak memory beside the planner's prediction.
+6. **Overlap, two or more GPUs**: tp = 2 tokens/s of megatron+full, oases+fine and
+   oases+fine with ``parallel.tp_comm_noop`` (the bound), through ``torchrun train.py``,
+   and a ``torch.profiler`` trace of one step of each engine, from which the share of
+   NCCL kernel time that runs under computation kernels is computed
+   (:mod:`benchmarks.lib.kernel_overlap`). Logs and traces stay in ``runs/gpu-check/``.
 
-Writes ``benchmarks/results/gpu-<gpu name>.md`` and ``.json`` and prints how long it
-took (about 20 minutes on one H100). Weights are drawn on the GPU with torch's
-generator (timing only: not oases' layout-independent initialisation, which draws on
-the host). Without a CUDA device it prints the environment and why it skips, writes
-nothing and exits 0.
+Writes ``benchmarks/results/gpu-<gpu name>.md`` and ``.json``. Weights are drawn on the
+GPU with torch's generator (timing only). Without a CUDA device it prints the
+environment and why it skips, writes nothing and exits 0. On a machine without network
+whose ``python3`` already has CUDA torch: ``make gpu-check GPU_PYTHON=python3``
+(docs/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from oases.parallel.groups import init_distributed
 from oases.planner.api import run_shape
 from oases.planner.cluster import Cluster
 from oases.planner.cost import CostModel, ModelShape
+from oases.parallel.nccl_env import kernel_order
 from oases.planner.profile import get_profile
 from oases.runtime.build import fast_init, model_for, seed_tracker, training_for
 from oases.runtime.step import train_step
@@ -62,6 +71,8 @@ from oases.runtime.step import train_step
 MODES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"],
          "oases-fine": ["parallel.schedule=oases", "parallel.recompute=fine",
                         "parallel.sub_batches=2"],
+         "oases-fine-1": ["parallel.schedule=oases", "parallel.recompute=fine",
+                          "parallel.sub_batches=1"],
          "selective": ["parallel.schedule=megatron", "parallel.recompute=selective"]}
 TP2_MODES = {"megatron-full": ["parallel.schedule=megatron", "parallel.recompute=full"],
              "oases-fine": MODES["oases-fine"],
@@ -82,6 +93,7 @@ def largest_fitting(fits: Callable[[int], bool], candidates: list[int]) -> Optio
 def _cfg(model: str, mode: str, mbs: int, extra: tuple = ()):
     return load_config(None, [f"model.name={model}", "train.precision=bf16",
                               "data.kind=synthetic", f"train.micro_batch_size={mbs}",
+                              "wandb.mode=disabled",
                               "train.grad_accum=1", *MODES.get(mode, TP2_MODES.get(mode, [])),
                               *extra])
 
@@ -152,7 +164,8 @@ def _predicted_bytes(cfg, ctx) -> Optional[float]:
 
 def speed_one_gpu(model: str, ctx, args, peak: Optional[float], log=print) -> dict:
     """Section 3 for one model: probe, then the modes interleaved over rounds."""
-    largest = {m: (args.mbs or _probe(model, m, ctx, args.max_mbs)) for m in MODES}
+    largest = {m: (_probe(model, m, ctx, args.max_mbs) if args.probe else args.mbs)
+               for m in MODES}
     log(f"  {model}: largest micro-batch per mode {largest}")
     fitting = [v for v in largest.values() if v]
     if not fitting:
@@ -256,15 +269,82 @@ def trace_worker(path: str, mode: str, mbs: int) -> None:
     os._exit(0)  # skip the slow process-group teardown
 
 
+def _sub(module: str, args: list[str], env: dict, timeout: float, log_path: Path) -> int:
+    """``python -m module args`` with ``env``, its output in ``log_path``; its status
+    (None: it ran past ``timeout``)."""
+    with open(log_path, "w") as f:
+        try:
+            return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _env(**set_or_drop) -> dict:
+    """This environment with each variable set (a str) or dropped (None)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k, v in set_or_drop.items():
+        env.pop(k, None) if v is None else env.__setitem__(k, v)
+    return env
+
+
+WAIT_SETTINGS = {  # NCCL's wait mode, read when the process group is created
+    "blocking (TORCH_NCCL_BLOCKING_WAIT=1, the old default)": dict(
+        TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING=None),
+    "oases (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)": dict(
+        TORCH_NCCL_BLOCKING_WAIT=None, TORCH_NCCL_ASYNC_ERROR_HANDLING="2")}
+
+
+def waits(work: Path, left) -> dict:
+    """Part 2: :mod:`benchmarks.lib.gpu_wait` under each wait mode."""
+    out = {}
+    for name, env in WAIT_SETTINGS.items():
+        path = work / f"wait-{len(out)}.json"
+        rc = _sub("benchmarks.lib.gpu_wait", ["--out", str(path)], _env(**env),
+                  min(120, left()), work / f"wait-{len(out)}.log")
+        out[name] = json.loads(path.read_text()) if rc == 0 and path.exists() else \
+            {"error": f"exit {rc}: see {work / f'wait-{len(out)}.log'}"}
+        print(f"  {name}: {out[name]}", flush=True)
+    return out
+
+
+def host_budget(work: Path, tps: list[int], mbs: int, left) -> dict:
+    """Part 3: :mod:`benchmarks.lib.gpu_host` at each tp with CUDA_DEVICE_MAX_CONNECTIONS=1,
+    and at the first tp unset too."""
+    runs = [(tp, "1") for tp in tps] + [(tps[0], None)]
+    out = {}
+    for tp, conn in runs:
+        key = f"tp{tp}-connections-{conn or 'unset'}"
+        if left() < 60:
+            out[key] = {"error": "skipped: the budget ran out"}
+            continue
+        path = work / f"host-{key}.json"
+        rc = _sub("benchmarks.lib.gpu_host", ["--tp", str(tp), "--mbs", str(mbs),
+                                              "--out", str(path)],
+                  _env(CUDA_DEVICE_MAX_CONNECTIONS=conn), min(240, left()),
+                  work / f"host-{key}.log")
+        out[key] = json.loads(path.read_text()) if rc == 0 and path.exists() else \
+            {"error": f"exit {rc}: see {work / f'host-{key}.log'}"}
+        print(f"  {key}: done", flush=True)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    order = kernel_order()  # before this process's CUDA context (environment() makes it)
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["gpt-1.3b", "llama-1b"])
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--mbs", type=int, help="micro-batch for every mode (default: probed)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="the whole check's time; each part gets what is left")
+    p.add_argument("--models", nargs="+", default=["gpt-1.3b"])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (median)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode and round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--mbs", type=int, default=4, help="micro-batch for every mode")
+    p.add_argument("--probe", action="store_true", help="probe each mode's largest "
+                   "power-of-two micro-batch (up to --max-mbs) instead of --mbs")
     p.add_argument("--max-mbs", type=int, default=64)
+    p.add_argument("--host-tp", nargs="+", type=int, default=[2, 8],
+                   help="tp shapes of the host part")
     p.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                    help="folder of gpu-<device>.md/.json")
@@ -277,6 +357,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be >= 1, --warmup >= 0")
     t0 = time.monotonic()
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - t0)
+
     env = environment()
     for ln in describe(env):
         print(ln, flush=True)
@@ -284,28 +368,44 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("gpu-check: skipped: no CUDA device is visible (torch.cuda.is_available() is "
               "False); nothing was run or written", flush=True)
         return 0
+    env["kernel_order"] = order
     res = {"environment": env, "command": "python -m benchmarks.gpu_check " +
            " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": datetime.date.today().isoformat()}
-    if not args.skip_tests:
+           "date": datetime.date.today().isoformat(), "budget_s": args.budget_s}
+    out = Path(args.out) / f"gpu-{slug(env['gpus'][0]['name'])}"
+    work = REPO / "runs" / "gpu-check"  # the parts' logs, and the traces, stay there
+    work.mkdir(parents=True, exist_ok=True)
+
+    def save(part: str) -> None:
+        res["seconds"] = time.monotonic() - t0
+        write_report(res, out)
+        print(f"gpu-check: {part} done at {res['seconds']:.0f} s; wrote {out}.md", flush=True)
+
+    print("waits: blocking against oases' (one-rank NCCL group)", flush=True)
+    res["waits"] = waits(work, left)
+    save("waits")
+    print(f"host against GPU (gpt-1.3b at tp {args.host_tp} shapes):", flush=True)
+    res["host"] = host_budget(work, args.host_tp, 2, left)
+    save("host")
+    if not args.skip_tests and left() > 90:
         print("correctness: pytest -m cuda tests ...", flush=True)
-        res["tests"] = run_cuda_tests()
+        res["tests"] = run_cuda_tests(timeout_s=min(240.0, left() - 60))
         print(f"  {res['tests']['counts']} in {res['tests']['seconds']:.0f} s", flush=True)
-    ctx = init_distributed(1, "cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    print("speed, one GPU (bf16):", flush=True)
-    res["one_gpu"] = [speed_one_gpu(m, ctx, args, env["peak_bf16_flops"]) for m in args.models]
-    if len(env["gpus"]) >= 2:
+        save("tests")
+    if left() > 60:
+        ctx = init_distributed(1, "cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        print("speed, one GPU (bf16):", flush=True)
+        res["one_gpu"] = [speed_one_gpu(m, ctx, args, env["peak_bf16_flops"])
+                          for m in args.models]
+        save("speed")
+    if len(env["gpus"]) >= 2 and left() > 120:
         print("overlap, two GPUs (tp=2, gpt-1.3b):", flush=True)
-        first = next((r for r in res["one_gpu"] if r["model"] == "gpt-1.3b" and "error" not in r),
-                     None)
-        work = REPO / "runs" / "gpu-check"  # the runs' logs and the traces stay there
-        work.mkdir(parents=True, exist_ok=True)
+        first = next((r for r in res.get("one_gpu", [])
+                      if r["model"] == "gpt-1.3b" and "error" not in r), None)
         res["two_gpus"] = overlap_two_gpus(first["micro_batch_size"] if first else 4,
                                            args.rounds, work)
-    res["seconds"] = time.monotonic() - t0
-    out = Path(args.out) / f"gpu-{slug(env['gpus'][0]['name'])}"
-    write_report(res, out)
+        save("overlap")
     print(f"wrote {out}.md and .json in {res['seconds'] / 60:.1f} min", flush=True)
     failed = res.get("tests", {}).get("counts", {}).get("failed", 0)
     return 1 if failed else 0

@@ -27,7 +27,9 @@ which other tenants of a shared machine leave alone, where wall time would not.
   over loopback), issued and waited ``--calls`` times per round: torch's
   ``dist.all_reduce``, oases' ``all_reduce`` (counters, observers and no-op groups
   consulted), and oases' with the exposed-communication clock on
-  (``metrics.comm_clock``). What oases adds is the difference to torch's call.
+  (``metrics.comm_clock``). The figure is the calling thread's CPU time per call (gloo
+  moves the bytes on its own threads, and a wait that blocks costs no CPU time): the
+  host's work to issue and wait. What oases adds is the difference to torch's call.
 
 Modes: ``<engine>+<recompute>[+<sub-batches>]``. Writes
 ``benchmarks/results/host_overhead.{md,json}``; ``--before`` keeps another tree's JSON
@@ -171,7 +173,7 @@ def _collectives(ctx, rounds: int, calls: int) -> dict:
         _timed(f, 20)
     for _ in range(rounds):
         for k, f in fns.items():
-            out[k]["us_rounds"].append(_timed(f, calls) * 1e6)
+            out[k]["us_rounds"].append(_timed(f, calls, clock=time.thread_time) * 1e6)
     for r in out.values():
         r["us"] = statistics.median(r["us_rounds"])
     return out
@@ -201,7 +203,8 @@ def render(prefix: Path, data: dict) -> None:
              f"sub-batches. Median over {meta['rounds']} "
              f"interleaved rounds of each round's median of {meta['reps']} calls (rank 0). "
              f"Collectives: a 16-float all-reduce over the TP group, real, issued and "
-             f"waited {meta['calls']} times a round.", "",
+             f"waited {meta['calls']} times a round; the calling thread's CPU time per call "
+             f"(the host's work to issue and wait).", "",
              "| mode | sub-batches | host us / block / sub-batch | per round | ATen calls / "
              "block / sub-batch | forward-backward us (shallow, deep) |",
              "|---|---|---|---|---|---|"]

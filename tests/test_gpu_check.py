@@ -66,6 +66,14 @@ def test_hidden_fraction_reads_a_profiler_trace(tmp_path):
     assert trace_hidden_fraction(path)["hidden"] == 0.5
 
 
+def test_kernel_busy_is_the_union_of_every_kernel():
+    from benchmarks.lib.kernel_overlap import kernel_busy
+
+    events = [_k("gemm", 0, 10), _k("nccl", 5, 10), _k("gemm", 30, 5, dev=1),
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    assert kernel_busy(events) == {"busy_us": 20.0, "kernels": 3}
+
+
 def test_the_probe_keeps_the_last_micro_batch_that_fits():
     tried = []
 
@@ -92,8 +100,22 @@ def test_the_results_file():
            "two_gpus": {"micro_batch_size": 8, "tokens_per_s": {"oases-fine": 50000.0,
                                                                 "megatron-full": None},
                         "errors": {"megatron-full": "exit 1: see log"},
-                        "traces": {"oases-fine": {"comm_us": 12000.0, "hidden": 0.8}}}}
+                        "traces": {"oases-fine": {"comm_us": 12000.0, "hidden": 0.8}}},
+           "waits": {"blocking": {"iter_s": 1.2e-3, "wait_host_s": 1.05e-3, "compute_s": 2e-4},
+                     "oases": {"iter_s": 2.1e-4, "wait_host_s": 4e-6, "compute_s": 2e-4},
+                     "broken": {"error": "exit 1: see wait-2.log"}},
+           "host": {"tp2-connections-1": {"modes": {
+               "oases+fine+2": {"host_s": 0.031, "gpu_s": 0.030, "busy_s": 0.025,
+                                "kernels": 4000, "host_us_per_block_sub_batch": 320.0,
+                                "busy_us_per_block_sub_batch": 260.0, "host_bound": True},
+               "megatron+full": {"error": "OutOfMemoryError: ..."}}},
+               "tp8-connections-1": {"error": "skipped: the budget ran out"}}}
     text = "\n".join(lines(res))
+    assert "| blocking | 1.200 | 1.050 | 0.200 |" in text and "| broken | exit 1" in text
+    assert "| tp2-connections-1 | oases+fine+2 | 31.00 | 30.00 | 25.00 | 4000 | 320 | 260 | yes |" \
+        in text
+    assert "| tp2-connections-1 | megatron+full | OutOfMemoryError" in text
+    assert "| tp8-connections-1 | skipped: the budget ran out |" in text
     assert "1 failed, 20 passed" in text and "- FAILED tests/test_x.py::test_y" in text
     assert "| gpt-1.3b | megatron | 8 | 500 | 32,768 | 400 | 40.0% | 0.980x | 60.0 | 58.0 | 16 |" \
         in text
@@ -101,3 +123,21 @@ def test_the_results_file():
     assert "| megatron-full | exit 1: see log |" in text
     assert "| oases-fine | 12.0 | 80.0% |" in text
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_the_host_part_runs_dry_on_the_cpu(tmp_path):
+    """benchmarks/lib/gpu_host.py on two CPU ranks (gloo, TP collectives skipped): the code
+    a GPU day runs, here with no kernels to count; its figures are what the report reads."""
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.gpu_host", "--device", "cpu",
+                           "--model", "gpt-tiny", "--tp", "2", "--mbs", "2", "--steps", "1",
+                           "--warmup", "1", "--modes", "megatron+full", "oases+fine+2",
+                           "--out", str(out)], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["tp"] == 2 and set(got["modes"]) == {"megatron+full", "oases+fine+2"}
+    for mode, m in got["modes"].items():
+        assert "error" not in m, (mode, m)
+        assert m["host_s"] > 0 and m["kernels"] == 0 and m["blocks"] == 9
+    assert got["modes"]["oases+fine+2"]["sub_batches"] == 2

@@ -76,3 +76,28 @@ def test_a_partial_sum_is_reduced_where_it_lies_only_when_nothing_else_holds_it(
         assert buf is not partial and buf.is_contiguous()
         assert buf.untyped_storage().data_ptr() != partial.untyped_storage().data_ptr()
         assert torch.equal(buf, partial)
+
+
+def test_the_engines_backward_is_autograds():
+    """oases.parallel.backprop.backward (the engines' backward from their own gradients,
+    without torch.autograd.backward's per-call Python checks) accumulates the same
+    gradients, frees the graph, and refuses what autograd refuses."""
+    import pytest
+
+    from oases.parallel.backprop import backward
+
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    grads = []
+    for run in (torch.autograd.backward, backward):
+        w.grad = None
+        y, z = x @ w, (x @ w).sum(0)
+        run([y, z], [torch.ones_like(y), torch.full_like(z, 2.0)])
+        grads.append(w.grad.clone())
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            run(y, torch.ones_like(y))
+    assert torch.equal(grads[0], grads[1])
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):  # refused by autograd's checks
+        backward(x @ w, torch.ones(3))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        backward(x, torch.ones_like(x))

@@ -81,8 +81,9 @@ def slug(name: str) -> str:
 def run_cuda_tests(timeout_s: float = 1200.0) -> dict:
     """``pytest -m cuda tests`` in the repository: status, counts and the output's tail.
     Tests needing more GPUs than this machine has skip with that reason."""
+    # a test module whose optional imports this machine lacks must not hide the others
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-           "tests"]
+           "--continue-on-collection-errors", "tests"]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)

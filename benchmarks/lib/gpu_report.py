@@ -19,11 +19,14 @@ def lines(res: dict) -> list[str]:
     gpu = env["gpus"][0]
     peak = env.get("peak_bf16_flops")
     out = [f"# GPU check: {gpu['name']}", "",
-           f"`{res['command']}`, {res['date']}, {res['seconds'] / 60:.1f} min in all.", "",
+           f"`{res['command']}`, {res['date']}, {res['seconds'] / 60:.1f} min in all"
+           f" (budget {res.get('budget_s', 0) / 60:.1f} min). "
+           f"{env.get('kernel_order', '')}.", "",
            f"{len(env['gpus'])} x {gpu['name']} ({gpu['memory_gib']:.0f} GiB), driver "
            f"{env.get('driver') or '?'}, CUDA {env['cuda']}, NCCL {env.get('nccl') or '?'}, "
            f"torch {env['torch']}; MFU against a dense bf16 peak of "
            + (f"{peak / 1e12:.0f} TFLOP/s." if peak else "(unknown: no MFU)."), ""]
+    out += _waits(res.get("waits")) + _host(res.get("host"))
     tests = res.get("tests")
     if tests:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(tests["counts"].items()))
@@ -31,9 +34,10 @@ def lines(res: dict) -> list[str]:
                 f"({tests['seconds']:.0f} s).", ""]
         out += [f"- {ln}" for ln in tests["failures"]] + ([""] if tests["failures"] else [])
     out += ["## Speed, one GPU (bf16)", "",
-            "Each model at the largest power-of-two micro-batch every mode fits; median step "
-            "of interleaved rounds. Peak memory: `max_memory_allocated`; predicted: the "
-            "planner's, from a profile measured on this GPU.", "",
+            "Each model at one micro-batch for every mode (`--mbs`, or `--probe`: the "
+            "largest power-of-two every mode fits); median step of interleaved rounds. "
+            "Peak memory: `max_memory_allocated`; predicted: the planner's, from a profile "
+            "measured on this GPU.", "",
             "| model | mode | mbs | step (ms) | tokens/s | TFLOP/s | MFU | vs megatron | "
             "peak GiB | predicted GiB | largest mbs |", "|" + "---|" * 11]
     for r in res.get("one_gpu", []):
@@ -61,6 +65,47 @@ def lines(res: dict) -> list[str]:
             out.append(f"| {mode} | " + (f"{t['comm_us'] / 1e3:.1f} | {_pct(t['hidden'])} |"
                                          if "error" not in t else f"{t['error']} | |"))
     return out
+
+
+def _waits(w) -> list[str]:
+    if not w:
+        return []
+    out = ["## Waits: blocking against oases'", "",
+           "The oases engine's turn at a collective on a one-rank NCCL group (segment a, "
+           "its all-reduce launched, segment b, a's wait; `benchmarks/lib/gpu_wait.py`).", "",
+           "| wait mode | ms per turn | host ms per wait | GPU ms of compute per turn |",
+           "|---|---|---|---|"]
+    for name, r in w.items():
+        out.append(f"| {name} | " + (f"{1e3 * r['iter_s']:.3f} | {1e3 * r['wait_host_s']:.3f} | "
+                                     f"{1e3 * r['compute_s']:.3f} |" if "error" not in r
+                                     else f"{r['error']} | | |"))
+    return out + [""]
+
+
+def _host(h) -> list[str]:
+    if not h:
+        return []
+    out = ["## Host against GPU", "",
+           "One forward-backward of a tp rank's shard of gpt-1.3b (bf16, micro-batch 2, TP "
+           "collectives skipped, the other ranks idle; `benchmarks/lib/gpu_host.py`): the "
+           "host's time to issue it, its time on the GPU's timeline, and how long kernels "
+           "ran in it; per block per sub-batch, host against kernels.", "",
+           "| run | mode | host ms | GPU ms | kernels ms | kernels | host us / block / sub-batch "
+           "| kernel us / block / sub-batch | host-bound |", "|" + "---|" * 9]
+    for key, r in h.items():
+        if "error" in r:
+            out.append(f"| {key} | {r['error']} |" + " |" * 7)
+            continue
+        for mode, m in r["modes"].items():
+            if "error" in m:
+                out.append(f"| {key} | {mode} | {m['error']} |" + " |" * 6)
+                continue
+            out.append(f"| {key} | {mode} | {1e3 * m['host_s']:.2f} | {1e3 * m['gpu_s']:.2f} | "
+                       f"{1e3 * m['busy_s']:.2f} | {m['kernels']} | "
+                       f"{m['host_us_per_block_sub_batch']:.0f} | "
+                       f"{m['busy_us_per_block_sub_batch']:.0f} | "
+                       f"{'yes' if m['host_bound'] else 'no'} |")
+    return out + [""]
 
 
 def write_report(res: dict, out: Path) -> None:

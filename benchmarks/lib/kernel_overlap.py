@@ -71,7 +71,20 @@ def hidden_fraction(events: list[dict]) -> dict:
             "hidden": hidden_us / comm_us if comm_us else None, "per_device": per}
 
 
+def kernel_busy(events: list[dict]) -> dict:
+    """``{"busy_us", "kernels"}``: how long some kernel ran (the union of every kernel's
+    interval, on any device and stream) and how many kernels ran, in a trace's events."""
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+             if e.get("cat") == "kernel" and "dur" in e]
+    return {"busy_us": sum(b - a for a, b in _merge(spans)), "kernels": len(spans)}
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The events of the Chrome trace file at ``path``."""
+    data = json.loads(Path(path).read_text())
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def trace_hidden_fraction(path: str | Path) -> dict:
     """:func:`hidden_fraction` of the Chrome trace file at ``path``."""
-    data = json.loads(Path(path).read_text())
-    return hidden_fraction(data["traceEvents"] if isinstance(data, dict) else data)
+    return hidden_fraction(read_trace(path))

@@ -94,6 +94,7 @@ from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, c
                                   reduce_buffer, run_joint, run_programs)
 from oases.overlap.sequence import SequencePrograms, gather_seq
 from oases.overlap.state import _BlockState, _Graft, _SubBatch
+from oases.parallel.backprop import backward
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.random import TPRNGTracker
@@ -382,7 +383,7 @@ class OasesSchedule(SequencePrograms):
                 yield from prepare
             grads = yield Wait(ticket)
             with self._enter(block, span=name):
-                torch.autograd.backward(sources, [after(g) for g in grads] if after else grads)
+                backward(sources, [after(g) for g in grads] if after else grads)
         if prepare is not None and not (early and reqs):
             yield from prepare
 
@@ -460,7 +461,7 @@ class OasesSchedule(SequencePrograms):
         else:
             x_last, cuts, loss = sb.head
             with self._enter(HEAD, span=f"B{sb.name} loss"):
-                torch.autograd.backward(loss, torch.ones_like(loss) * scale)
+                backward(loss, torch.ones_like(loss) * scale)
             yield from self._cut_backward(cuts, f"B{sb.name} head", last_block)
             sb.head, g_out = None, x_last.grad
         g = yield from self._grad_to_degree(model, g_out, home, blocks[-1].degree)
@@ -481,7 +482,7 @@ class OasesSchedule(SequencePrograms):
         scheduled (:meth:`_cut_backward`)."""
         st = sb.blocks[i]
         with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
-            torch.autograd.backward(st.out, grad)
+            backward(st.out, grad)
         yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", prepare, i)
 
 

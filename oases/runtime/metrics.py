@@ -10,11 +10,12 @@ Throughput definitions (per optimizer step):
     peak_mem_gib        = the most memory allocated on any rank during the interval (CUDA
                           only; the peaks are reset after start-up and at each log step);
                           reserved_mem_gib likewise for the caching allocator's reserve
-    tp_comm_exposed_s   = the most seconds per step any rank waited on TP collectives
+    tp_comm_exposed_s   = the most seconds any rank waited on TP collectives in the
+                          interval's last step, the one the clock times
                           (oases.overlap.comm_clock); tp_comm_s their whole time;
                           tp_comm_hidden_frac the smallest hidden share of any rank
 
-Throughput, step time and communication are means over the log interval's steps.
+Throughput and step time are means over the log interval's steps.
 ``metrics.jsonl`` keeps these flat names; W&B and TensorBoard get them grouped, one to
 one (oases.runtime.metric_keys).
 """
