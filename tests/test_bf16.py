@@ -33,6 +33,7 @@ from oases.parallel.sharding import init_parameters
 from oases.planner.api import run_shape
 from oases.planner.cluster import load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile
+from oases.parallel.wire import compute_dtype, to_wire, wire_dtype
 from oases.planner.profile import _block
 from tests.distributed import run_distributed
 
@@ -156,3 +157,23 @@ def _memory_body(ctx):
 
 def test_planner_saved_bytes_match_the_meter():
     run_distributed(_memory_body, world=2, tp=2)
+
+
+def test_wire_dtype_is_the_compute_dtype_under_autocast():
+    f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
+    null = contextlib.nullcontext
+    assert wire_dtype(BF16, CPU, f32) == b16
+    assert wire_dtype(null, CPU, f32) == f32
+    assert wire_dtype(BF16, CPU, b16) == b16
+    assert wire_dtype(BF16, CPU, torch.float64) == b16
+    assert wire_dtype(lambda: torch.autocast("cpu", dtype=f16), CPU, b16) == b16  # not wider
+    assert compute_dtype(CPU) is None  # amp's region is left: nothing leaks out of it
+    x = torch.randn(3, 4, requires_grad=True)
+    assert to_wire(x) is x  # no autocast: the tensor itself
+    ids = torch.arange(4)
+    with BF16():
+        y = to_wire(x)
+        assert to_wire(ids) is ids  # only floating tensors are cast
+    assert y.dtype == b16 and torch.equal(y, x.detach().to(b16))
+    y.float().sum().backward()
+    assert x.grad.dtype == f32 and torch.equal(x.grad, torch.ones_like(x))

@@ -8,7 +8,8 @@ repeat one; host_of merging two ranks into one load).
 The transfers run in one spawned gloo world of 6 for every layout and method:
 each dst rank must hold exactly the rows of a known tensor (torch.equal: the
 methods only move bytes, so the result is bit-identical), with two calls of a
-transfer and a second transfer between the same ranks in flight at once.
+transfer and a second transfer between the same ranks in flight at once; then a call
+in bf16, whose bytes on each link the comm counter must count at 2 B an element.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oases.parallel.comm import CommCounter
 from oases.pipeline.cross_mesh import METHODS, CrossMeshTransfer, Mesh, Pending, plan_tasks
 from tests.distributed import run_distributed
 
@@ -176,6 +178,36 @@ def _transfers_body(ctx):
                 for out, salt in zip(outs, (0, 2, 1)):
                     assert out.is_contiguous() and out.shape == (r1 - r0, seq, *tail)
                     assert torch.equal(out, fulls[salt][r0:r1]), (c, method, rank, salt)
+            _counted_bf16(t1, fulls[1], tail, (c, method, rank))
+
+
+def _counted_bf16(t, full, tail, what):
+    """One more call of ``t`` in bf16 (the pipeline's wire dtype under autocast): the
+    same values arrive, and the bytes each end counts are the messages' at 2 B each,
+    plus on dst ranks the fan-out: the broadcast pieces, or this rank's all-gather
+    chunks (padded)."""
+    rank, src, dst, batch = t.rank, t.src, t.dst, t.batch
+    full = full.bfloat16()
+    tail_n = int(torch.tensor(tail).prod())
+    sizes = t.message_sizes(tail_n)
+    with CommCounter() as counter:
+        if t.is_src:
+            r0, r1 = src.rows(src.replica_of(rank), batch)
+            assert t.send(full[r0:r1]).wait() is None
+        if t.is_dst:
+            r0, r1 = dst.rows(dst.replica_of(rank), batch)
+            assert torch.equal(t.recv(tail, torch.bfloat16, "cpu").wait(), full[r0:r1]), what
+    fan = 0
+    if t.is_dst and t.group is not None and t.method == "broadcast":
+        j = dst.replica_of(rank)
+        fan = sum(k.numel * tail_n for k in t.tasks if k.dst_replica == j)
+    elif t.is_dst and t.group is not None:  # allgather: one equal chunk per slice
+        fan = sum(-(-(m.rows[1] - m.rows[0]) * (m.cols[1] - m.cols[0]) * tail_n // dst.tp)
+                  for m in t.msgs if m.dst == rank)
+    assert dict(counter.bytes) == {k: v for k, v in {
+        "send": 2 * sum(n for q, _, n in sizes if q == rank),
+        "recv": 2 * sum(n for _, r, n in sizes if r == rank), "fan_out": 2 * fan}.items()
+        if v}, (what, dict(counter.bytes))
 
 
 def test_transfers_all_layouts_and_methods():

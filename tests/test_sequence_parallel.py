@@ -15,9 +15,15 @@
 * A block of a user's own, built from the parallel layers with its norm inside its
   ``partial``, gets SP with no code of its own.
 * Collectives: under SP no block all-reduces; ``fine`` re-issues no forward collective.
+* bf16 autocast: the gathered region inputs cross in bf16 (oases.parallel.wire), and
+  the forward is the same bit for bit as with them gathered in fp32; every all-gather
+  and reduce-scatter but the embedding's moves half of fp32's bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -247,3 +253,80 @@ def test_a_plan_file_turns_sequence_parallelism_on(tmp_path):
     (tmp_path / "p.yaml").write_text("degrees: [2, 2]\nsequence_parallel: 1\n")
     with pytest.raises(UserError, match="sequence_parallel must be true or false"):
         resolve_plan(cfg, None)
+
+
+BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+# Against the unsharded bf16 run, as a share of each gradient's largest entry: bf16 is
+# itself ~0.8% from fp32 on these runs (the unsharded bf16 run against the fp32 one),
+# and the sharded run's bf16 partial sums and reduce-scatters round as much again
+# (~1% measured, old and new wire alike); a wrong gradient is off by far more (a norm
+# weight's partial gradient, not summed over TP, by ~100%).
+BF16_GRAD_TOL = 2e-2
+
+
+def _same(x):
+    return x
+
+
+def _bf16_run(ctx, cfg, mode, ids, y, amp, tp_group, fp32_wire=False, swap=None):
+    """(loss, full gradients, bytes per collective kind) of one SP forward_backward;
+    ``tp_group`` None: the unsharded reference (megatron, no SP). ``fp32_wire``: the
+    region inputs gathered in their own dtype, as before the wire dtype."""
+    sched, rc = mode
+    tr = TPRNGTracker(ctx.device)
+    tr.seed(11, ctx.tp_rank if tp_group is not None else 0)
+    model = build_model(cfg.model, cfg.padded_vocab_size, tp_group, tr,
+                        rc if sched == "megatron" else "none", seed=3)
+    if swap is not None:
+        swap(model, ctx)
+    model.set_sequence_parallel(tp_group is not None)
+    with contextlib.ExitStack() as stack, CommCounter() as counter:
+        if fp32_wire:
+            for where in ("oases.parallel.sequence", "oases.overlap.sequence"):
+                stack.enter_context(mock.patch(f"{where}.to_wire", _same))
+        loss = build_schedule(sched, tp_group, 2, rc, tr).forward_backward(model, ids, y, amp=amp)
+    if tp_group is None:
+        return loss, {n: p.grad for n, p in model.named_parameters()}, {}
+    SequenceGradSum.for_model(model, tp_group)()
+    return loss, _full_grads(model, ctx), dict(counter.bytes)
+
+
+def _bf16_body(ctx, name: str) -> None:
+    cfg = load_config(None, [f"model.name={name}", f"parallel.tp={ctx.tp}", "model.dropout=0.0",
+                             "model.n_layer=2"]).validate(ctx.world_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
+    ref_loss, ref, _ = _bf16_run(ctx, cfg, ("megatron", "none"), ids, y, BF16, None)
+    B, T, d = ids.shape[0], ids.shape[1], cfg.model.d_model
+    # the embedding's partial sums enter the residual stream, fp32 either way: its forward
+    # reduce-scatter (the whole sequence) and its backward all-gather (a chunk)
+    fp32_left = {"reduce_scatter": B * T * d * 4, "all_gather": B * T // ctx.tp * d * 4}
+    for mode in [("megatron", "none"), ("megatron", "full"), ("oases", "fine"),
+                 ("oases", "full")]:
+        _, _, b32 = _bf16_run(ctx, cfg, mode, ids, y, contextlib.nullcontext, ctx.tp_group)
+        old_loss, _, old = _bf16_run(ctx, cfg, mode, ids, y, BF16, ctx.tp_group, True)
+        loss, grads, b16 = _bf16_run(ctx, cfg, mode, ids, y, BF16, ctx.tp_group)
+        # the region's linears cast their input to bf16 anyway: the same forward values
+        assert torch.equal(loss, old_loss), (mode, loss, old_loss)
+        for kind, left in fp32_left.items():
+            assert 2 * b16[kind] - b32[kind] == left, (mode, kind, b16, b32)
+            assert old[kind] > b16[kind], (mode, kind, old, b16)  # the old wire was fp32
+        assert b16["all_reduce"] == b32["all_reduce"], (mode, b16, b32)  # the loss's stats
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0, msg=str(mode))
+        for k, r in ref.items():
+            err = (grads[k] - r).abs().max() / r.abs().max()
+            assert err <= BF16_GRAD_TOL, (mode, k, float(err))
+    # a block whose norm is inside its partial reads the gathered chunk itself: it
+    # crosses in fp32, so the values are those of the fp32 wire bit for bit
+    for mode in [("megatron", "none"), ("oases", "fine")]:
+        runs = [_bf16_run(ctx, cfg, mode, ids, y, BF16, ctx.tp_group, old, _swap_user_block)
+                for old in (False, True)]
+        assert torch.equal(runs[0][0], runs[1][0]), (mode, runs[0][0], runs[1][0])
+        new, old = runs[0][2], runs[1][2]
+        assert new["all_gather"] < old["all_gather"], (mode, new, old)  # the attention's
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_bf16_gathers_cross_in_bf16(name):
+    run_distributed(_bf16_body, world=2, tp=2, args=(name,))

@@ -27,6 +27,9 @@ segment of another sub-batch after it (four sub-batches):
 
 (``parallel.sub_batches`` defaults to four under sequence parallelism for this.)
 
+Under autocast h crosses the all-gather in the compute dtype (:mod:`oases.parallel.wire`):
+the region's linears cast it so anyway, and its gradient is reduce-scattered in it.
+
 Recompute: ``fine`` keeps the block's input chunk x_j, the all-gathered h (the whole
 sequence: the region needs it, and recompute never re-issues a forward collective) and
 the reduce-scattered r_j; ``full`` keeps each layer's input chunk and re-issues both
@@ -51,6 +54,17 @@ from oases.parallel.engine import HEAD
 from oases.parallel.region import GATHERED, entering
 from oases.parallel.sequence import batch_major, seq_major
 from oases.parallel.timing import label
+from oases.parallel.wire import to_wire
+
+
+def _region_input(prologue, x: torch.Tensor) -> torch.Tensor:
+    """``prologue(x)`` as it crosses the all-gather: in the compute dtype under autocast,
+    as :func:`~oases.parallel.sequence.seq_enter` sends it (the region's linears cast it
+    so anyway), unless the prologue is the identity (the region reads the chunk in its
+    own dtype). Cast inside the prologue's graph, so that the region input's gradient
+    is reduce-scattered in the compute dtype too."""
+    h = prologue(x)
+    return to_wire(h) if h is not x else h
 
 
 def gather_seq(x: torch.Tensor, group) -> Program:
@@ -78,7 +92,7 @@ class SequencePrograms:
             prologue, region = blk.halves()
             with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), \
                     run.replay(st.rng_partial if replay else None), run.amp():
-                h = prologue(x_in)
+                h = _region_input(prologue, x_in)
                 mid = run.snap() if replay else None  # the region draws on from here
             g = yield from gather_seq(h, grp)
             if fine:
@@ -110,7 +124,7 @@ class SequencePrograms:
         model = run.model
         x_last = x.detach().requires_grad_()
         with label(f"F{sb.name} loss"), run.amp():
-            h = model.head_prologue(x_last)
+            h = to_wire(model.head_prologue(x_last))  # read by the head's matmul only
         g = yield from gather_seq(h, model.tp_group)
         g = g.requires_grad_()
         with label(f"F{sb.name} loss"), run.amp(), entering(GATHERED):
@@ -157,7 +171,7 @@ class SequencePrograms:
         g = st.saved_g.get(blk, i, self.recompute).detach().requires_grad_()
         r = st.saved_r.get(blk, i, self.recompute).detach().requires_grad_()
         with label(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp():
-            h = prologue(x_in)
+            h = _region_input(prologue, x_in)
             with entering(GATHERED):
                 p = region(g)
         with label(name), run.replay(st.rng_combine), torch.enable_grad(), run.amp():

@@ -88,7 +88,8 @@ class TPBlock(nn.Module):
             return self.combine(x, reduce_from_tp(self.partial(x), self.tp_group))
         if x.is_floating_point():  # an activation's sequence chunk
             prologue, region = self.halves()
-            p = gathered_region(region, prologue(x), self.tp_group)
+            h = prologue(x)  # x itself: the region reads the chunk in its own dtype
+            p = gathered_region(region, h, self.tp_group, wire=h is not x)
         else:  # token ids, whole on every rank
             p = self.partial(x)
         return self.combine(x, seq_leave(p, self.tp_group))

@@ -14,7 +14,9 @@ sequence chunk ``j`` (its rank in the block's group) of ``T / t`` tokens:
     seq_split      keep own chunk                   all-gather
 
 The all-gather and the reduce-scatter move the bytes of the one all-reduce they
-replace; the norms, dropout, residual stream and what recompute keeps shrink by t. A
+replace, in the compute dtype: under autocast the gathered region input crosses in
+it (:func:`seq_enter`, :mod:`oases.parallel.wire`), as the partial sums already do;
+the norms, dropout, residual stream and what recompute keeps shrink by t. A
 region entered through a gathered input adds no collective of its own (its input
 gradient is reduce-scattered by ``seq_enter``'s conjugate): a schedule enters it with
 :data:`~oases.parallel.region.GATHERED`. Collectives move dim 0: the async helpers here
@@ -29,14 +31,22 @@ import torch.nn as nn
 from oases.parallel.comm import (all_gather_to_tp, gather_from_tp, group_rank, group_size,
                                  reduce_scatter_to_tp, scatter_to_tp)
 from oases.parallel.region import GATHERED, entering
+from oases.parallel.wire import to_wire
 
 SEQ_DIM = 1  # activations are (B, T, ...)
 
 
-def seq_enter(x: torch.Tensor, group) -> torch.Tensor:
+def seq_enter(x: torch.Tensor, group, wire: bool = True) -> torch.Tensor:
     """Sequence chunk -> the whole sequence, entering a TP region (backward: the input
-    gradient's partial sums reduce-scattered back to chunks)."""
-    return all_gather_to_tp(x, group, dim=SEQ_DIM)
+    gradient's partial sums reduce-scattered back to chunks).
+
+    ``wire``: the chunk crosses in the compute dtype under autocast (:func:`to_wire`).
+    The region reads its input through column-parallel linears, which autocast casts to
+    that dtype anyway, so the forward's values are the same bit for bit at half the
+    fp32 bytes, and the backward reduce-scatters the compute dtype's gradients (the
+    cast's backward returns them to ``x``'s dtype). False for a region that reads the
+    chunk in its own dtype (a block whose norm is inside its ``partial``)."""
+    return all_gather_to_tp(to_wire(x) if wire else x, group, dim=SEQ_DIM)
 
 
 def seq_leave(p: torch.Tensor, group) -> torch.Tensor:
@@ -88,11 +98,12 @@ def part_dropout(dropout: nn.Module, y: torch.Tensor, rows: tuple[int, int] = (0
     return y * dropout(whole).narrow(0, g * B, B).narrow(SEQ_DIM, j * T, T).clone()
 
 
-def gathered_region(region, x: torch.Tensor, group) -> torch.Tensor:
+def gathered_region(region, x: torch.Tensor, group, wire: bool = True) -> torch.Tensor:
     """``region`` on the whole sequence all-gathered from the chunks ``x``, entered
     through :data:`~oases.parallel.region.GATHERED` (the all-gather's backward
-    reduce-scatters the input gradient; the region adds no collective of its own)."""
-    h = seq_enter(x, group)
+    reduce-scatters the input gradient; the region adds no collective of its own).
+    ``wire``: as :func:`seq_enter`'s."""
+    h = seq_enter(x, group, wire)
     with entering(GATHERED):
         return region(h)
 

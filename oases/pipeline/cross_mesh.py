@@ -58,6 +58,10 @@ transfer (several in flight) arrive in posting order. Plain ``isend``/``irecv``,
 not ``batch_isend_irecv`` (it hangs on gloo: pytorch/PiPPy#1130): with one
 direction per group nothing needs to progress together. The fan-out collectives
 run on each dst replica's own group, in task order on every rank of the replica.
+
+A transfer moves tensors in the dtype it is given (the pipeline's wire dtype,
+:mod:`oases.pipeline.runner`); each message is counted by :class:`CommCounter` on both
+ends (``send``, ``recv``) and each fan-out collective on the dst ranks (``fan_out``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from oases.parallel.comm import CommCounter
 from oases.parallel.ranks import new_group
 
 METHODS = ("broadcast", "send", "allgather")
@@ -334,6 +339,12 @@ class CrossMeshTransfer:
         n = self.seq // mesh.tp
         return t * n, (t + 1) * n
 
+    def _p2p(self, kind: str, buf: torch.Tensor, peer: int, k: int):
+        """Post message k (``kind``: "send" or "recv") on this direction's group."""
+        CommCounter.record(kind, buf)
+        op = dist.isend if kind == "send" else dist.irecv
+        return op(buf, peer, group=self.p2p, tag=k)
+
     def _tp_rank(self, mesh: Mesh) -> int:
         return (self.rank - mesh.first) % mesh.tp
 
@@ -363,7 +374,7 @@ class CrossMeshTransfer:
                 part = flat[a:b]
             buf = part.contiguous()                      # a copy only when cols are split
             keep.append(buf)
-            works.append(dist.isend(buf, dst=m.dst, group=self.p2p, tag=k))
+            works.append(self._p2p("send", buf, m.dst, k))
 
         def finish() -> None:
             for w in works:
@@ -395,7 +406,7 @@ class CrossMeshTransfer:
                 continue
             view = out[m.rows[0] - off:m.rows[1] - off, m.cols[0] - c0:m.cols[1] - c0]
             buf = view if view.is_contiguous() else torch.empty_like(view)
-            posted.append((buf, view, dist.irecv(buf, src=m.src, group=self.p2p, tag=k)))
+            posted.append((buf, view, self._p2p("recv", buf, m.src, k)))
 
         def finish() -> torch.Tensor:
             for buf, view, work in posted:
@@ -407,8 +418,7 @@ class CrossMeshTransfer:
         return Pending(finish, [out, posted])
 
     def _recv_send(self, j: int, off: int, out: torch.Tensor) -> Pending:
-        works = [dist.irecv(out[m.rows[0] - off:m.rows[1] - off], src=m.src,
-                            group=self.p2p, tag=k)
+        works = [self._p2p("recv", out[m.rows[0] - off:m.rows[1] - off], m.src, k)
                  for k, m in enumerate(self.msgs) if m.dst == self.rank]   # full cols: contiguous
 
         def finish() -> torch.Tensor:
@@ -426,8 +436,7 @@ class CrossMeshTransfer:
             view = out[t.rows[0] - off:t.rows[1] - off, t.cols[0]:t.cols[1]]
             buf = view if view.is_contiguous() else torch.empty_like(view)
             leader = t.receivers[0] == self.rank
-            work = (dist.irecv(buf, src=t.sender, group=self.p2p, tag=k) if leader
-                    else None)
+            work = self._p2p("recv", buf, t.sender, k) if leader else None
             posted.append((t, buf, view, work))
 
         def finish() -> torch.Tensor:
@@ -439,6 +448,7 @@ class CrossMeshTransfer:
                 if work is not None:
                     work.wait()
                 if self.group is not None:
+                    CommCounter.record("fan_out", buf)
                     fan.append(dist.broadcast(buf, src=t.receivers[0], group=self.group,
                                               async_op=True))
             for w in fan:
@@ -464,8 +474,7 @@ class CrossMeshTransfer:
                 mine = torch.empty(c, dtype=out.dtype, device=out.device)
                 target = view if c * parts == view.numel() else torch.empty(
                     c * parts, dtype=out.dtype, device=out.device)   # padded
-            work = (dist.irecv(mine[:b - a], src=m.src, group=self.p2p, tag=k) if b > a
-                    else None)
+            work = self._p2p("recv", mine[:b - a], m.src, k) if b > a else None
             posted.append((view, mine, target, work))
 
         def finish() -> torch.Tensor:
@@ -474,6 +483,7 @@ class CrossMeshTransfer:
                 if work is not None:
                     work.wait()
                 if target is not None:
+                    CommCounter.record("fan_out", mine)
                     fan.append(dist.all_gather(list(target.split(mine.numel())), mine,
                                                group=self.group, async_op=True))
             for w in fan:

@@ -40,6 +40,16 @@ Each pending transfer is waited exactly once: a
 receive by the action that consumes it, a send at the end of the step (its buffer
 is kept alive until then). On CUDA, ``Pending.wait()`` orders the current stream,
 on which the consuming F/B runs, after the transfer.
+
+Wire dtype: activations and their gradients cross in the compute dtype under autocast
+(bf16 under ``train.precision=bf16``, :func:`~oases.parallel.wire.wire_dtype`, chosen
+once per step from ``amp``, alike on both ends since every stage runs the same config),
+else in the parameters' dtype. The receiver casts them back to the parameters' dtype:
+its stage adds to the residual stream in fp32, and its engine's backward takes the
+output's gradient in the output's dtype. So a bf16 run moves half of fp32's bytes
+across the boundaries (Megatron-LM's) at the price of one bf16 rounding of the
+residual stream, and of the gradient, per boundary; an fp32 run sends and receives
+exactly what it did.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from oases.config import Config
 from oases.parallel.engine import AmpFactory, Engine
 from oases.parallel.timing import PIPELINE_LABEL, IntervalTimer, label
 from oases.pipeline.actions import is_fused, stage_actions
+from oases.parallel.wire import wire_dtype
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
 
@@ -108,7 +119,8 @@ class PipelineRunner:
         Each action and each wait for a transfer is a profiler range (``pp F3``,
         ``pp wait B1``: the "pipeline" lane of :mod:`oases.overlap.trace`)."""
         ctx, dev = self.ctx, self.ctx.device
-        dtype = next(model.parameters()).dtype
+        local = next(model.parameters()).dtype  # what the stage's code computes on
+        wire = wire_dtype(amp, dev, local)      # what crosses (the module docstring)
         recvs: dict = {}
         sends: list = []
         runs: dict = {}
@@ -123,27 +135,27 @@ class PipelineRunner:
                 inp = x.to(dev)
             else:
                 with _span(f"wait F{m}"):
-                    inp = recvs.pop(("F", m)).wait()
+                    inp = recvs.pop(("F", m)).wait().to(local)
             return inp, (y.to(dev) if ctx.is_last_stage else None)
 
         def grad_b(m):
             if ctx.is_last_stage:
                 return None
             with _span(f"wait B{m}"):
-                g = recvs.pop(("B", m)).wait()
+                g = recvs.pop(("B", m)).wait().to(local)
             return g * self.grad_scale if self.grad_scale != 1.0 else g
 
         fused_f = None  # the F that ran fused with the B before it
         for i, a in enumerate(self.actions):
             m = a.mb
             if a.kind == "RECV_F":
-                recvs[("F", m)] = self.recv_f.recv(self.tail, dtype, dev)
+                recvs[("F", m)] = self.recv_f.recv(self.tail, wire, dev)
             elif a.kind == "RECV_B":
-                recvs[("B", m)] = self.recv_b.recv(self.tail, dtype, dev)
+                recvs[("B", m)] = self.recv_b.recv(self.tail, wire, dev)
             elif a.kind == "SEND_F":
-                sends.append(self.send_f.send(runs[m].output.to(dtype).contiguous()))
+                sends.append(self.send_f.send(runs[m].output.to(wire).contiguous()))
             elif a.kind == "SEND_B":
-                sends.append(self.send_b.send(grads_in.pop(m).to(dtype).contiguous()))
+                sends.append(self.send_b.send(grads_in.pop(m).to(wire).contiguous()))
             elif a.kind == "F" and i == fused_f:
                 continue
             elif a.kind == "F":
@@ -192,13 +204,15 @@ class PipelineRunner:
         """One micro-batch through the stages, no backward (evaluation): the last stage
         returns its mean loss over this replica's counted targets, the others None."""
         ctx, dev = self.ctx, self.ctx.device
-        dtype = next(model.parameters()).dtype
-        inp = x.to(dev) if ctx.is_first_stage else self.recv_f.recv(self.tail, dtype, dev).wait()
+        local = next(model.parameters()).dtype
+        wire = wire_dtype(amp, dev, local)  # as in step
+        inp = (x.to(dev) if ctx.is_first_stage
+               else self.recv_f.recv(self.tail, wire, dev).wait().to(local))
         with amp():
             out = model(inp, y.to(dev) if ctx.is_last_stage else None)
         if ctx.is_last_stage:
             return out.float()
-        self.send_f.send(out.to(dtype).contiguous()).wait()
+        self.send_f.send(out.to(wire).contiguous()).wait()
         return None
 
 
