@@ -50,6 +50,7 @@ import torch
 
 from oases.overlap.runner import OasesRun, Program, collect
 from oases.overlap.state import _BlockState, _SubBatch
+from oases.parallel.backprop import backward
 from oases.parallel.engine import HEAD
 from oases.parallel.region import GATHERED, entering
 from oases.parallel.sequence import batch_major, seq_major
@@ -141,7 +142,7 @@ class SequencePrograms:
         """Backward of :meth:`_sp_loss`; returns the gradient of the last block's output."""
         x_last, h, g, loss = sb.head
         with self._enter(HEAD, span=f"B{sb.name} loss"):
-            torch.autograd.backward(loss, torch.ones_like(loss) * scale)
+            backward(loss, torch.ones_like(loss) * scale)
         yield from self._reduce_back([("rs", seq_major(g.grad), run.model.tp_group)], [h],
                                      prepare, HEAD, f"B{sb.name} head", batch_major)
         sb.head = None
@@ -153,10 +154,10 @@ class SequencePrograms:
         (residual and prologue terms) is left in ``x_in.grad``."""
         st, grp = sb.blocks[i], run.blocks[i].tp_group
         with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
-            torch.autograd.backward(st.out, grad)
+            backward(st.out, grad)
         (dp,) = yield from collect([("ag", seq_major(st.r.grad), grp)])
         with self._enter(i, span=f"B{sb.name} {i} region"):
-            torch.autograd.backward(st.p, batch_major(dp))
+            backward(st.p, batch_major(dp))
         # the region input's gradient reduce-scattered back to the prologue's output chunk
         into = st.h is not None and st.g.grad is not None
         yield from self._reduce_back([("rs", seq_major(st.g.grad), grp)] if into else [],

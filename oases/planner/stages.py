@@ -311,9 +311,10 @@ def _link(cluster, a: range, b: range) -> tuple[float, float]:
 def _transfer(job: Job, ch: Choice, cluster, src: range, dst: range) -> float:
     """One micro-batch's activation to the next stage and its gradient back: every
     byte of the pipeline micro-batch crosses once (``pp_transfer=send``: once per
-    receiving TP rank), over the slowest link between the stages."""
+    receiving TP rank), over the slowest link between the stages, in the compute dtype
+    (the wire dtype: bf16 under bf16, ``oases.parallel.wire``)."""
     gbps, lat = _link(cluster, src, dst)
-    nbytes = ch.rows * ch.dp * job.shape.seq_len * job.shape.d_model * job.residual_bytes
+    nbytes = ch.rows * ch.dp * job.shape.seq_len * job.shape.d_model * job.act_bytes
     if job.pp_transfer == "send":
         nbytes *= ch.tp
     return 2 * (lat + nbytes / (gbps * 1e9 / 8))
