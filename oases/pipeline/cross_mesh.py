@@ -57,7 +57,8 @@ matches by (peer, tag): message k carries tag k, and successive calls of one
 transfer (several in flight) arrive in posting order. Plain ``isend``/``irecv``,
 not ``batch_isend_irecv`` (it hangs on gloo: pytorch/PiPPy#1130): with one
 direction per group nothing needs to progress together. The fan-out collectives
-run on each dst replica's own group, in task order on every rank of the replica.
+run on each dst replica's group, which is that replica's TP group (one communicator),
+in task order on every rank of the replica.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from oases.parallel.ranks import new_group
+from oases.parallel.ranks import new_group, transfer_specs
 
 METHODS = ("broadcast", "send", "allgather")
 
@@ -276,19 +277,28 @@ class CrossMeshTransfer:
         self.is_dst = dst.replica_of(self.rank) is not None
         self.tasks = [] if sharded else plan_tasks(src, dst, batch, seq, split, host_of)
         self.msgs = self._shard_messages() if sharded else self._messages()
-        # this direction's own p2p group (see the module docstring); collective, like the
-        # fan-out groups below: every rank creates every group in the same order
-        self.p2p = new_group(sorted(src.ranks + dst.ranks))
-        # One group per dst replica for the fan-out (broadcast / all_gather), created by
-        # every rank in the same order (new_group is collective); a 1-rank replica has none.
-        self.group = None
-        if method != "send" and not sharded:
-            for j in range(dst.dp):
-                ranks = dst.replica(j)
-                if len(ranks) > 1:
-                    g = new_group(ranks)
-                    if self.rank in ranks:
-                        self.group = g
+        # This direction's own p2p group (see the module docstring), never shared: another
+        # group's ops on its communicator would sit in the one in-order queue between a
+        # receive posted early and its send. E.g. a pipeline of two stages, one rank each,
+        # tied embeddings: the tie group is these two ranks too, and on it stage 1's tie
+        # all-reduce (from the head's gradient, early in its last B) would come before its
+        # SEND_B while stage 0's comes after its RECV_B of the same micro-batch.
+        # Then one group per dst replica for the fan-out (broadcast / all_gather); a 1-rank
+        # replica has none. Its ranks are the dst stage's TP group of that replica, whose
+        # communicator it shares (new_group returns the live group): the fan-out is a
+        # collective of exactly those ranks, issued in task order by all of them inside
+        # wait(), which every rank of the stage calls at the same point of its action list,
+        # where they issue their TP collectives as well; so each member issues the union in
+        # one order (DESIGN section 10's rule for collectives), and the fan-out is on the
+        # critical path of the action that consumes it, with no TP collective to overlap.
+        # Collective: every rank creates every group in the same order.
+        self.p2p = self.group = None
+        for spec in transfer_specs(src, dst, method, sharded):
+            g = new_group(spec.ranks, p2p=spec.p2p)
+            if spec.p2p:
+                self.p2p = g
+            elif self.rank in spec.ranks:
+                self.group = g
 
     def message_sizes(self, tail_numel: int) -> list[tuple[int, int, int]]:
         """(sender, receiver, elements) of every point-to-point message, for a tail of
