@@ -1,8 +1,9 @@
 """Process groups on NCCL's terms, checked on gloo where they can be.
 
-* A context lists the groups it created and :meth:`ParallelContext.close` destroys
-  them: after building and closing, this rank's live groups are what they were (the
-  planner's trials and throwaway steps rely on it not to pile up communicators).
+* A context lists its uses of groups and :meth:`ParallelContext.close` gives them back,
+  destroying those no one else uses: after building and closing, this rank's live groups
+  are what they were (the planner's trials and throwaway steps rely on it not to pile up
+  communicators). Sharing itself: tests/test_comm_groups.py.
 * Every group gets the world's timeout (``parallel.timeout_s``), not torch's default
   for ``new_group`` (30 min on gloo, 10 min on NCCL), so a hung peer times out alike on
   every group.

@@ -105,13 +105,14 @@ class ParallelContext:
             raise ValueError("device_mesh() describes a pp = 1 context; a pipeline stage's "
                              "groups are not one mesh")
         dims = []
+        specs = stage_specs(0, 0, self.dp, self.tp)
         with recording_groups(self.groups):
-            for group, lists in ((self.dp_group, _columns(self.dp, self.tp)),
-                                 (self.tp_group, _rows(self.dp, self.tp))):
+            for group, role in ((self.dp_group, "dp"), (self.tp_group, "tp")):
                 if group is None:
-                    for ranks in lists:
-                        g = new_group(ranks, single=True)
-                        group = g if self.rank in ranks else group
+                    for spec in specs:
+                        if spec.role == role:
+                            g = new_group(spec.ranks, single=True)
+                            group = g if self.rank in spec.ranks else group
                 dims.append(group)
         mesh = torch.arange(self.world_size).view(self.dp, self.tp)
         return DeviceMesh.from_group(dims, self.device.type, mesh, mesh_dim_names=("dp", "tp"))
@@ -321,7 +322,8 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
 
         stage s, replica d:  TP group  {first_s + d*tp_s + t : t < tp_s}
         stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
-        stage s:             kv replica groups at tp_s (:func:`oases.parallel.ranks.kv_replica_ranks`)
+        stage s:             kv replica groups at tp_s
+                             (:func:`oases.parallel.ranks.kv_replica_ranks`)
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.world != world:
@@ -368,16 +370,6 @@ def _pipeline_groups(layout, rank: int, world: int, tie_embeddings: bool,
         tied = create_groups(rank, tie_specs(layout.stages[0], layout.stages[-1]))
         tie_group = next(iter(tied.values()), None)
     return me, tp_group, dp_group, tie_group, degree_groups, kv_group
-
-
-def _rows(dp: int, tp: int) -> list[list[int]]:
-    """The TP groups' ranks at pp = 1."""
-    return [[d * tp + t for t in range(tp)] for d in range(dp)]
-
-
-def _columns(dp: int, tp: int) -> list[list[int]]:
-    """The DP groups' ranks at pp = 1."""
-    return [[d * tp + t for d in range(dp)] for t in range(tp)]
 
 
 def _free_port() -> int:

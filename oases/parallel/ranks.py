@@ -15,8 +15,10 @@ the same order), so the collective ``dist.new_group`` calls stay in one order:
 * fewer than two ranks: None, and nothing is created. The layers, engines, reducer and
   kv sums treat a None group as one rank, while NCCL gives even a one-rank communicator
   its buffers (NVIDIA/nccl#2363: 512 MiB);
-* every rank of the world, no options: the default group itself (callers in a
-  pipeline's stages, whose collectives run at stage-dependent points, say ``world=False``);
+* every rank of the world, no options: the default group itself, whose other
+  collectives every rank issues at the same points of one program (pp = 1; the tie
+  group, whose all-reduce each pipeline stage issues at its own point, says
+  ``world=False``);
 * the ranks of a live group made here, with the same options or none asked for: that
   group, shared. Two collective groups over one set of ranks may share a communicator
   because all their members run one program (one stage's action list), so each member
@@ -305,17 +307,6 @@ def create_groups(rank: int, specs: list[GroupSpec],
     return mine
 
 
-def new_groups(rank: int, rank_lists: list[list[int]]) -> Optional[dist.ProcessGroup]:
-    """Create every group of ``rank_lists`` (collective: all ranks, in the same order);
-    returns the one ``rank`` belongs to, if any."""
-    mine = None
-    for ranks in rank_lists:
-        g = new_group(ranks)
-        if rank in ranks:
-            mine = g
-    return mine
-
-
 def world_timeout() -> Optional[datetime.timedelta]:
     """The default group's collective timeout (``init_process_group``'s), or None when
     its backend does not say."""
@@ -344,7 +335,8 @@ def recording_groups(into: list) -> Iterator[list]:
     try:
         yield into
     finally:
-        _LIVE.recordings = [r for r in _LIVE.recordings if r is not into]
+        at = max(i for i, r in enumerate(_LIVE.recordings) if r is into)  # this block's
+        del _LIVE.recordings[at]
         table = _LIVE.current()
         ours = {e.group for e in table.entries.values()}
         made = [g for g in live_groups() if g not in before and g not in ours]

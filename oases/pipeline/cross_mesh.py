@@ -277,21 +277,14 @@ class CrossMeshTransfer:
         self.is_dst = dst.replica_of(self.rank) is not None
         self.tasks = [] if sharded else plan_tasks(src, dst, batch, seq, split, host_of)
         self.msgs = self._shard_messages() if sharded else self._messages()
-        # This direction's own p2p group (see the module docstring), never shared: another
-        # group's ops on its communicator would sit in the one in-order queue between a
-        # receive posted early and its send. E.g. a pipeline of two stages, one rank each,
-        # tied embeddings: the tie group is these two ranks too, and on it stage 1's tie
-        # all-reduce (from the head's gradient, early in its last B) would come before its
-        # SEND_B while stage 0's comes after its RECV_B of the same micro-batch.
-        # Then one group per dst replica for the fan-out (broadcast / all_gather); a 1-rank
-        # replica has none. Its ranks are the dst stage's TP group of that replica, whose
-        # communicator it shares (new_group returns the live group): the fan-out is a
-        # collective of exactly those ranks, issued in task order by all of them inside
-        # wait(), which every rank of the stage calls at the same point of its action list,
-        # where they issue their TP collectives as well; so each member issues the union in
-        # one order (DESIGN section 10's rule for collectives), and the fan-out is on the
-        # critical path of the action that consumes it, with no TP collective to overlap.
-        # Collective: every rank creates every group in the same order.
+        # This direction's own p2p group (module docstring), never shared: another group's
+        # ops on it would queue between a receive posted early and its send (pp 2, one rank
+        # per stage, tied embeddings: stage 1's tie all-reduce comes before its last SEND_B,
+        # stage 0's after its RECV_B). Each dst replica's fan-out group has the ranks of that
+        # replica's TP group and is that group (new_group shares it): all its members issue
+        # the fan-out inside wait() at the same point of one action list, as their TP
+        # collectives, so each issues the union in one order (DESIGN section 10); the fan-out
+        # is on the critical path of its consumer anyway. Collective: one order on every rank.
         self.p2p = self.group = None
         for spec in transfer_specs(src, dst, method, sharded):
             g = new_group(spec.ranks, p2p=spec.p2p)
