@@ -9,6 +9,7 @@ and now (``python`` of each layout's context and pipeline runner on gloo):
     pp 4 x tp 2 (8)           5 5 8 8 8 8 5 5              3 3 5 5 5 5 3 3
     pp 4 x tp 2, tied (8)     6 6 8 8 8 8 6 6              4 4 5 5 5 5 4 4
     pp 2 x dp 2 x tp 2 (8)    5 (every rank)               4
+      with per-block degrees  7                            5
     dp 1 x tp 4 (4)           1                            0 (TP is the world)
     dp 4 x tp 1 (4)           1                            0 (DP is the world)
     dp 2 x tp 4, kv heads 1,  10                           5
@@ -52,12 +53,13 @@ CASES = {
     8: {"pp4xtp2": (4, 2, False, None, False, [3, 3, 5, 5, 5, 5, 3, 3]),
         "pp4xtp2-tied": (4, 2, True, None, False, [4, 4, 5, 5, 5, 5, 4, 4]),
         "pp2xdp2xtp2": (2, 2, False, None, False, [4] * 8),
-        "dp2xtp4-kv1-degrees": (1, 4, False, 1, True, [5] * 8)},
+        "dp2xtp4-kv1-degrees": (1, 4, False, 1, True, [5] * 8),
+        "pp2xdp2xtp2-degrees": (2, 2, False, None, True, [5] * 8)},
 }
 BEFORE = {"pp2xtp2": [5] * 4, "pp4xtp2": [5, 5, 8, 8, 8, 8, 5, 5],
           "pp4xtp2-tied": [6, 6, 8, 8, 8, 8, 6, 6], "pp2xdp2xtp2": [5] * 8,
           "dp1xtp4": [1] * 4, "dp4xtp1": [1] * 4, "dp2xtp4-kv1-degrees": [10] * 8,
-          "dp2xtp2": [2] * 4}
+          "dp2xtp2": [2] * 4, "pp2xdp2xtp2-degrees": [7] * 8}
 
 
 def _build(world: int, pp: int, tp: int, tied: bool, kv, degrees: bool):
@@ -70,7 +72,8 @@ def _build(world: int, pp: int, tp: int, tied: bool, kv, degrees: bool):
             if degrees:
                 ctx.degree_groups()
         else:
-            ctx = build_pipeline_context(uniform_layout(world, pp, tp, 4), CPU, tied, kv)
+            layout = uniform_layout(world, pp, tp, 4, [1, tp] * 4 if degrees else None)
+            ctx = build_pipeline_context(layout, CPU, tied, kv)
             runner = PipelineRunner(ctx, kind="1f1b", microbatches=pp, batch=2 * ctx.dp,
                                     seq=8, d_model=8)
     return ctx, made, runner
