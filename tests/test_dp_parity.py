@@ -83,6 +83,8 @@ def _cfg(tp: int, world: int, mbs: int, grad_accum: int, schedule: str = "megatr
 
 
 def _gather(t: torch.Tensor, group, n: int) -> list[torch.Tensor]:
+    if n == 1:  # one rank has no group (None would be the world)
+        return [t.detach().clone()]
     out = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(out, t.detach().contiguous(), group=group)
     return out

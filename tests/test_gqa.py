@@ -225,8 +225,10 @@ def _full_state(model, opt, ctx) -> dict:
     for name, p in model.named_parameters():
         st = opt.state[p]
         for key, t in (("w", p.detach()), ("m", st["exp_avg"]), ("v", st["exp_avg_sq"])):
-            shards = [torch.empty_like(t) for _ in range(ctx.tp)]
-            dist.all_gather(shards, t.contiguous(), group=ctx.tp_group)
+            shards = [t.clone()]  # tp 1: one shard, and no TP group (None: the world)
+            if ctx.tp > 1:
+                shards = [torch.empty_like(t) for _ in range(ctx.tp)]
+                dist.all_gather(shards, t.contiguous(), group=ctx.tp_group)
             out[f"{key}/{name}"] = unshard(shards, getattr(p, "tp_spec", None))
     return out
 

@@ -1,8 +1,9 @@
 """Process groups on NCCL's terms, checked on gloo where they can be.
 
-* A context lists the groups it created and :meth:`ParallelContext.close` destroys
-  them: after building and closing, this rank's live groups are what they were (the
-  planner's trials and throwaway steps rely on it not to pile up communicators).
+* A context lists its uses of groups and :meth:`ParallelContext.close` gives them back,
+  destroying those no one else uses: after building and closing, this rank's live groups
+  are what they were (the planner's trials and throwaway steps rely on it not to pile up
+  communicators). Sharing itself: tests/test_comm_groups.py.
 * Every group gets the world's timeout (``parallel.timeout_s``), not torch's default
   for ``new_group`` (30 min on gloo, 10 min on NCCL), so a hung peer times out alike on
   every group.
@@ -31,7 +32,7 @@ from oases.errors import ConfigError
 from oases.parallel import groups as G
 from oases.parallel.groups import build_context, build_pipeline_context
 from oases.parallel.layout import uniform_layout
-from oases.parallel.ranks import new_group
+from oases.parallel.ranks import destroy_groups, groups_of, new_group, recording_groups
 from oases.planner import stages as st
 from oases.planner.cluster import RESERVED_BYTES, Cluster, usable_bytes
 from oases.planner.cost import ModelShape
@@ -66,10 +67,14 @@ def _close_body(rank: int) -> None:
     assert len(before) == 1  # the default group
     ctx = build_context(2, CPU, kv_heads=1)  # world 4 = dp 2 x tp 2; kv replicas at tp 2
     ctx.degree_groups()  # built on first use: the context's too
-    made = list(ctx.groups)
-    # this rank's tp and dp groups (the mesh), its kv replica group, and degree groups
-    assert ctx.tp_group in made and ctx.dp_group in made and ctx.kv_group in made
-    assert len(made) > 3 and len(c10d._world.pg_map) == 1 + len(made)
+    made = groups_of(ctx.groups)
+    # this rank's tp and dp groups and nothing else: the kv replica group (the 2 ranks of a
+    # TP group at one kv head) is the TP group itself, as is the (1, 2) resharding group,
+    # and degree 1's gradient group (every rank) is the default group
+    assert made == [ctx.tp_group, ctx.dp_group] and ctx.kv_group is ctx.tp_group
+    assert ctx.degree_groups().reshard_group(1, 2) is ctx.tp_group
+    assert ctx.degree_groups().grad[1] is c10d._get_default_group()
+    assert len(c10d._world.pg_map) == 1 + len(made)
     assert [g for g in c10d._world.pg_map if g in made] == made  # in creation order
     world = datetime.timedelta(seconds=TIMEOUT_S)
     assert all(_timeout_of(g) == world for g in made), [_timeout_of(g) for g in made]
@@ -97,10 +102,13 @@ def _throwaway_body(rank: int) -> None:
     before = list(c10d._world.pg_map)
     ctx = build_pipeline_context(uniform_layout(2, 2, 1, cfg.model.n_layer), CPU,
                                  bool(cfg.model.tie_embeddings))
-    assert ctx.tie_group in ctx.groups  # {0, 1}: the first and last stage's tables
+    assert groups_of(ctx.groups) == [ctx.tie_group]  # {0, 1}: the two stages' tables
     with_ctx = list(c10d._world.pg_map)
     step = throwaway_step(cfg, ctx, None)
-    assert len(step.groups) >= 2 and not set(step.groups) & set(ctx.groups)  # p2p, each way
+    # the p2p group of each direction: both over ranks {0, 1}, as the tie group, and
+    # three communicators all the same (oases.pipeline.cross_mesh says why)
+    p2p = groups_of(step.groups)
+    assert len(p2p) == 2 and ctx.tie_group not in p2p and not set(step.groups) & set(ctx.groups)
     step()
     step.close()
     assert list(c10d._world.pg_map) == with_ctx and step.groups == []
@@ -117,9 +125,11 @@ def _timeout_body(rank: int) -> None:
     """A hung peer on a subgroup times out after the world's timeout (here 2 s), not
     gloo's default 30 min."""
     c10d._set_pg_timeout(datetime.timedelta(seconds=2))  # the world's, as the run sets it
-    ctx = build_context(1, CPU)  # world 2: dp group = the world, tp groups of one
-    g = new_group([0, 1])
-    assert all(_timeout_of(x) == datetime.timedelta(seconds=2) for x in [g, *ctx.groups])
+    mine: list = []
+    with recording_groups(mine):
+        g = new_group([0, 1], world=False)  # a subgroup, not the default group
+    assert g is not c10d._get_default_group()
+    assert _timeout_of(g) == datetime.timedelta(seconds=2)
     if rank == 0:  # rank 1 never joins this all-reduce
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="[Tt]imed out"):
@@ -127,8 +137,7 @@ def _timeout_body(rank: int) -> None:
         assert time.monotonic() - t0 < 20
     c10d._set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S))
     dist.barrier()
-    dist.destroy_process_group(g)
-    ctx.close()
+    destroy_groups(mine)
 
 
 def test_a_subgroup_times_out_after_the_worlds_timeout():

@@ -54,8 +54,10 @@ def _full_params(model, ctx, tensor=lambda p: p.data) -> dict[str, torch.Tensor]
     out = {}
     for name, p in model.named_parameters():
         t = tensor(p)
-        parts = [torch.empty_like(t) for _ in range(ctx.tp)]
-        dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
+        parts = [t.clone()]  # tp 1: one part, and no TP group (None would be the world)
+        if ctx.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(ctx.tp)]
+            dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
         out[name] = unshard(parts, getattr(p, "tp_spec", None))
     return out
 

@@ -30,9 +30,11 @@ import torch
 
 from oases.config import load_config
 from oases.errors import EXIT_USER_ERROR, ConfigError, UserError
+from oases.parallel.groups import backend_for
 from oases.planner import report as rep
 from oases.planner.api import make_plan, report, run_shape
 from oases.planner.cluster import load_cluster
+from oases.planner.comm_memory import config_bytes, for_backend
 from oases.planner.figures import plot_degrees, plot_stages
 from oases.planner.profile import DEFAULT_DB, get_profile
 from oases.planner.search import search
@@ -87,9 +89,11 @@ def main(argv=None) -> int:
         if out.exists() and out.is_dir():
             raise UserError(f"--out {out} is a directory")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        backend = backend_for(device, cfg.parallel.backend)
+        cluster = for_backend(cluster, backend)  # what a communicator costs the run
         db = Path(args.profile) if args.profile else DEFAULT_DB
         if args.search == "tp-only":
-            _tp_only(args, cfg, cluster, device, db, out)
+            _tp_only(args, cfg, cluster, device, db, out, backend)
         else:
             _layouts(args, cfg, cluster, device, db, out)
     except UserError as e:
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _tp_only(args, cfg, cluster, device, db, out: Path) -> None:
+def _tp_only(args, cfg, cluster, device, db, out: Path, backend: str) -> None:
     """The config's layout (pp = 1, its tp), one degree per block."""
     if cfg.parallel.pp > 1:
         raise ConfigError(f"--search tp-only plans per-block degrees at pp = 1; this config has "
@@ -106,7 +110,8 @@ def _tp_only(args, cfg, cluster, device, db, out: Path) -> None:
     prof = get_profile(cfg, run_shape(cfg), device, db, force=args.reprofile)
     limit = (args.memory_gib * 2**30 if args.memory_gib else  # the run's smallest device,
              cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)))  # less the headroom
-    plan, cm, uni = make_plan(cfg, cluster, prof, limit)
+    comm = (0.0, 0.0) if args.memory_gib else config_bytes(cfg, cluster, backend)
+    plan, cm, uni = make_plan(cfg, cluster, prof, limit, comm=comm)
     report(plan, cm, uni)
     out.parent.mkdir(parents=True, exist_ok=True)
     plan.save(out)

@@ -11,9 +11,13 @@ ranks (oases.config.heads); their *kv replica groups* sum the kv gradients:
     world 4, tp 4, n_kv_heads 2:   kv replica groups {0,1} {2,3}
 
 Layers receive the :class:`ParallelContext` (or its ``tp_group``) explicitly;
-nothing in oases reads process groups from module globals. A context lists the groups
-it created (``groups``); :meth:`ParallelContext.close` destroys them, which is how the
-planner's trials give back a layout's communicators before the next one is built.
+nothing in oases reads process groups from module globals. The groups come from
+:func:`oases.parallel.ranks.new_group`: a group of one rank is None (tp = 1, dp = 1),
+one spanning the world at pp = 1 is the default group, and structures that need the
+same ranks share one communicator (docs/architecture.md lists them). A context lists
+its uses of groups (``groups``); :meth:`ParallelContext.close` gives them back and
+destroys those no one else uses, which is how the planner's trials give back a
+layout's communicators before the next one is built.
 
 On NCCL, ``work.wait()`` neither blocks the host nor raises: a hung peer is found by
 the process group's watchdog, which oases has abort the communicators (without taking
@@ -28,16 +32,15 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from oases.errors import UserError
 from oases.parallel.nccl_env import prepare_backend
-from oases.parallel.ranks import (destroy_groups, kv_replica_ranks, new_group, new_groups,
-                                  recording_groups, world_timeout)
+from oases.parallel.ranks import (create_groups, destroy_groups, kv_specs, new_group,
+                                  recording_groups, stage_specs, tie_specs)
 from oases.parallel.reshard import DegreeGroups
 
 
@@ -52,7 +55,6 @@ class ParallelContext:
     tp_group: Optional[dist.ProcessGroup]
     dp_group: Optional[dist.ProcessGroup]
     device: torch.device
-    mesh: Optional[object] = None   # DeviceMesh ("dp", "tp"), used for DTensor checkpoints
     _degree_groups: Optional[object] = None
     # Pipeline (pp > 1): tp, dp and their groups above are this rank's *stage*'s; the
     # layout (oases.parallel.layout.PipelineLayout) says where every stage lives.
@@ -66,8 +68,9 @@ class ParallelContext:
     # this one (None: kv heads are not replicated at this tp).
     kv_heads: Optional[int] = None
     kv_group: Optional[dist.ProcessGroup] = None
-    # The groups this context created and this rank belongs to, in creation order
-    # (the default group is never among them): what close() destroys.
+    # This context's uses of groups (oases.parallel.ranks.GroupRef), on every rank, member
+    # or not, in request order (the default group is never among them): what close()
+    # gives back.
     groups: list = field(default_factory=list)
 
     @property
@@ -93,10 +96,33 @@ class ParallelContext:
                                                    kv_group=self.kv_group)
         return self._degree_groups
 
+    def device_mesh(self):
+        """A DeviceMesh ("dp", "tp") over this context's own groups, for DTensor (pp = 1).
+        ``DeviceMesh.from_group`` creates no group (torch 2.13 registers the ones it is
+        given), unlike ``init_device_mesh``; only a dimension of one rank, which has no
+        group here, gets one-rank groups, made now and given back by :meth:`close`.
+        Collective: every rank calls it at the same point."""
+        from torch.distributed.device_mesh import DeviceMesh  # deferred: DTensor users only
+        if self.pp > 1:
+            raise ValueError("device_mesh() describes a pp = 1 context; a pipeline stage's "
+                             "groups are not one mesh")
+        dims = []
+        specs = stage_specs(0, 0, self.dp, self.tp)
+        with recording_groups(self.groups):
+            for group, role in ((self.dp_group, "dp"), (self.tp_group, "tp")):
+                if group is None:
+                    for spec in specs:
+                        if spec.role == role:
+                            g = new_group(spec.ranks, single=True)
+                            group = g if self.rank in spec.ranks else group
+                dims.append(group)
+        mesh = torch.arange(self.world_size).view(self.dp, self.tp)
+        return DeviceMesh.from_group(dims, self.device.type, mesh, mesh_dim_names=("dp", "tp"))
+
     def close(self) -> None:
-        """Destroy the groups this context created; the context is unusable after.
-        Collective: every rank closes its context at the same point of the program
-        (a layout's trial, a throwaway profile)."""
+        """Give back this context's uses of groups, destroying each one no one else uses;
+        the context is unusable after. Collective: every rank closes its context at the
+        same point of the program (a layout's trial, a throwaway profile)."""
         destroy_groups(self.groups)
         self._degree_groups = None
 
@@ -150,11 +176,65 @@ def join_world(device: str = "auto", backend: str = "auto",
     return dev
 
 
-def init_kwargs(backend: str, device: torch.device) -> dict:
+def init_kwargs(backend: str, device: torch.device, split_share: bool = False,
+                timeout: Optional[datetime.timedelta] = None) -> dict:
     """``init_process_group``'s extra arguments: on NCCL the rank's GPU (``device_id``),
     so the world communicator is made at once, subgroups are split from it, and barriers
-    run on that GPU rather than a guessed one. gloo gets none."""
-    return {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+    run on that GPU rather than a guessed one; with ``split_share``, the world's
+    ``pg_options`` of :func:`world_options` (with the world's ``timeout``, which torch
+    would otherwise warn about). gloo gets none."""
+    if not (backend == "nccl" and device.type == "cuda"):
+        return {}
+    kw: dict = {"device_id": device}
+    opts = world_options(backend, split_share)
+    if opts is not None:
+        if timeout is not None:
+            opts._timeout = timeout
+        kw["pg_options"] = opts
+    return kw
+
+
+# NCCL's resource sharing (ncclConfig_t.splitShare, or NCCL_COMM_SPLIT_SHARE_RESOURCES=1,
+# which NCCL applies to every communicator it makes). NCCL reads it from the *parent*
+# when ncclCommSplit makes a child (src/init.cc, ncclCommInitChildComm:
+# comm->shareResources = ... comm->config.splitShare), and torch splits every subgroup
+# from the world's communicator once the world is bound to a GPU (init_kwargs'
+# device_id): the world's options are the one place it takes effect, and a subgroup's
+# Options with split_share do nothing. A shared child reuses the parent's channels,
+# buffers and proxy instead of its own. But its kernels then also wait for the family's
+# previous kernel: every launch first waits for the shared device stream, which each
+# launch advances to its own completion (src/enqueue.cc: ncclLaunchPrepare,
+# ncclLaunchFinish; NCCL 2.27 and since). All of a GPU's communicators become one
+# in-order queue:
+# * with pipeline stages that deadlocks, as one group for both directions of a boundary
+#   does (oases.pipeline.p2p): a receive posted early holds the queue, and with it the
+#   send its partner waits for;
+# * at pp = 1 the DP all-reduces, which the reducer overlaps with the last backward,
+#   hold up the TP collectives behind them, which sit between the oases engine's
+#   matmuls.
+# So oases leaves sharing off: world_options builds it for whoever asks, and a pipelined
+# layout refuses the environment variable (check_split_share).
+SPLIT_SHARE_VAR = "NCCL_COMM_SPLIT_SHARE_RESOURCES"
+
+
+def world_options(backend: str, split_share: bool):
+    """The world's ``pg_options`` on NCCL with ``split_share``: Options whose
+    ``config.split_share`` is 1, so that the subgroups split from the world share its
+    resources (see the comment above for the cost). None on gloo or unasked."""
+    if backend != "nccl" or not split_share:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.split_share = 1
+    return opts
+
+
+def check_split_share(environ: Mapping[str, str], backend: str, pp: int) -> None:
+    """Refuse NCCL resource sharing in a pipelined layout (it serialises the pipeline's
+    point-to-point groups with every other communicator: deadlock). gloo ignores it."""
+    if backend == "nccl" and pp > 1 and environ.get(SPLIT_SHARE_VAR, "").strip() == "1":
+        raise UserError(f"{SPLIT_SHARE_VAR}=1 with parallel.pp={pp}: NCCL then runs all of "
+                        f"a GPU's communicators as one queue, where the pipeline's receives, "
+                        f"posted early, deadlock; unset it or use parallel.pp=1")
 
 
 def high_priority_tp(backend: str, wanted: bool) -> bool:
@@ -166,14 +246,11 @@ def high_priority_tp(backend: str, wanted: bool) -> bool:
 def tp_options(high_priority: bool):
     """``pg_options`` of a TP group: NCCL Options with high-priority streams, or None.
     The TP collectives sit on the critical path between a layer's matmuls; a
-    high-priority stream lets their kernels start ahead of queued DP/ZeRO traffic."""
+    high-priority stream lets their kernels start ahead of queued DP/ZeRO traffic.
+    A new object each call: torch writes each group's own fields into its options."""
     if not high_priority:
         return None
-    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    timeout = world_timeout()
-    if timeout is not None:  # DeviceMesh takes the group's timeout from the options
-        opts._timeout = timeout
-    return opts
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
 
 def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
@@ -200,16 +277,15 @@ def build_context(tp: int, device: torch.device, kv_heads: Optional[int] = None,
     if world % tp:
         raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
     dp = world // tp
+    hp = high_priority_tp(dist.get_backend(), nccl_high_priority_tp)
     made: list = []
     with recording_groups(made):
-        opts = tp_options(high_priority_tp(dist.get_backend(), nccl_high_priority_tp))
-        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"),
-                                backend_override={"tp": opts} if opts is not None else None)
-        kv_group = new_groups(rank, kv_replica_ranks(0, dp, tp, tp, kv_heads))
+        mine = create_groups(rank, stage_specs(0, 0, dp, tp, hp) +
+                             kv_specs(0, 0, dp, tp, tp, kv_heads), lambda: tp_options(hp))
     return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
                            tp_rank=rank % tp, dp_rank=rank // tp,
-                           tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
-                           device=device, mesh=mesh, kv_heads=kv_heads, kv_group=kv_group,
+                           tp_group=mine.get(("tp", 0)), dp_group=mine.get(("dp", 0)),
+                           device=device, kv_heads=kv_heads, kv_group=mine.get(("kv", 0)),
                            groups=made)
 
 
@@ -222,11 +298,13 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
 
         stage s, replica d:  TP group  {first_s + d*tp_s + t : t < tp_s}
         stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
-        stage s:             kv replica groups at tp_s (:func:`kv_replica_ranks`)
+        stage s:             kv replica groups at tp_s
+                             (:func:`oases.parallel.ranks.kv_replica_ranks`)
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.world != world:
         raise UserError(f"the layout has {layout.world} ranks but the world size is {world}")
+    check_split_share(os.environ, dist.get_backend(), layout.pp)
     made: list = []
     with recording_groups(made):
         parts = _pipeline_groups(layout, rank, world, tie_embeddings, kv_heads,
@@ -244,45 +322,29 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
 def _pipeline_groups(layout, rank: int, world: int, tie_embeddings: bool,
                      kv_heads: Optional[int], high_priority: bool) -> tuple:
     """(this rank's stage, its tp, dp, tie groups, degree groups, kv group) of
-    :func:`build_pipeline_context`, every group of every stage created in one order."""
+    :func:`build_pipeline_context`, every group of every stage created in one order:
+    each stage's TP and DP groups, each stage's kv replica groups, the degree groups of
+    each stage whose blocks take their own degrees, the tie groups."""
     me = layout.stage_of(rank)
-    tp_group = dp_group = tie_group = degree_groups = kv_group = None
-    for s, st in enumerate(layout.stages):
-        for d in range(st.dp):
-            ranks = [st.first + d * st.tp + t for t in range(st.tp)]
-            g = new_group(ranks, tp_options(high_priority))
-            if rank in ranks:
-                tp_group = g
-        for t in range(st.tp):
-            ranks = [st.first + d * st.tp + t for d in range(st.dp)]
-            g = new_group(ranks)
-            if rank in ranks:
-                dp_group = g
-    for s, st in enumerate(layout.stages):  # each stage's kv replicas at its own tp
-        g = new_groups(rank, kv_replica_ranks(st.first, st.dp, st.tp, st.tp, kv_heads))
-        if s == me:
-            kv_group = g
+    specs = [g for s, st in enumerate(layout.stages)
+             for g in stage_specs(s, st.first, st.dp, st.tp, high_priority)]
+    specs += [g for s, st in enumerate(layout.stages)
+              for g in kv_specs(s, st.first, st.dp, st.tp, st.tp, kv_heads)]
+    mine = create_groups(rank, specs, lambda: tp_options(high_priority))
+    tp_group, dp_group, kv_group = (mine.get((r, me)) for r in ("tp", "dp", "kv"))
+    degree_groups = None
     for s, st in enumerate(layout.stages):
         if st.degrees is not None and set(st.degrees) != {st.tp}:
-            mine = s == me
-            dg = DegreeGroups(rank, world, st.tp, st.dp, tp_group if mine else None,
-                              dp_group if mine else None, base=st.first, kv_heads=kv_heads,
-                              kv_group=kv_group if mine else None)
-            if mine:
+            ours = s == me
+            dg = DegreeGroups(rank, world, st.tp, st.dp, tp_group if ours else None,
+                              dp_group if ours else None, base=st.first, kv_heads=kv_heads,
+                              kv_group=kv_group if ours else None)
+            if ours:
                 degree_groups = dg
-    first, last = layout.stages[0], layout.stages[-1]
-    if tie_embeddings and layout.pp > 1 and first.tp == last.tp:
-        for t in range(first.tp):  # the same vocabulary shard on both stages
-            ranks = ([first.first + d * first.tp + t for d in range(first.dp)] +
-                     [last.first + d * last.tp + t for d in range(last.dp)])
-            g = new_group(ranks)
-            if rank in ranks:
-                tie_group = g
-    elif tie_embeddings and layout.pp > 1:  # different shards: sum whole tables
-        ranks = list(first.ranks) + list(last.ranks)
-        g = new_group(ranks)
-        if rank in ranks:
-            tie_group = g
+    tie_group = None
+    if tie_embeddings and layout.pp > 1:
+        tied = create_groups(rank, tie_specs(layout.stages[0], layout.stages[-1]))
+        tie_group = next(iter(tied.values()), None)
     return me, tp_group, dp_group, tie_group, degree_groups, kv_group
 
 

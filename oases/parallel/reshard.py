@@ -34,7 +34,7 @@ Each degree has its own GQA layout (oases.config.heads): an attention block of d
 t > n_kv_heads replicates each kv head on t / n_kv_heads consecutive ranks of its
 subgroup, whose kv gradients are summed over that *kv replica group* (at degree T
 the context's; ``kv[t]`` here, built by the same rank formula,
-oases.parallel.groups.kv_replica_ranks):
+oases.parallel.ranks.kv_replica_ranks):
 
     T = 4, n_kv_heads 2:   degree 4: kv replicas {0 1} {2 3}     degree 2, 1: none
     T = 4, n_kv_heads 1:   degree 4: {0 1 2 3}   degree 2: {0 1} {2 3}
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from oases.parallel.comm import gather_from_tp, scatter_to_tp
-from oases.parallel.ranks import kv_replica_ranks, new_group, new_groups
+from oases.parallel.ranks import create_groups, degree_specs
 from oases.parallel.sequence import seq_gather, seq_split
 
 
@@ -59,7 +59,10 @@ def divisors_pow2(T: int) -> list[int]:
 
 class DegreeGroups:
     """All process groups for per-block degrees. Built collectively: every rank
-    creates every group in the same order (``new_group`` is collective)."""
+    creates every group in the same order (``new_group`` is collective), from
+    :func:`oases.parallel.ranks.degree_specs`. A group over the same ranks as another is
+    that one (e.g. the (1, T) resharding group is the TP group, the (1, t) one the
+    degree-t subgroup): :func:`oases.parallel.ranks.new_group` shares it."""
 
     def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group,
                  base: int = 0, kv_heads: Optional[int] = None, kv_group=None) -> None:
@@ -74,38 +77,12 @@ class DegreeGroups:
         self.sub: dict[int, Optional[dist.ProcessGroup]] = {T: tp_group, 1: None}
         self._reshard: dict[tuple[int, int], Optional[dist.ProcessGroup]] = {}
         self.grad: dict[int, Optional[dist.ProcessGroup]] = {T: dp_group}
-        for t in self.degrees:
-            if t in (1, T):
-                continue
-            for d in range(dp):
-                for g in range(T // t):
-                    ranks = [base + d * T + g * t + j for j in range(t)]
-                    grp = new_group(ranks)
-                    if rank in ranks:
-                        self.sub[t] = grp
-        for a in self.degrees:
-            for b in self.degrees:
-                if a >= b:
-                    continue
-                for d in range(dp):
-                    for g in range(T // b):
-                        for j in range(a):
-                            ranks = [base + d * T + g * b + m * a + j for m in range(b // a)]
-                            grp = new_group(ranks) if len(ranks) > 1 else None
-                            if rank in ranks:
-                                self._reshard[(a, b)] = grp
-        for t in self.degrees:
-            if t == T:
-                continue
-            for j in range(t):
-                ranks = [base + d * T + g * t + j for d in range(dp) for g in range(T // t)]
-                grp = new_group(ranks) if len(ranks) > 1 else None
-                if rank in ranks:
-                    self.grad[t] = grp
         self.kv: dict[int, Optional[dist.ProcessGroup]] = {T: kv_group}
-        for t in self.degrees:
-            if t < T:
-                self.kv[t] = new_groups(rank, kv_replica_ranks(base, dp, T, t, kv_heads))
+        self.kv.update({t: None for t in self.degrees if t < T})
+        mine = create_groups(rank, degree_specs(base, dp, T, kv_heads))
+        table = {"sub": self.sub, "reshard": self._reshard, "grad": self.grad, "kv": self.kv}
+        for (role, key), g in mine.items():
+            table[role][key] = g
 
     def position(self, t: int) -> tuple[int, int]:
         """(subgroup index = batch part, position in the subgroup) at degree t."""

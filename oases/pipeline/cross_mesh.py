@@ -57,7 +57,8 @@ matches by (peer, tag): message k carries tag k, and successive calls of one
 transfer (several in flight) arrive in posting order. Plain ``isend``/``irecv``,
 not ``batch_isend_irecv`` (it hangs on gloo: pytorch/PiPPy#1130): with one
 direction per group nothing needs to progress together. The fan-out collectives
-run on each dst replica's own group, in task order on every rank of the replica.
+run on each dst replica's group, which is that replica's TP group (one communicator),
+in task order on every rank of the replica.
 
 A transfer moves tensors in the dtype it is given (the pipeline's wire dtype,
 :mod:`oases.pipeline.runner`); each message is counted by :class:`CommCounter` on both
@@ -73,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from oases.parallel.comm import CommCounter
-from oases.parallel.ranks import new_group
+from oases.parallel.ranks import new_group, transfer_specs
 
 METHODS = ("broadcast", "send", "allgather")
 
@@ -281,19 +282,21 @@ class CrossMeshTransfer:
         self.is_dst = dst.replica_of(self.rank) is not None
         self.tasks = [] if sharded else plan_tasks(src, dst, batch, seq, split, host_of)
         self.msgs = self._shard_messages() if sharded else self._messages()
-        # this direction's own p2p group (see the module docstring); collective, like the
-        # fan-out groups below: every rank creates every group in the same order
-        self.p2p = new_group(sorted(src.ranks + dst.ranks))
-        # One group per dst replica for the fan-out (broadcast / all_gather), created by
-        # every rank in the same order (new_group is collective); a 1-rank replica has none.
-        self.group = None
-        if method != "send" and not sharded:
-            for j in range(dst.dp):
-                ranks = dst.replica(j)
-                if len(ranks) > 1:
-                    g = new_group(ranks)
-                    if self.rank in ranks:
-                        self.group = g
+        # This direction's own p2p group (module docstring), never shared: another group's
+        # ops on it would queue between a receive posted early and its send (pp 2, one rank
+        # per stage, tied embeddings: stage 1's tie all-reduce comes before its last SEND_B,
+        # stage 0's after its RECV_B). Each dst replica's fan-out group has the ranks of that
+        # replica's TP group and is that group (new_group shares it): all its members issue
+        # the fan-out inside wait() at the same point of one action list, as their TP
+        # collectives, so each issues the union in one order (DESIGN section 10); the fan-out
+        # is on the critical path of its consumer anyway. Collective: one order on every rank.
+        self.p2p = self.group = None
+        for spec in transfer_specs(src, dst, method, sharded):
+            g = new_group(spec.ranks, p2p=spec.p2p)
+            if spec.p2p:
+                self.p2p = g
+            elif self.rank in spec.ranks:
+                self.group = g
 
     def message_sizes(self, tail_numel: int) -> list[tuple[int, int, int]]:
         """(sender, receiver, elements) of every point-to-point message, for a tail of

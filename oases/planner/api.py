@@ -13,8 +13,10 @@ from oases.planner.plan_file import Plan, fmt_table, model_dict
 from oases.planner.profile import run_precision
 
 
-def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print):
-    """Solve for ``cfg`` (validated) on ``cluster``; returns (Plan, CostModel, uniform)."""
+def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print, comm=(0.0, 0.0)):
+    """Solve for ``cfg`` (validated) on ``cluster``; returns (Plan, CostModel, uniform).
+    ``comm``: (communicator memory of the run at tp, what per-block degrees below tp add:
+    :func:`oases.planner.comm_memory.pp1_bytes`), charged against the limit."""
 
     run = run_shape(cfg)
     shape = ModelShape.from_config(cfg.model)
@@ -25,14 +27,17 @@ def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print):
                if all(str(t) in profile.blocks.get(k, {}) for k in ("attn", "mlp"))
                and (run.micro_batch_size / run.sub_batches * t / run.tp).is_integer()]
     cm = CostModel(shape, run, cluster, profile, degrees)
-    sol = ilp.solve(cm, memory_limit_bytes)
-    uni = ilp.best_uniform(cm, memory_limit_bytes)
+    limit = None if memory_limit_bytes is None else memory_limit_bytes - comm[0]
+    sol = ilp.solve(cm, limit, mixed=comm[1])
+    uni = ilp.best_uniform(cm, limit, mixed=comm[1])
+    held = comm[0] + (comm[1] if set(sol.degrees) != {run.tp} else 0.0)  # communicators
     plan = Plan(degrees=sol.degrees, tp=run.tp, model=model_dict(cfg.model),
                 schedule=run.schedule, recompute=run.recompute,
                 micro_batch_size=run.micro_batch_size, sub_batches=run.sub_batches,
                 cluster=cluster.name,
                 predicted={"step_time_s": sol.time_s, "memory_gib": sol.memory_bytes / 2**30,
                            "memory_limit_gib": (memory_limit_bytes or 0) / 2**30,
+                           "communicators_gib": held / 2**30,
                            "solver": sol.solver, "solve_s": sol.solve_s,
                            "best_uniform": None if uni is None else
                            {"degree": uni.degrees[0], "step_time_s": uni.time_s,

@@ -33,11 +33,12 @@ import yaml
 
 from oases.config import Config
 from oases.errors import ConfigError, UserError
-from oases.parallel.groups import (ParallelContext, build_context, build_pipeline_context,
-                                   pick_device)
+from oases.parallel.groups import (ParallelContext, backend_for, build_context,
+                                   build_pipeline_context, pick_device)
 from oases.planner import report as rep
 from oases.planner.calibrate import time_throwaway
 from oases.planner.cluster import load_cluster
+from oases.planner.comm_memory import for_backend
 from oases.planner.online import (fit_sub_batches, measure_profile, resolve_layout, resolve_plan,
                                   stage_logger)
 from oases.planner.plan_file import batch_divisor
@@ -135,7 +136,8 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
 def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
     """The k best plans of the layout search, as Plan YAML texts (rank 0)."""
     p = cfg.parallel
-    cluster = load_cluster(p.cluster)
+    # what a communicator costs the run (stages.build takes them off a derived limit)
+    cluster = for_backend(load_cluster(p.cluster), backend_for(pick_device(p.device), p.backend))
     limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
     res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log)
     if not job.sequence_parallel and base.tp > 1:

@@ -31,9 +31,9 @@ from oases.errors import UserError
 
 # What a plan must leave free on a device of B bytes: RESERVED_BYTES + RESERVED_FRACTION x B.
 # The fixed part is memory the caching allocator never sees: the CUDA context (some
-# hundreds of MiB) and NCCL's communicators, each with its own buffers (NCCL_BUFFSIZE,
-# 4 MiB, per channel, peer and protocol: tens to hundreds of MiB each), of which a run
-# holds several (world, TP, DP, kv replicas, per-block degrees, pipeline transfers).
+# hundreds of MiB) and library workspaces. NCCL's communicators, each with its own
+# buffers, depend on the layout: oases.planner.comm_memory counts them per layout and
+# the planner takes them off as well (nccl_communicator_gib each).
 # The fraction is the allocator's: blocks rounded up and split, cached but too small for
 # the next request; a few percent of what it holds when sizes vary from step to step.
 # The cost model counts tensors only, so without it a plan that "fits" exactly fails
@@ -62,6 +62,7 @@ class Cluster:
     bandwidth_matrix_gbps: Optional[list] = None
     node_speed: Optional[list] = None       # per node, relative to the profiled device
     node_memory_gib: Optional[list] = None  # per node; default device_memory_gib each
+    nccl_communicator_gib: Optional[float] = None  # one NCCL communicator's device memory
     subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/lib/cluster.py)
     bridge: str = "oasesbr0"        # emulation only
     cpu_share: Optional[float] = None  # emulation only: cores per node at speed 1.0
@@ -148,6 +149,9 @@ class Cluster:
                         raise bad(f"bandwidth_matrix_gbps[{i}][{j}]={v!r} must be positive")
         for k, top in (("node_speed", MAX_NODE_SPEED), ("node_memory_gib", None)):
             self._validate_per_node(k, top, bad)
+        comm = self.nccl_communicator_gib
+        if comm is not None and (not _is_number(comm) or comm < 0):
+            raise bad(f"nccl_communicator_gib={comm!r} must be a number >= 0")
         if self.cpu_share is not None and (not _is_number(self.cpu_share) or self.cpu_share <= 0):
             raise bad(f"emulation.cpu_share={self.cpu_share!r} must be a positive number")
         try:

@@ -8,8 +8,13 @@ of every block's choice (the runtime peak is a max, linearised); e >= the
 replica gradient syncs that outlast the backward (also a max, linearised).
 
     minimise   sum node[i,k] x[i,k] + sum edge[i,k,l] y[i,k,l] + e
-    subject to sum mem[i,k] x[i,k] + z + static <= memory limit
+    subject to sum mem[i,k] x[i,k] + z + static + mixed u <= memory limit
                e >= sum_{j<=i} sync[j,k] x[j,k] - sum_{j<i} free[j,k] x[j,k]   for every i
+               u >= x[i,k] for every block i and degree k below tp         (u binary)
+
+``mixed``: the memory of the communicators a plan with any block below tp adds (its
+per-block degree groups, :func:`oases.planner.comm_memory.pp1_bytes`); u says whether
+the plan has one.
 """
 
 from __future__ import annotations
@@ -44,19 +49,28 @@ def _solver(msg: bool = False):
         return pulp.PULP_CBC_CMD(msg=msg)
 
 
-def min_memory(cm: CostModel) -> float:
-    """The least memory any plan needs (every block at its cheapest degree)."""
+def min_memory(cm: CostModel, mixed: float = 0.0) -> float:
+    """The least memory any plan needs (every block at its cheapest degree, or all at tp
+    when that needs less with ``mixed`` added to the others)."""
     best = [min(cm.degrees, key=lambda t: cm.mem[k, t] + cm.trans[k, t]) for k in cm.kinds]
-    return cm.plan_memory(best)
+    need = _with_mixed(cm, best, mixed)
+    return min(need, _with_mixed(cm, [cm.T] * cm.n, mixed)) if cm.T in cm.degrees else need
 
 
-def solve(cm: CostModel, memory_limit_bytes: Optional[float] = None, msg: bool = False) -> Solution:
+def _with_mixed(cm: CostModel, plan: list[int], mixed: float) -> float:
+    """A plan's memory, with ``mixed`` when a block runs below tp."""
+    return cm.plan_memory(plan) + (mixed if any(t != cm.T for t in plan) else 0.0)
+
+
+def solve(cm: CostModel, memory_limit_bytes: Optional[float] = None, msg: bool = False,
+          mixed: float = 0.0) -> Solution:
     with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on every variable
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve(cm, memory_limit_bytes, msg)
+        return _solve(cm, memory_limit_bytes, msg, mixed)
 
 
-def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Solution:
+def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool,
+           mixed: float = 0.0) -> Solution:
     t0 = time.perf_counter()
     n, D = cm.n, cm.degrees
     prob = pulp.LpProblem("oases_plan", pulp.LpMinimize)
@@ -82,13 +96,20 @@ def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Sol
         for kb in range(len(D)):
             prob += pulp.lpSum(y[i][ka][kb] for ka in range(len(D))) == x[i][kb]
     if memory_limit_bytes is not None:
-        prob += (pulp.lpSum(cm.mem[cm.kinds[i], t] * x[i][k] for i in range(n)
-                            for k, t in enumerate(D)) + z + cm.static_memory()
-                 <= memory_limit_bytes)
+        row = pulp.lpSum(cm.mem[cm.kinds[i], t] * x[i][k] for i in range(n)
+                         for k, t in enumerate(D)) + z + cm.static_memory()
+        if mixed:
+            u = pulp.LpVariable("u_mixed", cat="Binary")
+            for i in range(n):
+                for k, t in enumerate(D):
+                    if t != cm.T:
+                        prob += u >= x[i][k]
+            row += mixed * u
+        prob += row <= memory_limit_bytes
     solver = _solver(msg)
     status = prob.solve(solver)
     if pulp.LpStatus[status] != "Optimal":
-        need = min_memory(cm)
+        need = min_memory(cm, mixed)
         if memory_limit_bytes is not None and need > memory_limit_bytes:
             raise UserError(f"no plan fits in {memory_limit_bytes / 2**30:.2f} GiB per device: "
                             f"the smallest plan needs {need / 2**30:.2f} GiB")
@@ -98,12 +119,14 @@ def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool) -> Sol
                     solver.name, time.perf_counter() - t0)
 
 
-def brute_force(cm: CostModel, memory_limit_bytes: Optional[float] = None) -> Optional[Solution]:
+def brute_force(cm: CostModel, memory_limit_bytes: Optional[float] = None,
+                mixed: float = 0.0) -> Optional[Solution]:
     """Every plan, for checking the ILP on small instances."""
     best = None
     for plan in itertools.product(cm.degrees, repeat=cm.n):
         plan = list(plan)
-        if memory_limit_bytes is not None and cm.plan_memory(plan) > memory_limit_bytes:
+        if memory_limit_bytes is not None and \
+                _with_mixed(cm, plan, mixed) > memory_limit_bytes:
             continue
         t = cm.plan_time(plan)
         if best is None or t < best.time_s - 1e-12:
@@ -111,11 +134,13 @@ def brute_force(cm: CostModel, memory_limit_bytes: Optional[float] = None) -> Op
     return best
 
 
-def best_uniform(cm: CostModel, memory_limit_bytes: Optional[float] = None) -> Optional[Solution]:
+def best_uniform(cm: CostModel, memory_limit_bytes: Optional[float] = None,
+                 mixed: float = 0.0) -> Optional[Solution]:
     best = None
     for t in cm.degrees:
         plan = [t] * cm.n
-        if memory_limit_bytes is not None and cm.plan_memory(plan) > memory_limit_bytes:
+        if memory_limit_bytes is not None and \
+                _with_mixed(cm, plan, mixed) > memory_limit_bytes:
             continue
         s = Solution(plan, cm.plan_time(plan), cm.plan_memory(plan), "uniform", 0.0)
         if best is None or s.time_s < best.time_s:

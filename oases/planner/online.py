@@ -27,10 +27,11 @@ import torch.distributed as dist
 from oases.config import Config
 from oases.config.heads import heads_problem
 from oases.errors import ConfigError, UserError
-from oases.parallel.groups import ParallelContext
+from oases.parallel.groups import ParallelContext, backend_for
 from oases.parallel.layout import PipelineLayout, stages_layout, uniform_layout
 from oases.planner.api import make_plan, report, run_shape
 from oases.planner.cluster import Cluster, load_cluster
+from oases.planner.comm_memory import config_bytes, for_backend
 from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
@@ -206,7 +207,8 @@ def _auto(cfg: Config, ctx: ParallelContext,
           time_steps: Optional[StepTimer]) -> tuple[Config, list[int]]:
     log = print if ctx.is_main else (lambda *_: None)
     stage = stage_logger(log, 4)
-    cluster = this_cluster(cfg, ctx)
+    backend = backend_for(ctx.device, cfg.parallel.backend)
+    cluster = for_backend(this_cluster(cfg, ctx), backend)  # what a communicator costs
     profile = measure_profile(cfg, ctx, run_shape(cfg), cluster,
                               (lambda n: time_steps(None, n)) if time_steps else None, stage)
     obj: list = [None]
@@ -215,12 +217,14 @@ def _auto(cfg: Config, ctx: ParallelContext,
         try:
             limit_gib = cfg.parallel.memory_limit_gib or \
                 cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)) / 2**30  # less headroom
-            solved = make_plan(cfg, cluster, profile, limit_gib * 2**30)
+            comm = (0.0, 0.0) if cfg.parallel.memory_limit_gib else \
+                config_bytes(cfg, cluster, backend)  # the run's NCCL communicators
+            solved = make_plan(cfg, cluster, profile, limit_gib * 2**30, comm=comm)
             # the paired schedule and sequence parallelism, each if predicted faster
             fb, sp = cfg.parallel.overlap_fb, cfg.parallel.sequence_parallel
             if _can_pair(cfg) and not fb:
                 solved, fb = _faster(solved, paired_config(cfg), "overlap_fb", cluster,
-                                     profile, limit_gib, log)
+                                     profile, limit_gib, log, comm)
             solved[0].predicted["overlap_fb"] = fb
             if not sp and cfg.model.seq_len % cfg.parallel.tp == 0 and cfg.parallel.tp > 1:
                 # priced at the profiled sub-batches (the cost model's two, in step), so
@@ -228,7 +232,7 @@ def _auto(cfg: Config, ctx: ParallelContext,
                 solved, sp = _faster(solved, cfg.with_changes({
                     "parallel.sequence_parallel": True, "parallel.overlap_fb": fb,
                     "parallel.sub_batches": cfg.sub_batches}),
-                    "sequence_parallel", cluster, profile, limit_gib, log)
+                    "sequence_parallel", cluster, profile, limit_gib, log, comm)
                 solved[0].predicted["overlap_fb"] = fb
             n = cfg.sub_batches
             if cfg.parallel.sub_batches == "auto" and cfg.parallel.schedule == "oases":
@@ -283,10 +287,10 @@ def _sub_batches(solved: tuple, cfg: Config, cluster, profile, limit_gib: float,
 
 
 def _faster(solved: tuple, other: Config, switch: str, cluster, profile, limit_gib: float,
-            log) -> tuple[tuple, bool]:
+            log, comm: tuple = (0.0, 0.0)) -> tuple[tuple, bool]:
     """``solved`` (make_plan's answer) or the plan of ``other`` (the config with
     ``switch`` on), whichever is predicted faster, and whether the switch is on."""
-    alt = make_plan(other, cluster, profile, limit_gib * 2**30)
+    alt = make_plan(other, cluster, profile, limit_gib * 2**30, comm=comm)
     t0, t1 = solved[0].predicted["step_time_s"], alt[0].predicted["step_time_s"]
     log(f"plan=auto: {switch} {'on' if t1 < t0 else 'off'} (predicted step {1e3 * t1:.1f} "
         f"ms with it, {1e3 * t0:.1f} ms without)")

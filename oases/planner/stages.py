@@ -78,6 +78,7 @@ from typing import Optional
 
 from oases.errors import ConfigError
 from oases.parallel.layout import even_split
+from oases.planner.comm_memory import choice_bytes
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
 from oases.planner.profile import run_precision
@@ -347,7 +348,8 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
           memory_limit: Optional[float] = None) -> Problem:
     """The :class:`Problem` of one choice on ``cluster`` (world = pp x dp x tp ranks).
     ``memory_limit`` (bytes per device) overrides the cluster's (its devices' memory less
-    the headroom of :func:`oases.planner.cluster.usable_bytes`)."""
+    the headroom of :func:`oases.planner.cluster.usable_bytes` and the communicators of
+    :func:`oases.planner.comm_memory.choice_bytes`)."""
     L, P = job.shape.n_layer, ch.pp
     missing = [f"{k} at degree {t}" for k in ("attn", "mlp") for t in ch.degrees
                if str(t) not in profile.blocks.get(k, {})]
@@ -379,8 +381,9 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
         x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
                     for s in ch.degrees] for r in ch.degrees]] * L)
     const = _memory_const(job, ch, cms)
-    limits = [(memory_limit if memory_limit is not None else cluster.plan_bytes_of(r)) - k
-              for r, k in zip(ranks, const)]
+    comms = choice_bytes(job, ch, cluster)  # NCCL communicators, off a derived limit only
+    limits = [(memory_limit if memory_limit is not None else cluster.plan_bytes_of(r) - c) - k
+              for r, k, c in zip(ranks, const, comms)]
     inst = Instance([f"tp{d}" for d in ch.degrees], P, ch.micro_batches, t, m, a, limits,
                     e=e, x=x or None,
                     schedule="eager-1f1b" if job.pp_schedule == "eager-1f1b" else "1f1b")
