@@ -199,3 +199,22 @@ def _noop_body(ctx):
 
 def test_noop_skips_the_recompute_rerun():
     run_distributed(_noop_body, world=2, tp=2)
+
+
+def test_a_one_rank_group_is_an_identity_never_the_world():
+    """oases.parallel.comm's collectives take None (what oases.parallel.ranks gives for a
+    group of one rank) as one rank, never torch's meaning of None, the whole world: no
+    process group is needed to call them so."""
+    import torch
+
+    from oases.parallel.comm import CommCounter, all_gather_async, all_reduce, \
+        reduce_scatter_async
+
+    t = torch.arange(4.0)
+    with CommCounter() as c:
+        assert all_reduce(t, None) is None and all_reduce(t, None, async_op=True).wait()
+        out, work = all_gather_async(t, None)
+        assert work.wait() and torch.equal(out, t)
+        out, work = reduce_scatter_async(t, None)
+        assert work.wait() and torch.equal(out, t)
+    assert torch.equal(t, torch.arange(4.0)) and not c.counts  # nothing crossed a link

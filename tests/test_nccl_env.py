@@ -79,3 +79,4 @@ def test_kernel_order_is_set_unless_chosen():
     assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
     assert "8: yours" in N.kernel_order(mine) and mine == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+

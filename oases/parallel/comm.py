@@ -88,10 +88,15 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
 
     ``t`` must be contiguous: NCCL refuses other layouts (gloo copies them), so a
     strided tensor is refused here on every backend rather than on the GPU cluster
-    only. Callers that hold a view reduce ``t.contiguous()`` and use that."""
+    only. Callers that hold a view reduce ``t.contiguous()`` and use that. A group of
+    one rank, or None (what :func:`oases.parallel.ranks.new_group` gives for one rank),
+    is an identity, as for every function of this module: nothing is issued (torch would
+    take None for the whole world; pass ``dist.group.WORLD`` for that)."""
     if not t.is_contiguous():
         raise ValueError(f"all_reduce of a non-contiguous tensor (shape {tuple(t.shape)}, "
                          f"strides {t.stride()}): reduce t.contiguous() and use the result")
+    if trivial(group):
+        return _DoneWork() if async_op else None
     CommCounter.record("all_reduce", t)
     if NoopCollectives.active(group):
         return _DoneWork() if async_op else None
@@ -108,6 +113,8 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     after ``work.wait()``."""
     n = group_size(group)
     src = t.contiguous()
+    if trivial(group):  # one rank: the gathered tensor is this rank's (see all_reduce)
+        return src, _DoneWork()
     CommCounter.record("all_gather", src)
     if NoopCollectives.active(group):
         return torch.cat([src] * n), _DoneWork()
@@ -148,6 +155,8 @@ def reduce_scatter_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     chunk is valid after ``work.wait()``."""
     n = _ranks_split(t, group, 0)
     src = t.contiguous()
+    if trivial(group):  # one rank: its chunk is the whole sum (see all_reduce)
+        return src, _DoneWork()
     CommCounter.record("reduce_scatter", src)
     if NoopCollectives.active(group):
         return src.chunk(n)[group_rank(group)].clone(), _DoneWork()
