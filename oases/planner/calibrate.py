@@ -17,20 +17,23 @@ import torch
 import torch.distributed as dist
 
 
+def timed_call(step: Callable[[], None], device: torch.device) -> float:
+    """Wall seconds of one ``step()``, the device synchronised before and after (on CUDA
+    the call only queues its work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def time_steps(step: Callable[[], None], device: torch.device, steps: int,
                warmup: int = 2) -> float:
     """Median wall time of ``steps`` calls of ``step`` (after ``warmup``); the slowest
     rank's figure. Collective: every rank calls it (with the same counts)."""
-    times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = [timed_call(step, device) for _ in range(warmup + steps)][warmup:]
     res = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(res, op=dist.ReduceOp.MAX)

@@ -28,7 +28,6 @@ The start-up line says what was chosen and why; the checkpoint records it.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Optional
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from oases.config import Config
 from oases.errors import ConfigError
 from oases.parallel.groups import ParallelContext
+from oases.planner.calibrate import timed_call
 from oases.planner.plan_file import batch_divisor, load_plan
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import throwaway_step
@@ -136,7 +136,7 @@ def _measure(cfg: Config, ctx: ParallelContext, degrees, cands: list[int], log) 
             for rnd in range(ROUNDS + 1):
                 for n in cands:
                     step.state.engine.n = n
-                    t = _timed(step, ctx.device)
+                    t = timed_call(step, ctx.device)
                     if rnd:  # the first round warms up (allocator, autotuning)
                         times[n].append(t)
         finally:
@@ -148,16 +148,6 @@ def _measure(cfg: Config, ctx: ParallelContext, degrees, cands: list[int], log) 
     if dist.is_initialized():
         dist.all_reduce(med, op=dist.ReduceOp.MAX)  # every rank waits for the slowest
     return dict(zip(cands, med.tolist()))
-
-
-def _timed(step, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def _fastest(times: dict[int, float]) -> int:
