@@ -9,7 +9,8 @@ host. A 1.3B GPT block's segment is 20-230 us of H100 time. This measures what t
 host spends per block and per collective, with nothing else in the way: two ranks
 (tp = 2, gloo over loopback, one intra-op thread each), tiny shapes whose compute is
 next to nothing, fp32, and the TP collectives skipped (``NoopCollectives``, as
-``parallel.tp_comm_noop``), so that a forward-backward's time is the host's work. With
+``parallel.tp_comm_noop``), so that a forward-backward's time is the host's work; rank
+0 runs them alone while rank 1 waits. With
 one intra-op thread and nothing to wait for, all of it runs on the calling thread
 (autograd's CPU backward included): its CPU time (``time.thread_time``) is the figure,
 which other tenants of a shared machine leave alone, where wall time would not.
@@ -19,8 +20,8 @@ which other tenants of a shared machine leave alone, where wall time would not.
   blocks added (two per layer: attention and MLP) and over the sub-batches, is one
   block's forward and backward for one sub-batch (recompute included), with the
   embedding, the loss and the fixed costs taken out. Host microseconds (the thread's CPU
-  time) are the median
-  over ``--rounds`` interleaved rounds of each round's median over ``--reps`` calls;
+  time) are the median over ``--rounds`` interleaved rounds of each round's fastest of
+  ``--reps`` calls (the work itself; interference on a shared machine only adds to it);
   ATen calls are counted once (a ``TorchDispatchMode``; the count is exact, timing
   under it is not taken).
 * **Per collective**: an all-reduce of a 16-float tensor over the TP group, real (gloo
@@ -104,9 +105,10 @@ def _aten_calls(fn) -> int:
     return sum(calls.values())
 
 
-def _timed(fn, reps: int, before=None, clock=time.perf_counter) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` (``before()`` untimed before each) on
-    ``clock``."""
+def _timed(fn, reps: int, before=None, clock=time.perf_counter, pick=statistics.median
+           ) -> float:
+    """``pick`` (median) of the seconds of ``reps`` calls of ``fn`` (``before()`` untimed
+    before each) on ``clock``."""
     times = []
     for _ in range(reps):
         if before is not None:
@@ -114,7 +116,7 @@ def _timed(fn, reps: int, before=None, clock=time.perf_counter) -> float:
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return statistics.median(times)
+    return pick(times)
 
 
 def _blocks(ctx, modes: list[str], layers: tuple, rounds: int, reps: int) -> dict:
@@ -136,7 +138,7 @@ def _blocks(ctx, modes: list[str], layers: tuple, rounds: int, reps: int) -> dic
         aten = {key: _aten_calls(step(key)) for key in built}
         for _ in range(rounds):
             for m in modes:
-                t = [_timed(step((m, L)), reps, zero((m, L)), time.thread_time)
+                t = [_timed(step((m, L)), reps, zero((m, L)), time.thread_time, min)
                      for L in layers]
                 out[m]["us"].append(t)
     added = 2 * (layers[1] - layers[0])  # blocks: attention and MLP per layer
@@ -198,10 +200,15 @@ def _worker(rank, world, store, modes, layers, rounds, reps, calls, result_dir) 
 
     from oases.parallel.groups import build_context
 
+    import torch.distributed as dist
+
     init_gloo(rank, world, store)
     ctx = build_context(world, torch.device("cpu"))
-    result = {"blocks": _blocks(ctx, modes, layers, rounds, reps),
-              "collectives": _collectives(ctx, rounds, calls)}
+    # blocks: rank 0 alone (the TP collectives are skipped, so nothing needs rank 1, and a
+    # second rank computing on the other core would share caches and the memory bus)
+    blocks = _blocks(ctx, modes, layers, rounds, reps) if rank == 0 else None
+    dist.barrier()
+    result = {"blocks": blocks, "collectives": _collectives(ctx, rounds, calls)}
     write_result(result_dir, rank, result)
     os._exit(0)  # skip the slow process-group teardown
 
@@ -211,11 +218,12 @@ def render(prefix: Path, data: dict) -> None:
     lines = [*driver.report_head("# The host's budget per block and per collective", meta),
              f"Shape: {meta['shape']}; depths {meta['layers'][0]} and {meta['layers'][1]} "
              f"layers. Two ranks (tp = 2, gloo over loopback), one intra-op thread each. "
-             f"Blocks: TP collectives skipped (`NoopCollectives`), so a forward-backward is "
+             f"Blocks: TP collectives skipped (`NoopCollectives`), rank 0 alone, so a "
+             f"forward-backward is "
              f"host work, timed as the calling thread's CPU time; per block per sub-batch "
              f"= the difference of the two depths over the blocks added and the "
              f"sub-batches. Median over {meta['rounds']} "
-             f"interleaved rounds of each round's median of {meta['reps']} calls (rank 0). "
+             f"interleaved rounds of each round's fastest of {meta['reps']} calls (rank 0). "
              f"Collectives: a 16-float all-reduce over the TP group, real, issued and "
              f"waited {meta['calls']} times a round; the calling thread's CPU time per call "
              f"(the host's work to issue and wait).", "",

@@ -17,7 +17,9 @@ Modes (``--modes``):
     oases+none             two sub-batches, comm overlapped, no recompute (the peers'
                            memory regime: they keep every activation too)
     oases+full             two sub-batches, comm overlapped, full recompute
-    oases+fine             two sub-batches, fine-grained recompute
+    oases+fine             fine-grained recompute, parallel.sub_batches=auto (timed at
+                           start-up; two on these slow links)
+    oases+fine+sb2         oases+fine at two sub-batches, fixed
     nocomm                 oases+fine with parallel.tp_comm_noop=true: no TP communication
                            at all (timing only, the upper bound)
     megatron+full+compile, oases+fine+compile, nocomm+compile
@@ -87,6 +89,8 @@ for _m in ("megatron+full", "oases+fine", "nocomm"):
 # oases+fine+sp runs 4 sub-batches (parallel.sub_batches=auto), staggered; these two
 # separate the sub-batch count from SP: +sb4 without SP, +sb2 with SP in step
 TRAIN_MODES["oases+fine+sb4"] = [*TRAIN_MODES["oases+fine"], "parallel.sub_batches=4"]
+# oases+fine runs parallel.sub_batches=auto (timed at start-up); +sb2 fixes the two
+TRAIN_MODES["oases+fine+sb2"] = [*TRAIN_MODES["oases+fine"], "parallel.sub_batches=2"]
 TRAIN_MODES["oases+fine+sp+sb2"] = [*TRAIN_MODES["oases+fine+sp"], "parallel.sub_batches=2"]
 PEER_MODES = {"dtensor": "benchmarks.peers.dtensor_gpt",
               "megatron-core": "benchmarks.peers.megatron_core_gpt"}
