@@ -63,6 +63,14 @@ class Preempted(TrainingError):
     exit_code = 5
 
 
+class CheckpointWriteError(TrainingError):
+    """A checkpoint could not be written (disk full, an I/O error): every rank stops with
+    the same line, and ``latest`` still names the last complete checkpoint. Exit status 6."""
+
+    exit_code = 6
+
+
 EXIT_NONFINITE = NonFiniteError.exit_code
 EXIT_PREEMPTED = Preempted.exit_code
 EXIT_COLLECTIVE = CollectiveError.exit_code
+EXIT_CKPT_WRITE = CheckpointWriteError.exit_code

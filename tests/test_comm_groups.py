@@ -36,7 +36,7 @@ from oases.errors import UserError
 from oases.parallel import groups as G
 from oases.parallel.groups import build_context, build_pipeline_context
 from oases.parallel.layout import uniform_layout
-from oases.parallel.ranks import (GroupTable, destroy_groups, groups_of, new_group,
+from oases.parallel.ranks import (GroupTable, destroy_groups, new_group,
                                   recording_groups)
 from oases.pipeline.runner import PipelineRunner
 from oases.planner.comm_memory import CommLayout, communicators

@@ -271,18 +271,21 @@ def test_stale_tmp_checkpoint_is_ignored(run_a, tmp_path, run_single):
 
 
 @pytest.mark.parametrize("how", ["missing", "partial"])
-def test_latest_naming_bad_checkpoint_is_an_error(how, run_a, tmp_path, run_single):
+def test_no_complete_checkpoint_is_an_error(how, run_a, tmp_path, run_single):
+    """``latest`` names a missing or partial checkpoint and no other is complete (with
+    one that is, resume=auto takes it: tests/test_checkpoint_dir.py)."""
     b, args = copy_run(run_a, tmp_path / "b")
     root = b / "checkpoints"
     if how == "missing":
         (root / "latest").write_text("step_000099\n")
         bad = root / "step_000099"
     else:  # the directory is there but DCP's .metadata never got written
-        (root / "step_000020" / ".metadata").unlink()
         bad = root / "step_000020"
+    for step in ("step_000010", "step_000020"):
+        (root / step / ".metadata").unlink()
     metrics_before = (b / "metrics.jsonl").read_bytes()
     proc = run_single(single([*args, "resume=auto"]))
-    error_line(proc, str(bad), "partial or missing")
+    error_line(proc, str(bad), "partial or missing", "no other checkpoint")
     assert (b / "metrics.jsonl").read_bytes() == metrics_before  # never silently restarted
 
 

@@ -112,9 +112,6 @@ def _measure(ctx, model_name: str, mode: str, tp: int, mbs: int, steps: int, war
            "host_us_per_block_sub_batch": statistics.median(host) / blocks / n * 1e6,
            "busy_us_per_block_sub_batch": busy / blocks / n * 1e6}
     res["host_bound"] = res["host_s"] > res["busy_s"]
-    del model, engine
-    if cuda:
-        torch.cuda.empty_cache()
     return res
 
 
@@ -139,6 +136,8 @@ def _worker(rank: int, world: int, store: str, args, result: str) -> None:
                                               args.steps, args.warmup)
             except Exception as e:  # one mode's failure is reported, not fatal
                 out["modes"][mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            if device.type == "cuda":  # the mode's model is gone: its memory back
+                torch.cuda.empty_cache()
             print(f"gpu_host tp={world} {mode}: {out['modes'][mode]}", flush=True)
         Path(result).write_text(json.dumps(out, indent=1))
     dist.barrier()  # the other ranks hold their groups until rank 0 is done

@@ -12,8 +12,9 @@ process, without a process group, whatever the layout and ZeRO level it was save
 with, one tensor at a time (``oases.runtime.checkpoint.iter_model_tensors``: fused
 QKV / gate-up parts reassembled, vocabulary padding removed; optimizer state is not
 read): the safetensors header is written first, then each Hugging Face tensor at its
-offset, so the peak is about the largest tensor. The model shape comes from the
-checkpoint's ``meta.json``, the rest (norm eps, rope theta) from the run's
+offset, so the peak is about the largest tensor. The model (shape, RoPE, norm eps,
+...) is the checkpoint's own, as its ``meta.json`` records it; a checkpoint older than
+that record takes its shape from ``meta.json`` and the rest from the run's
 ``config.yaml`` (in the parent of ``checkpoints/``).
 
 Bad input is one line on stderr and exit status 2; a non-empty ``--to-hf``

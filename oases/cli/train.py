@@ -8,12 +8,14 @@ line too: status 3 for a non-finite loss or gradient with
 ``train.on_nonfinite=stop``, status 4 for a collective that failed or timed out
 (``parallel.timeout_s``: a peer rank died or hangs), status 5 after SIGTERM or
 SIGUSR1 (the step in progress finished and a checkpoint was saved; ``resume=auto``
-continues). (Under torchrun the workers
+continues), status 6 for a checkpoint that could not be written (disk full, an I/O
+error; ``latest`` still names the last complete one). (Under torchrun the workers
 exit with these and torchrun reports their failure with its own status 1, or
 restarts them with ``--max-restarts``; ``python -m oases.config`` checks a config
 with status 2 before launching.)
 
-An error every rank meets alike (config, data, a non-finite step) is printed by rank 0.
+An error every rank meets alike (config, data, checkpoint, a non-finite step, a failed
+save) is printed by rank 0.
 Under torchrun the agent stops all workers as soon as one exits with a failure, so a
 rank that exited at once could have a rank 0 that is a little behind killed before it
 prints: no line at all. The other ranks therefore stay until the agent stops them (rank
@@ -28,8 +30,9 @@ import os
 import sys
 import time
 
-from oases.errors import (EXIT_USER_ERROR, CollectiveError, ConfigError, DataError, NonFiniteError,
-                          Preempted, TrainingError, UserError)
+from oases.errors import (EXIT_USER_ERROR, CheckpointError, CheckpointWriteError, CollectiveError,
+                          ConfigError, DataError, NonFiniteError, Preempted, TrainingError,
+                          UserError)
 from oases.progress import rank, under_torchrun
 
 # How long a rank other than 0 waits, after an error every rank meets, for the agent to
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if debug:
             raise
-        report("error", e, alike=isinstance(e, (ConfigError, DataError)))
+        report("error", e, alike=isinstance(e, (ConfigError, DataError, CheckpointError)))
         return EXIT_USER_ERROR
     except TrainingError as e:
         if debug:
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank() == 0:
                 print(f"stopped: {e}", file=sys.stderr, flush=True)
         else:
-            report("error", e, alike=isinstance(e, NonFiniteError))
+            report("error", e, alike=isinstance(e, (NonFiniteError, CheckpointWriteError)))
         return e.exit_code
     return 0
 

@@ -243,6 +243,10 @@ class CheckpointConfig(_Section):
     def validate(self) -> None:
         _positive("checkpoint.interval", self.interval, allow_zero=True)
         _positive("checkpoint.keep", self.keep)
+        if self.async_save and self.keep == 1:  # torchtitan refuses keep_latest_k == 1 alike
+            raise ConfigError("checkpoint.keep=1 with checkpoint.async_save=true: keep at least "
+                              "2, so a complete checkpoint stays on disk while the next one is "
+                              "written and published in the background")
 
 
 @dataclass

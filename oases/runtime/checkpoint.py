@@ -1,28 +1,29 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes what it owns.
 
-Layout under ``<out_dir>/checkpoints``:
-
-    step_000040/          a complete checkpoint (DCP files + meta.json + rng/)
-    step_000040.tmp/      a save in progress (ignored; removed by the next save)
-    step_000020.del/      an old checkpoint being pruned (ignored; removed by the next save)
-    latest                the name of the newest complete checkpoint
-
-A save writes everything into ``step_N.tmp``, waits for all ranks, then rank 0
-renames the directory and only after that replaces ``latest`` (write + rename):
-a crash at any point leaves ``latest`` naming a complete checkpoint.
+The directory layout, the order in which a save is made durable and published, pruning
+and which checkpoint a resume takes are :mod:`oases.runtime.ckpt_files`'s. A save
+writes everything into ``step_N.tmp``; rank 0 publishes it (meta.json, rename,
+``latest``, pruning) once every rank's files are there.
 
 What each rank writes and reads (keys of full tensors, chunks at global offsets, ZeRO
 owned ranges, the tied embedding written once, vocabulary padding) is the sharded format
 of :mod:`oases.runtime.ckpt_format`. Nothing is gathered: a save's extra memory is one
 chunk at a time (DCP copies a view before writing it), a load's is one saved chunk.
 
+**A save that fails** (disk full, an I/O error, on any rank, in any of its steps) ends
+every rank with the same :class:`~oases.errors.CheckpointWriteError` (status 6): after
+each step of a save that can fail on some ranks only, the ranks agree on the outcome
+(one small all-gather), so none is left waiting in a collective for a rank that gave
+up. ``latest`` keeps naming the last complete checkpoint.
+
 **Async save** (:class:`AsyncSaver`, ``checkpoint.async_save=true``): DCP's
 ``async_save`` copies this rank's chunks to host memory (pinned on CUDA) and writes them
-from a background thread over a process group of its own, so the next steps run while
-the files are written. Rank 0 renames the directory and replaces ``latest`` once its
-write has completed, which DCP returns only after every rank's data and the
-``.metadata`` are on disk. At most one save is in flight; the next save, the end of the
-run and a preemption wait for it.
+from a background thread over a process group of its own (with the run's
+``parallel.timeout_s``), so the next steps run while the files are written. Rank 0
+publishes once its write has completed, which DCP returns only after every rank's data
+and the ``.metadata`` are on disk. At most one save is in flight; the next save, the end
+of the run and a preemption wait for it and raise a failure on every rank alike; any
+other way out of the loop (an error, Ctrl-C) still waits for it and publishes it.
 
 The data position (a global sample counter) continues at any DP degree; the per-rank
 RNG states are restored only when the world layout is the same.
@@ -30,13 +31,13 @@ RNG states are restored only when the world layout is the same.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import datetime
+import sys
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,15 +47,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from oases.config.schema import SHAPE_KEYS
 from oases.dp.ownership import ZeroOwnership
-from oases.errors import CheckpointError
+from oases.errors import CheckpointError, CheckpointWriteError
 from oases.parallel.groups import ParallelContext
-from oases.progress import io_progress
-from oases.runtime.ckpt_format import (ChunkSavePlanner, cause, chunk_name, dcp_error, first_line,
+from oases.progress import io_progress, rank
+from oases.runtime import ckpt_files as files
+from oases.runtime.ckpt_files import (ckpt_root, find_checkpoint, is_complete, latest_name,
+                                      read_meta)
+from oases.runtime.ckpt_format import (ChunkSavePlanner, cause, dcp_error, first_line,
                                        load_windows, param_layout, read_metadata, reader_for,
                                        state_pieces, windows_for)
+from oases.runtime.ckpt_read import full_model_state, full_shape, iter_model_tensors, model_keys
 
 __all__ = ["CheckpointException", "cause", "first_line", "read_metadata", "save", "load",
-           "AsyncSaver", "full_model_state", "iter_model_tensors", "model_keys"]
+           "AsyncSaver", "full_model_state", "full_shape", "iter_model_tensors", "model_keys",
+           "ckpt_root", "is_complete", "read_meta", "latest_name", "latest_checkpoint",
+           "find_checkpoint"]
 
 
 # ---------------------------------------------------------------------------
@@ -75,41 +82,17 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 }
 
 
-def ckpt_root(out_dir: str) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / "meta.json").is_file() and (path / ".metadata").is_file()
-
-
 def latest_checkpoint(out_dir: str) -> Optional[Path]:
-    """The newest complete checkpoint, or None if there is none; a ``latest`` that
-    names something incomplete is an error (never silently start over)."""
-    root = ckpt_root(out_dir)
-    ptr = root / "latest"
-    if not ptr.exists():
-        return None
-    name = ptr.read_text().strip()
-    path = root / name
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} named by {ptr} is partial or missing "
-                              f"(no meta.json or .metadata)")
+    """The checkpoint a resume takes (:func:`~oases.runtime.ckpt_files.find_checkpoint`),
+    or None if the run has none; says on rank 0 why it is not ``latest``'s target."""
+    path, note = find_checkpoint(out_dir)
+    if note is not None and rank() == 0:
+        print(f"resume: {note}", flush=True)
     return path
 
 
-def read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: {e}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"checkpoint {path} has a meta.json without a step")
-    return meta
-
-
 # ---------------------------------------------------------------------------
-# Save / load
+# Save
 
 
 @torch.no_grad()
@@ -130,24 +113,89 @@ def all_finite(model: nn.Module, ctx: ParallelContext,
     return bool(ok.item())
 
 
+class _Target(NamedTuple):
+    """Where a started save goes and what rank 0 publishes."""
+    out_dir: str
+    root: Path
+    final: Path
+    tmp: Path
+    meta: dict
+    keep: int
+
+
+def _agree(failure: Optional[str]) -> Optional[str]:
+    """The first failure any rank met (``failure``: this rank's, or None); collective
+    over the world when there is one."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return failure
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failure)
+    return next((f for f in every if f), None)
+
+
+def _failed(t: _Target, reason: str, is_main: bool) -> CheckpointWriteError:
+    """The error every rank raises for a save that failed (all agreed on ``reason``);
+    rank 0 removes the save's directory, as nothing writes to it any more."""
+    if is_main:
+        files.remove_tree(t.tmp)
+    last = latest_name(t.out_dir)
+    what = ("was published but its save did not finish" if last == str(t.final)
+            else "could not be written")
+    return CheckpointWriteError(
+        f"checkpoint {t.final.name} {what} ({reason}); latest names "
+        f"{last or 'no checkpoint'}; free space or fix the filesystem, then resume=auto "
+        f"continues from it")
+
+
+def _local(what: str, ctx: ParallelContext, fn) -> Optional[str]:
+    """Run ``fn()``; this rank's failure as one line, or None."""
+    try:
+        fn()
+    except Exception as e:  # a file operation: disk full, an I/O error, a lost mount
+        return f"rank {ctx.rank}: {what}: {type(e).__name__}: {first_line(e)}"
+    return None
+
+
+def _check(t: _Target, ctx: ParallelContext, failure: Optional[str]) -> None:
+    reason = _agree(failure)
+    if reason is not None:
+        raise _failed(t, reason, ctx.is_main)
+
+
+def _dcp_failed(e: BaseException) -> tuple[Optional[BaseException], str]:
+    """(what failed inside a DCP failure, one line naming the rank it failed on)."""
+    for r, v in (getattr(e, "failures", None) or {}).items():
+        exc = v[0] if isinstance(v, tuple) else v
+        if not isinstance(exc, CheckpointException):
+            return exc, f"rank {r}: {type(exc).__name__}: {first_line(exc)}"
+    return None, f"{type(e).__name__}: {first_line(e)}"
+
+
+def _dcp_failure(e: CheckpointException) -> str:
+    """One line for DCP's failure of a write (the same exception on every rank); a peer
+    that died or hung is re-raised, as the collective failure it is."""
+    exc, line = _dcp_failed(e)
+    if not isinstance(exc, OSError):
+        raise e
+    return line
+
+
 def _begin(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
-           ctx: ParallelContext, meta: dict, rng_state: dict,
-           shards: Optional[ZeroOwnership]) -> tuple[Path, Path, Path, list, dict]:
-    """The start of a save of ``step``, synchronous or not: rank 0 clears a crash's
-    leftovers and makes ``tmp`` (collective); this rank's RNG state is written there.
-    Returns (root, final, tmp, this rank's pieces, the meta to publish)."""
+           ctx: ParallelContext, meta: dict, rng_state: dict, keep: int,
+           shards: Optional[ZeroOwnership]) -> tuple[_Target, list]:
+    """The start of a save of ``step``, synchronous or not (collective): rank 0 clears a
+    crash's leftovers and makes ``tmp``; each rank writes its RNG state there. Returns
+    (the target, this rank's pieces)."""
     root = ckpt_root(out_dir)
-    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob("*.tmp"), *root.glob("*.del")]:  # left by a crash
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-        (tmp / "rng").mkdir()
-    dist.barrier()
-    torch.save(rng_state, tmp / "rng" / f"rank{ctx.rank}.pt")
-    pieces = state_pieces(model, opt, ctx, shards)
-    return root, final, tmp, pieces, {**meta, "layout": _layout(model, ctx)}
+    final = root / files.step_name(step)
+    tmp = final.with_name(final.name + ".tmp")
+    t = _Target(out_dir, root, final, tmp, {**meta, "layout": _layout(model, ctx)}, keep)
+    _check(t, ctx, _local(f"creating {tmp}", ctx, lambda: files.start_tmp(root, tmp))
+           if ctx.is_main else None)
+    rng_file = tmp / "rng" / f"rank{ctx.rank}.pt"
+    _check(t, ctx, _local(f"writing {rng_file}", ctx,
+                          lambda: files.save_tensors(rng_state, rng_file)))
+    return t, state_pieces(model, opt, ctx, shards)
 
 
 def _layout(model: nn.Module, ctx: ParallelContext) -> dict:
@@ -159,105 +207,143 @@ def _layout(model: nn.Module, ctx: ParallelContext) -> dict:
     return layout
 
 
-def _publish(root: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: meta.json, rename, ``latest``,
-    prune."""
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    if final.exists():  # re-saving a step (e.g. after a restart): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    ptr_tmp = root / "latest.tmp"
-    ptr_tmp.write_text(final.name + "\n")
-    os.replace(ptr_tmp, root / "latest")
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-    for old in done[:-keep]:  # renamed first: a crash mid-delete leaves no partial step_N
-        trash = old.with_name(old.name + ".del")
-        os.replace(old, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+def _publish(t: _Target, ctx: ParallelContext) -> Optional[str]:
+    """Rank 0 publishes ``t`` (:func:`oases.runtime.ckpt_files.publish`); its failure as
+    one line, or None."""
+    return _local(f"publishing {t.final.name}", ctx,
+                  lambda: files.publish(t.root, t.tmp, t.final, t.meta, t.keep))
 
 
 def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
          ctx: ParallelContext, meta: dict, rng_state: dict, keep: int = 2,
          shards: Optional[ZeroOwnership] = None) -> Path:
     """Write this rank's owned state (``shards``: the run's ZeRO ownership) as step
-    ``step``'s checkpoint and publish it (collective)."""
-    root, final, tmp, pieces, meta = _begin(out_dir, step, model, opt, ctx, meta, rng_state,
-                                            shards)
-    with io_progress(f"saving {final.name}", kind="write"):  # bytes written by this rank
-        dcp.save({p.name: p.local for p in pieces}, checkpoint_id=str(tmp),
-                 planner=ChunkSavePlanner(pieces))
-    dist.barrier()
-    if ctx.is_main:
-        _publish(root, tmp, final, meta, keep)
-    dist.barrier()
-    return final
+    ``step``'s checkpoint and publish it (collective). A failure on any rank raises
+    CheckpointWriteError on every rank."""
+    t, pieces = _begin(out_dir, step, model, opt, ctx, meta, rng_state, keep, shards)
+    failure = None
+    try:
+        with io_progress(f"saving {t.final.name}", kind="write"):  # bytes written by this rank
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save({p.name: p.local for p in pieces}, checkpoint_id=str(t.tmp),
+                         planner=ChunkSavePlanner(pieces))
+    except CheckpointException as e:  # the same on every rank: DCP gathers the failures
+        failure = _dcp_failure(e)
+    if failure is not None:
+        raise _failed(t, failure, ctx.is_main)
+    _check(t, ctx, _publish(t, ctx) if ctx.is_main else None)
+    return t.final
+
+
+class _Pending(NamedTuple):
+    fut: Future
+    stager: object
 
 
 class AsyncSaver:
     """Saves with DCP's ``async_save``: the chunks are staged to host memory, then written
     in the background over a process group of the saver's own (the training's groups
-    keep their collective order); see the module docstring."""
+    keep their collective order; ``timeout_s``: its collectives' timeout and the longest
+    wait for a write); see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s
         self.group = None
-        self.pending: Optional[tuple[Future, object, Optional[Callable[[], None]]]] = None
+        self.ctx: Optional[ParallelContext] = None
+        self.target: Optional[_Target] = None  # the last save started
+        self.pending: Optional[_Pending] = None
+        self.failure: Optional[str] = None  # this rank's, not yet agreed on
 
     def save(self, out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
              ctx: ParallelContext, meta: dict, rng_state: dict, keep: int = 2,
              shards: Optional[ZeroOwnership] = None) -> Path:
-        """Start the save of step ``step`` (collective); returns the path it will have."""
+        """Start the save of step ``step`` (collective); returns the path it will have.
+        The save in flight is finished first, and its failure raised on every rank."""
         from torch.distributed.checkpoint.staging import (  # deferred: async saves only
             DefaultStager, StagingOptions)
 
         self.wait()
-        if self.group is None:  # every rank saves at the same steps: the same call order
-            self.group = dist.new_group(backend="gloo")
-        root, final, tmp, pieces, meta = _begin(out_dir, step, model, opt, ctx, meta,
-                                                rng_state, shards)
+        self.ctx = ctx
+        distributed = dist.is_initialized()
+        if self.group is None and distributed:  # every rank saves at the same steps
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        t, pieces = _begin(out_dir, step, model, opt, ctx, meta, rng_state, keep, shards)
+        self.target = t
         stager = DefaultStager(StagingOptions(ctx.device.type == "cuda", False, False, False))
-        fut = dcp.async_save({p.name: p.local for p in pieces}, checkpoint_id=str(tmp),
-                             planner=ChunkSavePlanner(pieces), process_group=self.group,
-                             async_stager=stager)
-        publish = (lambda: _publish(root, tmp, final, meta, keep)) if ctx.is_main else None
-        self.pending = (fut, stager, publish)
-        return final
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized"
+            warnings.simplefilter("ignore", UserWarning)
+            fut = dcp.async_save({p.name: p.local for p in pieces}, checkpoint_id=str(t.tmp),
+                                 planner=ChunkSavePlanner(pieces), process_group=self.group,
+                                 async_stager=stager, no_dist=not distributed)
+        self.pending = _Pending(fut, stager)
+        return t.final
 
     def poll(self) -> None:
-        """Publish the save in flight if its write has completed (no collective)."""
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
+        """Publish the save in flight if its write has completed (no collective); a
+        failure is kept for the next :meth:`wait`."""
+        if self.pending is not None and self.pending.fut.done():
+            self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the write in flight (at most ``timeout_s``) and, on rank 0, publish
+        it; a failure is kept in ``failure`` (no collective)."""
+        (fut, stager), self.pending = self.pending, None
+        me = self.ctx.rank
+        try:
+            fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.failure = (f"rank {me}: the background write did not complete within "
+                            f"parallel.timeout_s={self.timeout_s:g}")
+            return  # the write thread still reads the staged copy: the stager stays open
+        except CheckpointException as e:  # DCP's, alike on every rank
+            self.failure = _dcp_failed(e)[1]
+        except Exception as e:
+            self.failure = f"rank {me}: {type(e).__name__}: {first_line(e)}"
+        stager.close()
+        if self.failure is None and self.ctx.is_main:
+            self.failure = _publish(self.target, self.ctx)
 
     def wait(self) -> None:
-        """Wait for the save in flight and publish it (no collective)."""
-        if self.pending is None:
+        """Finish the save in flight (publish it), then raise the failure of any rank's
+        last background save on every rank (collective; nothing to do before the first
+        save)."""
+        if self.pending is not None:
+            self._finish()
+        failure, self.failure = self.failure, None
+        if self.ctx is None:
             return
-        fut, stager, publish = self.pending
-        self.pending = None
-        try:
-            fut.result()
-        finally:
-            stager.close()
-        if publish is not None:
-            publish()
+        reason = _agree(failure)
+        if reason is not None:
+            raise _failed(self.target, reason, self.ctx.is_main)
+
+    def close(self) -> None:
+        """On the way out of a run that is failing anyway: wait for the save in flight
+        and publish it where this rank can (no collective); its failure is dropped, and
+        ``latest`` names what was published."""
+        if self.pending is not None:
+            self._finish()
+        self.failure = None
+
+
+# ---------------------------------------------------------------------------
+# Load
 
 
 def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
          ctx: ParallelContext, model_shape: dict, layout: Optional[dict] = None,
-         shards: Optional[ZeroOwnership] = None, alone: bool = False
+         shards: Optional[ZeroOwnership] = None, alone: bool = False, rng: bool = True
          ) -> tuple[dict, Optional[dict]]:
     """Load model + optimizer state (``opt`` None: the model alone) in place into what
     this rank owns (``shards``: the run's ZeRO ownership), resharding from whatever level
     and (pp, dp, tp) layout the checkpoint was written with; returns (meta, this rank's
-    RNG state or None if the checkpoint was written by a different layout: the entries
-    of ``layout``, default world size and tp, must all match its meta). Collective,
-    unless ``alone`` (one process reading by itself)."""
+    RNG state or None if ``rng`` is False or the checkpoint was written by a different
+    layout: the entries of ``layout``, default world size and tp, must all match its
+    meta). ``model_shape``: the model's architecture fields, each of which must equal the
+    checkpoint's. Collective, unless ``alone`` (one process reading by itself)."""
     meta = read_meta(path)
-    saved_shape = meta.get("model_shape", {})
-    diff = [f"{k}: {saved_shape.get(k)} -> {model_shape.get(k)}" for k in SHAPE_KEYS
-            if saved_shape.get(k) != model_shape.get(k)]
-    if diff:
-        raise CheckpointError(f"checkpoint {path} was saved for another model shape "
-                              f"({'; '.join(diff)})")
+    check_model(path, meta, model_shape)
     reader = reader_for(path)  # reads .metadata once, for the check and the load
     saved = read_metadata(path, reader)
     if opt is not None:
@@ -267,107 +353,37 @@ def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
     pieces = state_pieces(model, opt, ctx, shards, load=True)
     with torch.no_grad():
         load_windows(path, windows_for(path, pieces, saved), reader, alone=alone)
-    rng = None
     layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
     same_layout = all(meta.get(k, 1 if k == "pp" else None) == v for k, v in layout.items())
     rng_file = path / "rng" / f"rank{ctx.rank}.pt"
-    if same_layout and rng_file.is_file():
-        try:
-            rng = torch.load(rng_file, weights_only=False)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path}: unreadable {rng_file.name} "
-                                  f"({dcp_error(e)})") from None
-    return meta, rng
+    if not (rng and same_layout and rng_file.is_file()):
+        return meta, None
+    try:  # tensors, ints and None only: nothing in the file may run code
+        return meta, torch.load(rng_file, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {rng_file.name} "
+                              f"({dcp_error(e)})") from None
 
 
-# ---------------------------------------------------------------------------
-# Full (unsharded) model tensors, one at a time, without a process group
-
-
-def model_keys(path: Path, prefix: str = "model", reader=None) -> tuple[dict, dict[str, list]]:
-    """(meta, parameter name -> (key, storage metadata) of its keys, parts in order) of
-    the tensors of a checkpoint under ``prefix`` (``model``, ``optim.exp_avg``, ...);
-    ``reader``: a :func:`reader_for` to read its metadata with (kept for the load)."""
-    meta = read_meta(path)
-    names: dict[str, dict[int, object]] = {}
-    for key, md in read_metadata(path, reader).items():
-        if not key.startswith(prefix + "/"):
-            continue
-        name = key[len(prefix) + 1:]
-        base, _, idx = name.rpartition(".part")
-        if base and idx.isdigit():
-            names.setdefault(base, {})[int(idx)] = (key, md)
-        else:
-            names[name] = {0: (key, md)}
-    if not names:
-        raise CheckpointError(f"checkpoint {path} holds no {prefix} tensors")
-    return meta, {n: [ps[i] for i in sorted(ps)] for n, ps in sorted(names.items())}
-
-
-def full_shape(meta: dict, name: str, keys: list) -> tuple[tuple, torch.dtype]:
-    """Shape (fused parts joined, vocabulary padding removed) and dtype of ``name``."""
-    dim, logical = _unpad(meta, name)
-    shape = list(keys[0][1].size)
-    if len(keys) > 1:
-        shape[dim] = sum(md.size[dim] for _, md in keys)
-    if logical is not None and shape[dim] > logical:
-        shape[dim] = logical
-    return tuple(shape), keys[0][1].properties.dtype
-
-
-def _unpad(meta: dict, name: str) -> tuple[int, Optional[int]]:
-    info = (meta.get("layout") or {}).get(name)
-    if info is not None:
-        return info.get("dim", 0), info.get("logical")
-    vocab = (meta.get("model_shape") or {}).get("vocab_size")
-    if name in ("embed.wte.weight", "head.weight") and vocab:  # a checkpoint without layout
-        return 0, vocab
-    return 0, None
-
-
-def iter_model_tensors(path: Path, prefix: str = "model",
-                       batch_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full tensors (``prefix``: or those of an Adam moment) from a
-    checkpoint, in name order: fused parts joined, vocabulary padding removed. Tensors
-    are read in batches of about ``batch_bytes`` (0: one at a time), so only the batch in
-    hand is in memory (plus DCP's read of one saved chunk). Reads alone: needs no process
-    group and issues no collective."""
-    reader = reader_for(path)
-    meta, names = model_keys(path, prefix, reader)
-    batch: list[tuple[str, torch.Tensor]] = []
-    windows: dict = {}
-    for i, (name, keys) in enumerate(names.items()):
-        shape, dtype = full_shape(meta, name, keys)
-        dim, _ = _unpad(meta, name)
-        out = torch.empty(shape, dtype=dtype)
-        off = 0
-        for key, md in keys:
-            zeros = (0,) * len(md.size)
-            if not md.size:  # a scalar
-                windows[chunk_name(key, zeros)] = (out, key, zeros)
-                continue
-            n = min(md.size[dim], shape[dim] - off)
-            if n > 0:
-                windows[chunk_name(key, zeros)] = (out.narrow(dim, off, n), key, zeros)
-            off += n
-        batch.append((name, out))
-        if i == len(names) - 1 or sum(t.nbytes for _, t in batch) >= batch_bytes:
-            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized"
-                warnings.simplefilter("ignore", UserWarning)
-                load_windows(path, windows, reader, alone=True)
-            yield from batch
-            batch, windows = [], {}
-
-
-def full_model_state(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
-    """Every full model tensor of a checkpoint in one dict, read at once (small models,
-    tests)."""
-    return dict(iter_model_tensors(path, prefix, batch_bytes=1 << 62))
+def check_model(path: Path, meta: dict, model: dict) -> None:
+    """Refuse a model whose architecture differs from the checkpoint's, naming each
+    field: the shape fields always, the others (RoPE, norm eps, window, ...) where the
+    checkpoint records its model section (``model``)."""
+    shape = meta.get("model_shape") or {}
+    section = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    saved = {**shape, **section}
+    keys = [*SHAPE_KEYS, *(k for k in model if k not in SHAPE_KEYS and k in section)]
+    diff = [f"{k}: {saved.get(k)} -> {model.get(k)}" for k in keys if saved.get(k) != model.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} was saved for another model shape or "
+                              f"architecture ({'; '.join(diff)}); resume it with its own "
+                              f"model section, or start a new out_dir")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory; or a run's out_dir, or its checkpoints/ directory: the
-    checkpoint ``latest`` names there."""
+    checkpoint a resume would take there (``latest``'s target, else the newest complete
+    one, which rank 0 says on stderr)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p} does not exist")
@@ -376,15 +392,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise CheckpointError(f"checkpoint {p} is partial (no meta.json or .metadata)")
         return p
     for out_dir in (p, p.parent):
-        if (ckpt_root(str(out_dir)) / "latest").is_file() and ckpt_root(str(out_dir)) in (
-                p / "checkpoints", p):
-            return latest_checkpoint(str(out_dir))
+        root = ckpt_root(str(out_dir))
+        if root in (p / "checkpoints", p) and root.is_dir():
+            found, note = find_checkpoint(out_dir)
+            if found is None:
+                break
+            if note is not None and rank() == 0:
+                print(f"note: {note}", file=sys.stderr, flush=True)
+            return found
     raise CheckpointError(f"{p} is neither a checkpoint nor a run directory with one")
-
-
-def latest_name(out_dir: str) -> Optional[str]:
-    """The checkpoint ``latest`` names (for messages), or None."""
-    try:
-        return str(ckpt_root(out_dir) / (ckpt_root(out_dir) / "latest").read_text().strip())
-    except OSError:
-        return None

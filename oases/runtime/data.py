@@ -34,6 +34,7 @@ points report as one line with exit status 2.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -46,7 +47,7 @@ from oases.config import DataConfig
 from oases.errors import CheckpointError, ConfigError, DataError
 from oases.parallel.loss import IGNORE_INDEX
 from oases.runtime.blend import Blend
-from oases.runtime.tokens import ShardedTokens, open_corpus
+from oases.runtime.tokens import Corpus, ShardedTokens, open_corpus
 
 PathLike = Union[str, Path]
 
@@ -168,6 +169,21 @@ def _common_eos(files: list[_TrainFile], cfg: DataConfig) -> Optional[int]:
     return eos
 
 
+def corpus_identity(corpus: Corpus) -> dict:
+    """What a checkpoint records of a single ``data.train_path`` for a resume to check:
+    the token count, each file's name and size, and the sha256 of the ``meta.json``
+    beside them (a corpus moved elsewhere is the same; another or a re-prepared one is
+    not)."""
+    digest = None
+    try:
+        digest = hashlib.sha256((corpus.files[0].parent / "meta.json").read_bytes()).hexdigest()
+    except (OSError, IndexError):  # no meta.json (a raw or foreign corpus)
+        pass
+    return {"tokens": len(corpus.tokens),
+            "files": [[f.name, f.stat().st_size] for f in corpus.files if f.is_file()],
+            "meta_sha256": digest}
+
+
 class TrainBatches:
     """An endless, resumable stream of training micro-batches for one DP rank.
 
@@ -195,12 +211,14 @@ class TrainBatches:
         self.consumed = 0  # global samples consumed by all DP ranks together
         self._files: list[_TrainFile] = []
         self._blend: Optional[Blend] = None  # data.train_paths: which file each sample is from
+        self.corpus: Optional[dict] = None  # a single data.train_path: corpus_identity
         if cfg.kind == "tokens" and cfg.train_paths is not None:
             self._files, self._blend = _open_blend(cfg, seq_len, vocab_size, seed)
         elif cfg.kind == "tokens":
             corpus = open_corpus(cfg.train_path, cfg.dtype, vocab_size, cfg.eos_id)
             self._files = [_TrainFile(cfg.train_path, corpus.tokens, seq_len,
                                       (_PERM_STREAM, seed), corpus.eos_id)]
+            self.corpus = corpus_identity(corpus)
             n, need = self._files[0].num_windows, micro_batch_size * dp
             if n < need:
                 raise DataError(

@@ -208,24 +208,33 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
 
 
 def checkpoint_model_config(ck: Path, meta: dict) -> ModelConfig:
-    """The run's ModelConfig: shape from the checkpoint's meta.json, the other fields
-    (norm eps, rope theta, ...) from the run's config.yaml (the parent of
+    """The checkpoint's own ModelConfig: the model section its meta.json records; a
+    checkpoint written before that was recorded takes its shape from meta.json and the
+    other fields (norm eps, rope theta, ...) from the run's config.yaml (the parent of
     ``checkpoints/``)."""
+    data = meta.get("model") if isinstance(meta.get("model"), dict) else None
+    if data is None:
+        data = _run_model_section(ck)
+        data.update(meta.get("model_shape") or {})
+    data = {**data, "init_from": ""}  # the weights come from the checkpoint, not from HF
+    try:
+        mc = build_dataclass(ModelConfig, data, "model.")
+        mc.resolve()
+        mc.validate()
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {ck} records an invalid model section ({e})") from None
+    return mc
+
+
+def _run_model_section(ck: Path) -> dict:
     run_cfg = ck.parent.parent / "config.yaml"
     if not run_cfg.is_file():
         raise CheckpointError(f"no config.yaml of the run next to {ck.parent} (needed for "
                               f"norm_eps and rope_theta)")
     try:
-        data = dict((yaml.safe_load(run_cfg.read_text()) or {}).get("model") or {})
+        return dict((yaml.safe_load(run_cfg.read_text()) or {}).get("model") or {})
     except (yaml.YAMLError, AttributeError, TypeError, ValueError):
         raise CheckpointError(f"{run_cfg} is not a valid run config") from None
-    data["init_from"] = ""  # the weights come from the checkpoint, not from HF
-    mc = build_dataclass(ModelConfig, data, "model.")
-    for k, v in (meta.get("model_shape") or {}).items():
-        setattr(mc, k, v)
-    mc.resolve()
-    mc.validate()
-    return mc
 
 
 def _config(model: ModelConfig, ctx: ParallelContext) -> Config:
@@ -246,7 +255,7 @@ def model_from_checkpoint(path: str | Path, ctx: ParallelContext):
     cfg = _config(checkpoint_model_config(ck, meta), ctx)
     model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=None,
                         device=ctx.device)
-    ckpt.load(ck, model, None, ctx, model_shape(cfg), alone=ctx.world_size == 1)
+    ckpt.load(ck, model, None, ctx, model_shape(cfg), alone=ctx.world_size == 1, rng=False)
     return model.eval(), cfg, ck
 
 

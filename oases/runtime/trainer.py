@@ -15,6 +15,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,9 @@ from oases.runtime.observe import comm_clock_for, layout_name, run_config
 from oases.runtime.optim import lr_at
 from oases.runtime.preempt import StopSignals, host_group
 from oases.runtime.profiling import StepProfiler
-from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_shape, resume,
-                                  trim_metrics)
+from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_section,
+                                  model_shape, resume, trim_metrics)
+from oases.runtime.run_dir import RunLock, check_shared
 from oases.runtime.step import evaluate, train_step
 
 __all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics",
@@ -130,23 +132,53 @@ def run(cfg: Config) -> None:
     cuda_note = "" if device.type != "cuda" else \
         f"{order}; {error_handling()}" if backend == "nccl" else order
     use_tf32(device)
-    if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
-        if int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    # rank 0 holds the run directory's lock from the run's first write into it to its end
+    lock = RunLock(cfg.out_dir)
+    try:
+        if main:
+            lock.refuse_if_held()  # a double launch stops here, before any work
+        if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
+            if main:
+                check_out_dir(cfg)
+                lock.acquire()  # the search writes plan.yaml
+            searched, par = cfg, cfg.parallel
+            cfg = auto_layout.choose_layout(searched, world, lambda: (
+                _init_torchelastic_attempt(searched),
+                join_world(par.device, par.backend, par.timeout_s)), throwaway_step)
+        layout = resolve_layout(cfg, world) if cfg.parallel.pp > 1 else None
+        if main:
             check_out_dir(cfg)
-        searched, par = cfg, cfg.parallel
-        cfg = auto_layout.choose_layout(searched, world, lambda: (
-            _init_torchelastic_attempt(searched),
-            join_world(par.device, par.backend, par.timeout_s)), throwaway_step)
-    layout = resolve_layout(cfg, world) if cfg.parallel.pp > 1 else None
-    if int(os.environ.get("RANK", "0")) == 0:
-        check_out_dir(cfg)
-    _init_torchelastic_attempt(cfg)
-    ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
-                           cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings),
-                           cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp)
+        _init_torchelastic_attempt(cfg)
+        ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
+                               cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings),
+                               cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp)
+        _run_in_world(cfg, ctx, lock, cuda_note)
+    finally:
+        lock.release()
+
+
+def _claimer(cfg: Config, ctx: ParallelContext, lock: RunLock):
+    """``claim()``: the run's first write into out_dir comes after it (collective, the
+    first call only): rank 0 takes the lock (a run that fails on bad input before it
+    leaves out_dir as it was), and every rank checks that it sees rank 0's lock file."""
+    done = []
+
+    def claim() -> None:
+        if done:
+            return
+        done.append(True)
+        if ctx.is_main:
+            lock.acquire()
+        check_shared(cfg.out_dir, lock.token if ctx.is_main else None)
+    return claim
+
+
+def _run_in_world(cfg: Config, ctx: ParallelContext, lock: RunLock,
+                  cuda_note: str = "") -> None:
     failed = False
     try:
-        _run(cfg, ctx, cuda_note)
+        _run(cfg, ctx, _claimer(cfg, ctx, lock), cuda_note)
     except (RuntimeError, ckpt.CheckpointException) as e:
         if not _collective_failure(e):
             raise
@@ -179,7 +211,11 @@ def _collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
 
 
-def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
+def _run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = lambda: None,
+         cuda_note: str = "") -> None:
+    """The run on this rank; ``claim()`` before its first write into out_dir
+    (:func:`_claimer`); ``cuda_note``: the start-up line's words on CUDA's and NCCL's
+    settings (empty off CUDA)."""
     # CPU kernels used here are deterministic already (the resume test checks bit-exact
     # curves); torch.use_deterministic_algorithms would cost an inductor import per process.
     out = Path(cfg.out_dir)
@@ -195,6 +231,8 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
                          cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches)
     degrees = None
     if ctx.layout is None:  # per-block TP degrees, or None: all at tp
+        if cfg.parallel.plan == "auto":
+            claim()  # the planner writes plan.yaml and profile.json
         planned = cfg
         cfg, degrees = resolve_plan(planned, ctx,
                                     lambda d, n: time_throwaway(
@@ -223,7 +261,7 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
         return evaluate(model, val, cfg, ctx, state.pipe)
 
     if cfg.eval.only:
-        eval_only(cfg, ctx, model, opt, val, run_eval, reducer.shards)
+        eval_only(cfg, ctx, model, opt, val, run_eval, reducer.shards, claim)
         return
 
     start, skipped, resumed = 0, 0, False  # skipped: non-finite steps left out
@@ -231,7 +269,10 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
         meta = resume(cfg, ctx, model, opt, batches, tracker, reducer.shards)
         if meta is not None:
             start, skipped, resumed = meta["step"], int(meta.get("skipped_steps", 0)), True
+    claim()  # everything above only read
     if ctx.is_main:
+        if cfg.resume == "auto":  # records past the checkpoint (or of a run never saved)
+            trim_metrics(cfg.out_dir, start)
         save_config(cfg, out / "config.yaml")
 
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_len
@@ -255,7 +296,7 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
         if cuda_note:
             print(f"cuda: {cuda_note}", flush=True)
 
-    saver = ckpt.AsyncSaver() if cfg.checkpoint.async_save else None
+    saver = ckpt.AsyncSaver(par.timeout_s) if cfg.checkpoint.async_save else None
 
     def save(step: int):
         # never replace a good checkpoint by a broken one
@@ -265,8 +306,9 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
                       flush=True)
             return None
         meta = {"step": step, "data": batches.state_dict(), "model_shape": model_shape(cfg),
-                **layout_meta(ctx), "padded_vocab_size": cfg.padded_vocab_size,
-                "skipped_steps": skipped, "sub_batches": cfg.sub_batches}
+                "model": model_section(cfg), "corpus": batches.corpus, **layout_meta(ctx),
+                "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": skipped,
+                "sub_batches": cfg.sub_batches}
         # each rank writes what it owns (ZeRO: its ranges of the buckets), nothing gathered
         write = ckpt.save if saver is None else saver.save
         path = write(cfg.out_dir, step, model, opt, ctx, meta, tracker.get_states(),
@@ -330,8 +372,10 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
                 saver.poll()
             done = step + 1
             if not (math.isfinite(loss) and math.isfinite(norm)):  # train_step did not update
-                last = ckpt.latest_name(cfg.out_dir) or "none"
                 if cfg.train.on_nonfinite == "stop":
+                    if saver is not None:  # the good checkpoint in flight is published first
+                        saver.close()
+                    last = ckpt.latest_name(cfg.out_dir) or "none"
                     raise NonFiniteError(
                         f"step {done}: non-finite loss ({loss}) or gradient norm ({norm}); "
                         f"stopped before updating the weights (train.on_nonfinite=stop); last "
@@ -381,6 +425,8 @@ def _run(cfg: Config, ctx: ParallelContext, cuda_note: str = "") -> None:
         if saver is not None:
             saver.wait()
     finally:
+        if saver is not None:  # an error or Ctrl-C: the save in flight is still published
+            saver.close()
         stop.__exit__(None, None, None)
         noop.__exit__(None, None, None)
         prof.close()
