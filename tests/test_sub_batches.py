@@ -46,6 +46,7 @@ def test_the_fastest_wins_only_by_a_margin():
     assert S._fastest({1: 0.50, 2: 0.90, 4: 0.80}) == 1
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_what_needs_no_measuring(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "_measure", lambda *a, **k: pytest.fail("measured"))
     cfg, words = S.resolve(_cfg("parallel.schedule=megatron", "parallel.recompute=full"),
@@ -60,11 +61,12 @@ def test_what_needs_no_measuring(tmp_path, monkeypatch):
     cfg, words = S.resolve(_cfg("parallel.tp=2", "train.micro_batch_size=1"), _ctx(2), None)
     assert words == "1 sub-batch (auto, the only count the micro-batch takes)"
     # a resumed run takes its checkpoint's count
+    import torch.distributed.checkpoint as dcp
+
     out = tmp_path / "run"
     step = out / "checkpoints" / "step_000004"
-    step.mkdir(parents=True)
+    dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(step), no_dist=True)  # a readable one
     (step / "meta.json").write_text(json.dumps({"step": 4, "sub_batches": 1}))
-    (step / ".metadata").write_bytes(b"")
     (out / "checkpoints" / "latest").write_text("step_000004\n")
     cfg, words = S.resolve(_cfg("parallel.tp=2", f"out_dir={out}", "resume=auto"), _ctx(2),
                            None)

@@ -38,7 +38,8 @@ from oases.errors import ConfigError
 from oases.parallel.groups import ParallelContext
 from oases.planner.calibrate import timed_call
 from oases.planner.plan_file import batch_divisor, load_plan
-from oases.runtime import checkpoint as ckpt
+from oases.errors import CheckpointError
+from oases.runtime.ckpt_files import find_checkpoint, read_meta
 from oases.runtime.build import throwaway_step
 
 CANDIDATES = (1, 2, 4)
@@ -114,9 +115,9 @@ def _resumed(cfg: Config) -> Optional[int]:
     if cfg.resume != "auto":
         return None
     try:
-        path = ckpt.latest_checkpoint(cfg.out_dir)
-        return None if path is None else ckpt.read_meta(path).get("sub_batches")
-    except ckpt.CheckpointError:  # resume itself says what is wrong, in one line
+        path, _ = find_checkpoint(cfg.out_dir)  # the one resume takes (it says why, once)
+        return None if path is None else read_meta(path).get("sub_batches")
+    except CheckpointError:  # resume itself says what is wrong, in one line
         return None
 
 
