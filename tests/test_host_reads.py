@@ -99,9 +99,10 @@ def _body(ctx, engine: str) -> None:
         assert where.startswith("step.py:"), reads.calls
 
 
-@pytest.mark.parametrize("engine,world,tp", [("megatron", 2, 1), ("oases", 4, 2)])
+@pytest.mark.parametrize("engine,world,tp", [("megatron", 2, 1), ("oases", 2, 2)])
 def test_a_step_reads_the_host_once(engine, world, tp):
-    """dp = 2: the token count is a DP sum; a masked batch's too."""
+    """megatron at dp = 2 (the token count, a masked batch's too, is a DP sum), oases at
+    tp = 2 (the engine's sub-batches, collectives and recompute)."""
     run_distributed(_body, world=world, tp=tp, args=(engine,))
 
 
