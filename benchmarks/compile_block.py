@@ -44,7 +44,7 @@ MODES = {"eager": (0.0, None), "compiled": (0.0, True), "eager-drop": (0.1, None
 
 def worker(mode: str, batch: int, seq: int, warmup: int, reps: int) -> dict:
     """One mode in this process: compile time (the warm-up steps) and step times."""
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.parallel.compile import compile_blocks
 

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.lib import driver
 from benchmarks.lib.machine import machine_info
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.parallel.groups import ParallelContext
 from oases.runtime.generate import generate

@@ -11,7 +11,7 @@ gloo, the stage's tp group = the world; one intra-op thread per rank, as on the
 emulated cluster) in fresh processes and, on each, runs exactly what a pipelined
 rank runs,
 
-    models.build_model(cfg.model, cfg.padded_vocab(2), tp_group, seed=cfg.seed, stage=(a, b))
+    oases.models.build_model(cfg.model, cfg.padded_vocab(2), tp_group, seed=cfg.seed, stage=(a, b))
 
 and measures
 
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
     import torch.distributed as dist
 
     init_gloo(rank, world, store_path)
-    import models
+    import oases.models
     from oases.config import load_config
 
     cfg = load_config(None, [f"model.name={model_name}", f"parallel.tp={world}"]).validate(world)
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
     hwm_reset = reset_peak(strict=False)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    model = models.build_model(cfg.model, cfg.padded_vocab(world), tp_group, seed=cfg.seed,
+    model = oases.models.build_model(cfg.model, cfg.padded_vocab(world), tp_group, seed=cfg.seed,
                                stage=stage)
     build_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,7 +146,7 @@ def expected_stage_bytes(model_name: str, stage: tuple, tp: int) -> int:
     """Parameter bytes of one rank of the stage, from the meta-device model (no memory)."""
     import torch
 
-    import models
+    import oases.models
     from oases.config import load_config
 
     cfg = load_config(None, [f"model.name={model_name}", f"parallel.tp={tp}"]).validate(tp)
@@ -268,7 +268,7 @@ def write_markdown(path: Path, meta: dict, results: dict, extra: dict) -> None:
          f"2 ranks add ~2).", "",
          f"Command: `{meta['command']}` ({meta['elapsed_min']:.1f} min).", "",
          f"Each case spawns the 2 ranks of one stage's TP group (world 2, gloo, one thread "
-         f"each) in fresh processes; each rank runs `models.build_model(cfg.model, "
+         f"each) in fresh processes; each rank runs `oases.models.build_model(cfg.model, "
          f"cfg.padded_vocab(2), tp_group, seed=cfg.seed, stage=(a, b))` for `{meta['model']}` "
          f"({meta['n_layer']} layers). Figures of rank 0; time = median over "
          f"{meta['repeats']} builds, memory = the largest. Peak increase = VmHWM (reset before "

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.overlap.engines import build_schedule
 from oases.overlap.memory import SavedTensorMeter

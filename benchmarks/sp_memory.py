@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, store: str, overrides: list, mbs: int, out: s
     init_gloo(rank, world, store)
     import torch  # deferred: the parent only spawns
 
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.overlap.engines import build_schedule
     from oases.overlap.memory import SavedTensorMeter

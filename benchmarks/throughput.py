@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.parallel.groups import init_distributed

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from models.common import CausalLM
-from models.gpt import GPT
-from models.llama import Llama, Mistral, Qwen2
+from oases.models.common import CausalLM
+from oases.models.gpt import GPT
+from oases.models.llama import Llama, Mistral, Qwen2
 from oases.config import ModelConfig
 from oases.parallel.comm import group_rank, group_size
 from oases.parallel.random import TPRNGTracker

@@ -1,5 +1,5 @@
 """The residual block and the tensor-parallel attention block (GQA, RoPE, q/k/v biases,
-sliding windows, document masks); :mod:`models.decode` reuses its steps."""
+sliding windows, document masks); :mod:`oases.models.decode` reuses its steps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.rope import Rotary
+from oases.models.rope import Rotary
 from oases.config import ModelConfig
 from oases.config.heads import heads_problem, local_kv_heads
 from oases.parallel.block import TPBlock

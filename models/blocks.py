@@ -1,5 +1,5 @@
 """The MLP blocks, the embeddings and the layer containers GPT and LLaMA are made of
-(the attention block: :mod:`models.attention`)."""
+(the attention block: :mod:`oases.models.attention`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import ResidualBlock
+from oases.models.attention import ResidualBlock
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

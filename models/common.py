@@ -1,4 +1,4 @@
-"""The causal LM every architecture subclasses (its blocks: models.attention, models.blocks).
+"""The causal LM every architecture subclasses (its blocks: oases.models.attention, oases.models.blocks).
 
 Parameter names are stable across TP degrees and pipeline stages (they key
 initialisation, checkpoints and HF import; ``i`` is the layer's index in the whole
@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import ParallelAttention
-from models.blocks import LayerStack, TiedEmbedding, TokenEmbedding, TransformerLayer
-from models.decode import KVCache, decode, new_kv_cache
-from models.documents import document_mask
-from models.rope import Rotary
+from oases.models.attention import ParallelAttention
+from oases.models.blocks import LayerStack, TiedEmbedding, TokenEmbedding, TransformerLayer
+from oases.models.decode import KVCache, decode, new_kv_cache
+from oases.models.documents import document_mask
+from oases.models.rope import Rotary
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
@@ -251,7 +251,7 @@ class CausalLM(nn.Module):
                last_only: bool = False) -> torch.Tensor:
         """(B, t) token ids appended to ``cache`` -> (B, t, vocab_size) logits (gathered
         over TP, padding removed; ``last_only``: (B, 1, vocab_size), the last slot's);
-        see :func:`models.decode.decode`."""
+        see :func:`oases.models.decode.decode`."""
         return decode(self, ids, cache, pad, last_only)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

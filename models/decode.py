@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from models.attention import window_mask
+from oases.models.attention import window_mask
 from oases.parallel.comm import gather_from_tp, reduce_from_tp
 
 

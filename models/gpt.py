@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models.blocks import GeluMLP
-from models.common import CausalLM
-from models.norms import LayerNorm
+from oases.models.blocks import GeluMLP
+from oases.models.common import CausalLM
+from oases.models.norms import LayerNorm
 
 
 class GPT(CausalLM):

@@ -5,15 +5,15 @@ attention; Qwen2 adds q/k/v biases, Mistral a sliding attention window
 With tensor parallelism the kv heads are split over the ranks while ``parallel.tp``
 divides ``model.n_kv_heads``; above that each kv head is replicated on the
 ``tp / n_kv_heads`` ranks whose query heads use it, and its gradient summed over
-them once per step (oases.config.heads, models.attention.ParallelAttention).
+them once per step (oases.config.heads, oases.models.attention.ParallelAttention).
 """
 
 from __future__ import annotations
 
-from models.blocks import SwiGLUMLP
-from models.common import CausalLM
-from models.norms import RMSNorm
-from models.rope import Rotary
+from oases.models.blocks import SwiGLUMLP
+from oases.models.common import CausalLM
+from oases.models.norms import RMSNorm
+from oases.models.rope import Rotary
 
 
 class Llama(CausalLM):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.overlap.engines import OasesSchedule
 from oases.overlap.memory import SavedTensorMeter

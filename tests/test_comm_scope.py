@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.parallel.comm import (CommCounter, NoopCollectives, all_gather_to_tp, column_linear,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
 from oases.overlap.engines import MegatronSchedule, OasesSchedule

@@ -130,8 +130,8 @@ def test_attention_stays_inside_documents():
     """With the document mask, a LLaMA's logits for the second document of a packed row
     are those of that document alone (rotary positions are relative); without an EOS
     in the row the mask changes nothing."""
-    from models import build_model
-    from models.documents import document_mask
+    from oases.models import build_model
+    from oases.models.documents import document_mask
 
     cfg = load_config(str(ROOT / "configs" / "llama-tiny.yaml"),
                       ["model.seq_len=24", "model.vocab_size=64", "parallel.tp=1"]).validate()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.overlap.engines import MegatronSchedule, OasesSchedule, build_schedule
 from oases.overlap.memory import SavedTensorMeter

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.overlap.engines import build_schedule

@@ -12,7 +12,7 @@ from tests.distributed import run_distributed
 
 
 def _setup(ctx):
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.dp.reducer import GradReducer
     from oases.runtime.data import TrainBatches

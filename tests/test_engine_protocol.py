@@ -192,7 +192,7 @@ def test_layers_enter_the_region_they_are_given():
 
 
 def _close_body(ctx):
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.dp.reducer import GradReducer
 

@@ -147,7 +147,7 @@ def test_nonfinite_skip_counts_and_continues(tmp_path):
 
 def _skip_body(ctx, nan_rank: int):
     """train_step with a NaN injected into one rank's gradient shard at step 2."""
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.dp.reducer import GradReducer
     from oases.runtime.data import TrainBatches

@@ -18,8 +18,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing import assert_close
 
-import models.attention as attention
-from models import build_model
+import oases.models.attention as attention
+from oases.models import build_model
 from oases.config import ConfigError, load_config
 from oases.config.schema import resolve_precision
 from oases.planner.api import run_shape

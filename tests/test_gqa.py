@@ -295,8 +295,8 @@ def test_checkpoint_across_tp(tmp_path):
 def _hf_body(rank: int, hf_dir: str, ids, ref_logits, out: str) -> None:
     from pathlib import Path
 
-    from models import build_model
-    from models.hf import hf_state_dict, load_hf_weights
+    from oases.models import build_model
+    from oases.models.hf import hf_state_dict, load_hf_weights
     from oases.config import load_config
     from oases.parallel.groups import build_context
     from oases.parallel.sharding import shard

@@ -36,8 +36,8 @@ from torch.testing import assert_close  # noqa: E402
 from transformers import (AutoModelForCausalLM, BertConfig, GPT2Config,  # noqa: E402
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
 
-from models import build_model  # noqa: E402
-from models.hf import load_hf_weights  # noqa: E402
+from oases.models import build_model  # noqa: E402
+from oases.models.hf import load_hf_weights  # noqa: E402
 from oases.config import load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import CheckpointError, ConfigError  # noqa: E402

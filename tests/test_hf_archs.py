@@ -26,9 +26,9 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,  
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
-from models import build_model  # noqa: E402
-from models.hf import export_hf, load_hf_weights  # noqa: E402
-from models.rope import Rotary, rope_inv_freq  # noqa: E402
+from oases.models import build_model  # noqa: E402
+from oases.models.hf import export_hf, load_hf_weights  # noqa: E402
+from oases.models.rope import Rotary, rope_inv_freq  # noqa: E402
 from oases.config import ModelConfig, load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import ConfigError  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.parallel.sharding import TPSpec, init_parameters, shard, unshard
 from tests.distributed import run_distributed

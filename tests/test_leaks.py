@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from tests.distributed import run_distributed

@@ -86,7 +86,7 @@ class _Rows:
 def _reference(cfg, x, y):
     """Loss and gradients of one cross-entropy mean over the counted targets of the
     whole batch, unsharded, plain autograd."""
-    from models import build_model
+    from oases.models import build_model
 
     model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=SEED)
     logits = model(x)[..., : cfg.model.vocab_size]  # targets None: the logits
@@ -98,7 +98,7 @@ def _reference(cfg, x, y):
 
 def _naive(cfg, x, y, pieces: int) -> float:
     """The mean of the pieces' token means (rows cut into ``pieces`` equal pieces)."""
-    from models import build_model
+    from oases.models import build_model
 
     model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=SEED)
     with torch.no_grad():
@@ -120,7 +120,7 @@ def _check(model, ctx, loss: float, ref_loss: float, ref_grads: dict, what: str)
 def _step_body(ctx, ref: tuple) -> None:
     """One train_step per engine at dp=2 x tp=2, 2 micro-batches of 4 rows (the oases
     engine cuts each into 2 sub-batches)."""
-    from models import build_model
+    from oases.models import build_model
     from oases.dp.reducer import GradReducer
     from oases.overlap.engines import build_schedule
     from oases.runtime.optim import build_optimizer
@@ -215,7 +215,7 @@ def _val_file(tmp_path, windows: int):
 
 def _val_reference(cfg, path) -> float:
     """Unsharded: the mean cross-entropy over every target of every window of the file."""
-    from models import build_model
+    from oases.models import build_model
 
     model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=SEED)
     tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
@@ -228,7 +228,7 @@ def _val_reference(cfg, path) -> float:
 
 
 def _eval_body(ctx, files: dict) -> None:
-    from models import build_model
+    from oases.models import build_model
     from oases.runtime.data import ValBatches
     from oases.runtime.step import evaluate
 

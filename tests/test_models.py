@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
 from oases.parallel.random import TPRNGTracker
@@ -280,7 +280,7 @@ def test_dropout_rng_and_recompute_tp2():
 
 
 # ---------------------------------------------------------------------------
-# Decoding with a key/value cache (models.decode): a prompt, then one token at a time,
+# Decoding with a key/value cache (oases.models.decode): a prompt, then one token at a time,
 # gives the logits of one full forward over the whole sequence. Same weights, same
 # sums in another grouping (a query's keys in one SDPA call either way), so rounding
 # only: 1e-5 absolute on logits of magnitude ~1.

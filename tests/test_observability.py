@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
 from oases.overlap.megatron import MegatronSchedule

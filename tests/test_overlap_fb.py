@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
 from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,

@@ -49,7 +49,7 @@ def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, grad_accum: int,
 
 def _reference(cfg, steps: int):
     """Losses, norm and gradients (after step 1) of one unsharded process."""
-    from models import build_model
+    from oases.models import build_model
     from oases.dp.reducer import GradReducer
     from oases.parallel.groups import ParallelContext
     from oases.runtime.data import TrainBatches

@@ -25,7 +25,7 @@ DEGREES = [2, 1, 1, 2, 2, 1, 1, 2]  # attn, mlp of 4 layers at T = 2
 
 
 def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.dp.reducer import GradReducer
     from oases.overlap.engines import build_schedule

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.errors import UserError

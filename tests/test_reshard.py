@@ -133,7 +133,7 @@ def _batch(consumed: int, mbs: int = 4):
 
 
 def _unsharded_model(vocab_rows: int):
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
 
     cfg = load_config(None, BASE).validate(1)

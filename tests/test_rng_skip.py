@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import oases.overlap.runner as runner
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.overlap.engines import MegatronSchedule, OasesSchedule
 from oases.overlap.rng_streams import draws_random

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.overlap.engines import OasesSchedule
 from oases.overlap.runner import OasesRun, run_joint

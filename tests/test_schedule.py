@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
 from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore, build_schedule,

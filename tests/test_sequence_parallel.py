@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import build_model
+from oases.models import build_model
 from oases.config import load_config
 from oases.dp.replicas import SequenceGradSum
 from oases.errors import ConfigError

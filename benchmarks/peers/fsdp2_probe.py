@@ -33,7 +33,7 @@ def _worker(rank: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.overlap.engines import build_schedule
 

@@ -14,7 +14,7 @@ fall). Checks, per peer:
     reported too);
   * the initial full (gathered) weights at tp=2 equal those at tp=1 (deterministic init);
   * the step-1 gradient norm (before clipping) at tp=2 equals the one at tp=1 (relative 1e-4);
-  * oases' GPT (models.build_model, tp=1) loaded with the peer's initial weights gives the
+  * oases' GPT (oases.models.build_model, tp=1) loaded with the peer's initial weights gives the
     peer's step-1 loss within 1e-4 and its gradient norm within a relative 1e-4 on the same
     batch, and has the same parameter count:
     the peer is the same function as oases' model, not just the same size.
@@ -61,7 +61,7 @@ def oases_loss(init_path: str) -> tuple[float, float, int]:
     """oases' GPT at tp=1 with the peer's weights: loss and gradient norm on the step-0
     batch, and the parameter count."""
     from benchmarks.peers._common import batch
-    from models import build_model
+    from oases.models import build_model
     from oases.config import load_config
     from oases.runtime.optim import grad_norm
 

@@ -7,7 +7,7 @@
 The same stage model as ``train.py parallel.pp=2 parallel.tp=2 parallel.schedule=megatron``:
 the layout comes from ``oases.parallel.layout.uniform_layout`` (stage s = ranks s*tp .. s*tp+tp-1,
 TP inside a stage), the groups from ``oases.parallel.groups.build_pipeline_context`` and
-the stage's model from ``oases.runtime.build.model_for`` (``models.build_model(...,
+the stage's model from ``oases.runtime.build.model_for`` (``oases.models.build_model(...,
 stage=(a, b))``; blocking Megatron TP all-reduces inside autograd, ``--recompute``
 full by default, as the ``megatron+full`` baseline). Only the pipeline driver differs:
 each stage is a ``torch.distributed.pipelining.PipelineStage`` (static shapes) on a

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from models.hf import hf_config_dict, hf_layout, hf_tensors, model_fields
+from oases.models.hf import hf_config_dict, hf_layout, hf_tensors, model_fields
 from oases.cli import tokenizer as toks
 from oases.errors import EXIT_USER_ERROR, UserError
 from oases.progress import io_progress

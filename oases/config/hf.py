@@ -1,7 +1,7 @@
 """Read a local Hugging Face model directory's ``config.json`` as oases model fields.
 
 Pure (json only, no torch): ``oases.config`` uses it to resolve
-``model.init_from=hf:<dir>``, and ``models.hf`` to check the weights against it.
+``model.init_from=hf:<dir>``, and ``oases.models.hf`` to check the weights against it.
 
     hf_model_fields("ckpt/gpt2")  ->  {"arch": "gpt", "n_layer": 12, "d_model": 768, ...}
 
@@ -37,7 +37,7 @@ HF_FIELDS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden",
 # ... of which a GPT (learned positions) has no use
 GPT_UNUSED = ("rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_len")
-# the RoPE types oases reproduces (models.rope), by transformers' names
+# the RoPE types oases reproduces (oases.models.rope), by transformers' names
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 # RoPE and window fields where a config says nothing (original_max_len: the model's length)
 ROPE_DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_low_freq_factor=1.0,

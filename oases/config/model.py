@@ -40,7 +40,7 @@ class ModelConfig(_Section):
     seq_len: Optional[int] = None
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
-    # RoPE frequency scaling (models.rope), as transformers' rope_type: "default" (none),
+    # RoPE frequency scaling (oases.models.rope), as transformers' rope_type: "default" (none),
     # "linear" (factor), "dynamic" (NTK; factor, original_max_len >= seq_len) or
     # "llama3" (factor, low/high_freq_factor, original_max_len)
     rope_type: Optional[str] = None

@@ -17,7 +17,7 @@ nothing has share 0 (its mean is 0 and its gradient too); a batch that counts
 nothing has the mean 0, as the model's own loss over such a batch.
 
 A model says how many terms its mean over ``targets`` has through
-``loss_tokens(targets)`` (:class:`models.common.CausalLM` counts the targets that
+``loss_tokens(targets)`` (:class:`oases.models.common.CausalLM` counts the targets that
 are not ``IGNORE_INDEX``). A model without it (a per-element mean such as MSE over
 pieces of equal size) has its pieces weigh alike: each counts 1.
 """

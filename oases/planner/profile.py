@@ -27,8 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
-from models import ARCHS, build_model
-from models.attention import ParallelAttention
+from oases.models import ARCHS, build_model
+from oases.models.attention import ParallelAttention
 from oases.config import Config, ModelConfig
 from oases.config.heads import local_kv_heads
 from oases.config.schema import resolve_precision

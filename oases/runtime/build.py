@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from models import build_model
+from oases.models import build_model
 from oases.config import Config
 from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum

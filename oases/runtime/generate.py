@@ -5,7 +5,7 @@
                    eos_ids=[0], ctx=ctx)
     out.tokens                                           # (B, n) new tokens, pad after EOS
 
-The loop over the model's KV cache (``models.common.CausalLM.new_kv_cache`` and
+The loop over the model's KV cache (``oases.models.common.CausalLM.new_kv_cache`` and
 ``decode``): the prompts, left-padded to one length, go through ``decode`` once and
 fill the cache; then each step feeds the one token chosen per row. Each rank holds the
 cache of its own heads; ``decode`` returns logits gathered over TP, so every rank sees
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from models import build_model
-from models.hf import load_hf_weights
+from oases.models import build_model
+from oases.models.hf import load_hf_weights
 from oases.config import Config, ModelConfig, load_config
 from oases.config.typed_yaml import build_dataclass
 from oases.errors import CheckpointError, ConfigError, UserError

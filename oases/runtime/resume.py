@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from models.hf import load_hf_weights
+from oases.models.hf import load_hf_weights
 from oases.config import Config
 from oases.config.hf import hf_dir_of
 from oases.dp.ownership import ZeroOwnership

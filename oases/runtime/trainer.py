@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from models import model_stats
+from oases.models import model_stats
 from oases.config import Config, save_config
 from oases.config.schema import resolve_precision
 from oases.errors import CollectiveError, NonFiniteError, Preempted, UserError
@@ -47,7 +47,7 @@ from oases.runtime.resume import (eval_only, layout_meta, load_init_from, model_
 from oases.runtime.run_dir import RunLock, check_shared
 from oases.runtime.step import evaluate, train_step
 
-__all__ = ["run", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics",
+__all__ = ["run", "train", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics",
            "for_device", "use_tf32"]
 
 
@@ -209,6 +209,12 @@ def _collective_failure(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(k in text for k in _COMM_FAILURE)
+
+
+def train(cfg: Config, ctx: ParallelContext) -> None:
+    """The run on this rank, in a world already joined (``ctx``): what :func:`run` does
+    after the process groups exist; tests and benchmarks drive whole runs through it."""
+    _run(cfg, ctx)
 
 
 def _run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = lambda: None,
