@@ -37,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from oases.models.hf import hf_config_dict, hf_layout, hf_tensors, model_fields
+from oases.config.hf import hf_config_dict
+from oases.models.hf import hf_layout, hf_tensors, model_fields
 from oases.cli import tokenizer as toks
 from oases.errors import EXIT_USER_ERROR, UserError
 from oases.progress import io_progress

@@ -42,7 +42,7 @@ class TokenizerSpec:
         return "bytes" if self.kind == "bytes" else self.path
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -50,7 +50,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_hf(path: str):
+def load_hf(path: str):
     try:
         from tokenizers import Tokenizer  # deferred: optional, HF tokenizers only
     except ImportError:
@@ -63,7 +63,7 @@ def _load_hf(path: str):
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def _load_tiktoken(path: str):
+def load_tiktoken(path: str):
     try:
         import tiktoken  # deferred: optional, tiktoken files only
         from tiktoken.load import load_tiktoken_bpe  # deferred: as above
@@ -100,16 +100,16 @@ def resolve_tokenizer(name: str, eos_id: Optional[int], bos: str) -> TokenizerSp
         if not p.is_file():
             raise DataError(f"--tokenizer {name} is neither 'bytes' nor an existing "
                             f"tokenizer.json, tokenizer directory or tiktoken BPE file")
-        path, sha = str(p.resolve()), _sha256(p)
+        path, sha = str(p.resolve()), file_sha256(p)
         if _is_tiktoken(p):
-            kind, enc = "tiktoken", _load_tiktoken(path)
+            kind, enc = "tiktoken", load_tiktoken(path)
             vocab, eos, tbos = enc.n_vocab, enc.eot_token, None
         else:
-            kind, tok = "hf", _load_hf(path)
+            kind, tok = "hf", load_hf(path)
             vocab = tok.get_vocab_size(with_added_tokens=True)
             eos = next((tok.token_to_id(t) for t in _EOS_TOKENS
                         if tok.token_to_id(t) is not None), None)
-            tbos = _template_bos(tok)
+            tbos = template_bos(tok)
     if eos_id is not None:
         eos = eos_id
     if eos is None:
@@ -122,7 +122,7 @@ def resolve_tokenizer(name: str, eos_id: Optional[int], bos: str) -> TokenizerSp
     return TokenizerSpec(kind, path, vocab, eos, bos_id, sha)
 
 
-def _template_bos(tok) -> Optional[int]:
+def template_bos(tok) -> Optional[int]:
     """The special token the tokenizer's template puts before a text (LLaMA's ``<s>``),
     if any: what ``add_special_tokens=True`` adds in front of an empty text."""
     enc = tok.encode("", add_special_tokens=True)
@@ -137,8 +137,8 @@ class Encoder:
         if not parallel:  # one worker per core already: no thread pool inside each
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.spec = spec
-        self._hf = _load_hf(spec.path) if spec.kind == "hf" else None
-        self._tt = _load_tiktoken(spec.path) if spec.kind == "tiktoken" else None
+        self._hf = load_hf(spec.path) if spec.kind == "hf" else None
+        self._tt = load_tiktoken(spec.path) if spec.kind == "tiktoken" else None
 
     def _ids(self, texts: list[str]) -> list[np.ndarray]:
         if self._hf is not None:

@@ -33,8 +33,8 @@ from typing import Optional
 
 import yaml
 
-from oases.cli.prepare_encode import (TIKTOKEN_PATTERN, _load_hf, _load_tiktoken, _sha256,
-                                      _template_bos, resolve_tokenizer)
+from oases.cli.prepare_encode import (TIKTOKEN_PATTERN, load_hf, load_tiktoken, file_sha256,
+                                      template_bos, resolve_tokenizer)
 from oases.errors import DataError, UserError
 from oases.runtime.tokens import read_meta, resolve
 
@@ -117,9 +117,9 @@ def load(kind: str, path: str, eos_id: Optional[int], bos_id: Optional[int]) -> 
         return Tok(_bytes_tokenizer(), eos_id, bos_id, "bytes",
                    lambda s: list(s.encode("utf-8")))
     if kind == "tiktoken":
-        enc = _load_tiktoken(path)
+        enc = load_tiktoken(path)
         return Tok(_tiktoken_tokenizer(path), eos_id, bos_id, path, enc.encode_ordinary)
-    tok = _load_hf(path)
+    tok = load_hf(path)
     return Tok(tok, eos_id, bos_id, path, chat_template=_chat_template(Path(path)),
                more_eos=tuple(hf_eos(Path(path).parent)))
 
@@ -169,7 +169,7 @@ def recorded(run_dir: Path) -> Optional[Tok]:
         f = Path(path)
         if not f.is_file():
             raise UserError(f"tokenizer {path} (recorded for {p}) does not exist; {_PASS}")
-        if sha and _sha256(f) != sha:
+        if sha and file_sha256(f) != sha:
             raise UserError(f"tokenizer {path} has changed since {p} was prepared (sha256 "
                             f"differs); {_PASS}")
     eos, bos = meta.get("eos_id"), meta.get("bos_id")
@@ -252,7 +252,7 @@ def write_hf_files(t: Tok, out: Path, vocab_size: int, seq_len: int) -> None:
     tk, tf, _ = _hf()
     check_fits(t, vocab_size)
     tok = t.tok
-    if t.bos_id is not None and _template_bos(tok) != t.bos_id:
+    if t.bos_id is not None and template_bos(tok) != t.bos_id:
         tok = _with_bos(tk, tok, t.bos_id, t.source)
     eos = _special(tok, t.eos_id)
     fast = tf.PreTrainedTokenizerFast(

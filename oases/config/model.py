@@ -6,13 +6,14 @@ A named size (:mod:`oases.config.sizes`) or a Hugging Face ``config.json``
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from oases.config.hf import ROPE_DEFAULTS, ROPE_TYPES, apply_init_from
-from oases.config.section import _choice, _positive, _Section
-from oases.config.sizes import MODEL_SIZES
+from oases.config.archs import arch_names, find_arch, get_arch
+from oases.config.hf import apply_init_from
+from oases.config.hf_json import ROPE_DEFAULTS, ROPE_TYPES
+from oases.config.section import choice, positive, Section
+from oases.config.sizes import find_size
 from oases.errors import ConfigError
 
 # The model fields that fix the parameters' shapes: a checkpoint or a plan made for one
@@ -20,16 +21,16 @@ from oases.errors import ConfigError
 SHAPE_KEYS = ("arch", "n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
               "seq_len", "tie_embeddings", "bias")
 
-ARCHS = ("gpt", "llama", "qwen2", "mistral")
 # what a field neither the size nor config.json sets defaults to
 _DEFAULTS = dict(ROPE_DEFAULTS, sliding_window=0)
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     # A named size from oases.config.sizes; any field left None is taken from it.
     name: str = "gpt-tiny"
-    # "gpt" | "llama" | "qwen2" (LLaMA + q/k/v biases) | "mistral" (LLaMA + sliding_window)
+    # a registered architecture (oases.config.archs): "gpt" | "llama" | "qwen2" (LLaMA +
+    # q/k/v biases) | "mistral" (LLaMA + sliding_window) | one a project registers
     arch: Optional[str] = None
     n_layer: Optional[int] = None
     d_model: Optional[int] = None
@@ -66,62 +67,55 @@ class ModelConfig(_Section):
         named size, then the defaults."""
         if self.init_from:
             apply_init_from(self)
-        if self.name not in MODEL_SIZES:
-            near = difflib.get_close_matches(self.name, MODEL_SIZES, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"model.name={self.name!r} is not a known size{hint}; "
-                              f"known: {', '.join(MODEL_SIZES)}")
-        size = MODEL_SIZES[self.name]
+        size = find_size(self.name)
         kv_given = self.n_kv_heads is not None
         for k, v in {**_DEFAULTS, **size}.items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
         if self.rope_original_max_len is None:
             self.rope_original_max_len = self.seq_len
-        if not kv_given and self.arch == "gpt":
-            self.n_kv_heads = self.n_head  # GPT has no GQA: follow an overridden n_head
+        spec = find_arch(self.arch)  # None: validate names the unknown arch
+        if not kv_given and spec is not None and not spec.gqa:
+            self.n_kv_heads = self.n_head  # no GQA (GPT): follow an overridden n_head
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     def validate(self) -> None:
-        _choice("model.arch", self.arch, ARCHS)
+        spec = get_arch(self.arch)  # an unknown arch: an error naming the near miss
         for k in ("n_layer", "d_model", "n_head", "n_kv_heads", "ffn_hidden", "vocab_size",
                   "seq_len", "vocab_pad_to"):
-            _positive(f"model.{k}", getattr(self, k))
+            positive(f"model.{k}", getattr(self, k))
         if self.d_model % self.n_head:
             raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
                               f"model.n_head={self.n_head}")
         if self.n_head % self.n_kv_heads:
             raise ConfigError(f"model.n_head={self.n_head} is not divisible by "
                               f"model.n_kv_heads={self.n_kv_heads}")
-        if self.arch == "gpt" and self.n_kv_heads != self.n_head:
-            raise ConfigError("model.n_kv_heads must equal model.n_head for arch=gpt")
-        if self.arch != "gpt" and self.head_dim % 2:
+        if not spec.gqa and self.n_kv_heads != self.n_head:
+            raise ConfigError(f"model.n_kv_heads must equal model.n_head for arch={self.arch}")
+        if spec.rotary and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
-        if self.arch == "qwen2" and self.bias:
-            raise ConfigError("model.bias=true is not supported for arch=qwen2 (Qwen2 has "
-                              "q/k/v biases only, and always)")
-        if self.arch == "mistral" and self.bias:
-            raise ConfigError("model.bias=true is not supported for arch=mistral (Mistral "
-                              "has no projection biases)")
+        if spec.bias_refused and self.bias:
+            raise ConfigError(f"model.bias=true is not supported for arch={self.arch} "
+                              f"({spec.bias_refused})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        _positive("model.init_std", self.init_std)
-        _positive("model.norm_eps", self.norm_eps)
-        _positive("model.rope_theta", self.rope_theta)
-        self._validate_rope_and_window()
+        positive("model.init_std", self.init_std)
+        positive("model.norm_eps", self.norm_eps)
+        positive("model.rope_theta", self.rope_theta)
+        self._validate_rope_and_window(spec)
 
-    def _validate_rope_and_window(self) -> None:
-        _choice("model.rope_type", self.rope_type, ROPE_TYPES)
-        if self.arch == "gpt" and self.rope_type != "default":
-            raise ConfigError(f"model.rope_type={self.rope_type!r}: arch=gpt has learned "
-                              f"positions, no RoPE")
-        _positive("model.rope_factor", self.rope_factor)
-        _positive("model.rope_original_max_len", self.rope_original_max_len)
+    def _validate_rope_and_window(self, spec) -> None:
+        choice("model.rope_type", self.rope_type, ROPE_TYPES)
+        if spec.learned_positions and self.rope_type != "default":
+            raise ConfigError(f"model.rope_type={self.rope_type!r}: arch={self.arch} has "
+                              f"learned positions, no RoPE")
+        positive("model.rope_factor", self.rope_factor)
+        positive("model.rope_original_max_len", self.rope_original_max_len)
         if self.rope_type == "llama3":
-            _positive("model.rope_low_freq_factor", self.rope_low_freq_factor)
+            positive("model.rope_low_freq_factor", self.rope_low_freq_factor)
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} "
                                   f"must exceed model.rope_low_freq_factor="
@@ -130,7 +124,9 @@ class ModelConfig(_Section):
             raise ConfigError(f"model.seq_len={self.seq_len} exceeds model.rope_original_max_"
                               f"len={self.rope_original_max_len}: rope_type=dynamic would "
                               f"rescale its frequencies by length, which oases does not do")
-        _positive("model.sliding_window", self.sliding_window, allow_zero=True)
-        if self.sliding_window and self.arch != "mistral":
-            raise ConfigError(f"model.sliding_window={self.sliding_window} needs arch=mistral "
-                              f"(arch={self.arch} attends to every earlier token)")
+        positive("model.sliding_window", self.sliding_window, allow_zero=True)
+        if self.sliding_window and not spec.sliding_window:
+            windowed = [a for a in arch_names() if get_arch(a).sliding_window]
+            raise ConfigError(f"model.sliding_window={self.sliding_window} needs arch="
+                              f"{' or '.join(windowed)} (arch={self.arch} attends to every "
+                              f"earlier token)")

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from oases.config.section import _choice, _Section
+from oases.config.section import choice, Section
 from oases.errors import ConfigError
 
 
 @dataclass
-class WandbConfig(_Section):
+class WandbConfig(Section):
     mode: str = "offline"           # "offline" | "online" | "disabled"
     project: str = "oases"
     name: str = ""                  # run name; default: the out_dir's name
@@ -22,13 +22,13 @@ class WandbConfig(_Section):
     notes: str = ""
 
     def validate(self) -> None:
-        _choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
+        choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
         if not isinstance(self.tags, list) or not all(isinstance(t, str) for t in self.tags):
             raise ConfigError(f"wandb.tags={self.tags!r} must be a list of strings")
 
 
 @dataclass
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     tensorboard: bool = False       # also write the scalars to <out_dir>/tensorboard
     # time every TP collective's wait and lifetime (tp_comm_exposed_s, tp_comm_hidden_frac;
     # oases.overlap.comm_clock): a few stamps and a completion callback per collective
@@ -39,7 +39,7 @@ class MetricsConfig(_Section):
 
 
 @dataclass
-class ProfileConfig(_Section):
+class ProfileConfig(Section):
     # [a, b]: record optimizer steps a..b (1-based, inclusive) with torch.profiler on
     # every rank to <out_dir>/profile/rank<k>.json. Empty: no profiling.
     steps: list = field(default_factory=list)

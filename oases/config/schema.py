@@ -25,7 +25,7 @@ from oases.config.blend_spec import check_blend
 from oases.config.heads import heads_problem
 from oases.config.model import SHAPE_KEYS, ModelConfig
 from oases.config.observe import MetricsConfig, ProfileConfig, WandbConfig
-from oases.config.section import _choice, _positive, _Section
+from oases.config.section import choice, positive, Section
 from oases.config.typed_yaml import build_dataclass, set_dotted
 from oases.errors import ConfigError
 
@@ -45,7 +45,7 @@ def resolve_precision(precision: str, device_type: str) -> str:
 
 
 @dataclass
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     tp: int = 1
     # Pipeline stages: the layers are split into pp stages on consecutive blocks of
     # world/pp ranks; each stage is dp x tp (dp = world / (pp x tp)), or its own layout
@@ -120,12 +120,12 @@ class ParallelConfig(_Section):
     plan_trials: int = 1            # uniap/amp: time the k best plans live, run the fastest
 
     def validate(self) -> None:
-        _positive("parallel.tp", self.tp)
-        _positive("parallel.pp", self.pp)
-        _choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
-        _choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
-        _choice("parallel.schedule", self.schedule, ("megatron", "oases"))
-        _choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
+        positive("parallel.tp", self.tp)
+        positive("parallel.pp", self.pp)
+        choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
+        choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
+        choice("parallel.schedule", self.schedule, ("megatron", "oases"))
+        choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute == "fine" and self.schedule != "oases":
@@ -142,25 +142,25 @@ class ParallelConfig(_Section):
         if self.compile not in (False, True, "strict"):
             raise ConfigError(f"parallel.compile={self.compile!r} is not one of false, true, "
                               f"strict")
-        _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
-        _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
+        choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf and NaN too
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be a number of "
                               f"seconds in (0, {MAX_TIMEOUT_S:.0e}] (about three years)")
         if self.nccl_high_priority_tp and (self.backend == "gloo" or self.device == "cpu"):
             raise ConfigError("parallel.nccl_high_priority_tp needs NCCL on CUDA (parallel."
                               f"backend={self.backend}, parallel.device={self.device})")
-        _positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
-        _positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
-        _choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
-        _positive("parallel.plan_trials", self.plan_trials)
+        positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
+        positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
+        choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
+        positive("parallel.plan_trials", self.plan_trials)
         if self.plan_trials > 1 and (self.plan != "auto" or self.plan_search == "tp-only"):
             raise ConfigError("parallel.plan_trials times searched layouts: it needs "
                               "parallel.plan=auto and parallel.plan_search=uniap or amp")
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = 100
     micro_batch_size: int = 8
     grad_accum: int = 1
@@ -177,24 +177,24 @@ class TrainConfig(_Section):
     on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (a clear message) | "skip"
 
     def validate(self) -> None:
-        _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         for k in ("steps", "micro_batch_size", "grad_accum", "log_interval"):
-            _positive(f"train.{k}", getattr(self, k))
-        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("train.lr", self.lr)
-        _positive("train.min_lr", self.min_lr, allow_zero=True)
+            positive(f"train.{k}", getattr(self, k))
+        positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        positive("train.lr", self.lr)
+        positive("train.min_lr", self.min_lr, allow_zero=True)
         if not self.min_lr <= self.lr:
             raise ConfigError(f"train.min_lr={self.min_lr} is larger than train.lr={self.lr}")
-        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
-        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        positive("train.grad_clip", self.grad_clip, allow_zero=True)
         for k in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 raise ConfigError(f"train.{k}={getattr(self, k)} must be in [0, 1)")
-        _choice("train.precision", self.precision, PRECISIONS)
+        choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     kind: str = "synthetic"         # "synthetic" | "tokens"
     train_path: str = ""            # token file, DIR/train, Megatron prefix, glob (docs/data.md)
     # Or a blend of token files: a list of {path: FILE, weight: W}; weights > 0 are
@@ -211,8 +211,8 @@ class DataConfig(_Section):
         return check_blend(self.train_paths, check_files)
 
     def validate(self) -> None:
-        _choice("data.kind", self.kind, ("synthetic", "tokens"))
-        _choice("data.dtype", self.dtype, ("uint16", "uint32"))
+        choice("data.kind", self.kind, ("synthetic", "tokens"))
+        choice("data.dtype", self.dtype, ("uint16", "uint32"))
         if self.train_paths is not None:
             if self.train_path:
                 raise ConfigError("data.train_path and data.train_paths are both set; keep one "
@@ -223,26 +223,26 @@ class DataConfig(_Section):
 
 
 @dataclass
-class EvalConfig(_Section):
+class EvalConfig(Section):
     interval: int = 0               # run validation every N steps (0: never); also at the end
     max_batches: int = 8            # val windows used: max_batches x micro_batch_size x dp
     only: bool = False              # evaluate (init_from or resume) and exit, no training
 
     def validate(self) -> None:
-        _positive("eval.interval", self.interval, allow_zero=True)
-        _positive("eval.max_batches", self.max_batches)
+        positive("eval.interval", self.interval, allow_zero=True)
+        positive("eval.max_batches", self.max_batches)
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     interval: int = 0               # save every N steps (0: only at the end)
     keep: int = 2                   # complete checkpoints kept on disk (newest first)
     save_final: bool = True
     async_save: bool = False        # write in the background (DCP async_save), see checkpoints.md
 
     def validate(self) -> None:
-        _positive("checkpoint.interval", self.interval, allow_zero=True)
-        _positive("checkpoint.keep", self.keep)
+        positive("checkpoint.interval", self.interval, allow_zero=True)
+        positive("checkpoint.keep", self.keep)
         if self.async_save and self.keep == 1:  # torchtitan refuses keep_latest_k == 1 alike
             raise ConfigError("checkpoint.keep=1 with checkpoint.async_save=true: keep at least "
                               "2, so a complete checkpoint stays on disk while the next one is "
@@ -250,7 +250,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
-class Config(_Section):
+class Config(Section):
     out_dir: str = "runs/default"
     seed: int = 1234
     resume: str = "none"            # "none" | "auto" (latest complete checkpoint in out_dir)
@@ -313,7 +313,7 @@ class Config(_Section):
                     self.checkpoint, self.wandb, self.metrics):
             sec.validate()
         self.profile.validate(self.train.steps)
-        _choice("resume", self.resume, ("none", "auto"))
+        choice("resume", self.resume, ("none", "auto"))
         if self.eval.only and not self.data.val_path:
             raise ConfigError("eval.only=true needs data.val_path (the token file to evaluate)")
         if not self.out_dir:

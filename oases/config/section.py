@@ -8,7 +8,7 @@ from typing import Any
 from oases.errors import ConfigError
 
 
-class _Section:
+class Section:
     """A config section that can be frozen: once a run has validated its config, every
     value the run derives lives in its state, and a write into the config is a bug that
     fails where it happens (:meth:`Config.freeze`)."""
@@ -23,17 +23,17 @@ class _Section:
     def _set_frozen(self, frozen: bool) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, _Section):
+            if isinstance(v, Section):
                 v._set_frozen(frozen)
         object.__setattr__(self, "_frozen", frozen)
 
 
-def _choice(name: str, value: Any, choices: tuple) -> None:
+def choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
-def _positive(name: str, value, allow_zero: bool = False) -> None:
+def positive(name: str, value, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0  # False for NaN too
     if not ok:
         raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")

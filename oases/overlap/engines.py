@@ -89,11 +89,11 @@ import torch.nn as nn
 from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
-from oases.overlap.rng_streams import _rng_restore, sub_batch_rng_streams  # noqa: F401
+from oases.overlap.rng_streams import rng_restore, sub_batch_rng_streams  # noqa: F401
 from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect,
                                   reduce_buffer, run_joint, run_programs)
 from oases.overlap.sequence import SequencePrograms, gather_seq
-from oases.overlap.state import _BlockState, _Graft, _SubBatch
+from oases.overlap.state import BlockState, ReducedAsPartial, SubBatch
 from oases.parallel.backprop import backward
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
@@ -223,7 +223,7 @@ class OasesSchedule(SequencePrograms):
         # its programs then run in turn (none yields at a one-rank collective: collect).
         n = 1 if self.whole_when_alone and alone and not rng else self.n
         tgts = targets.chunk(n) if targets is not None else [None] * n
-        subs = [_SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
+        subs = [SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
                 in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home = getattr(model, "home_degree", blocks[0].degree)
@@ -231,7 +231,7 @@ class OasesSchedule(SequencePrograms):
         return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
                         input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3)
 
-    def _program(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
+    def _program(self, run: OasesRun, sb: SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
         run.forwards_left -= 1
         if run.forwards_left == 0:  # every sub-batch's activations are saved now
@@ -295,7 +295,7 @@ class OasesSchedule(SequencePrograms):
         (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
         return gathered
 
-    def _forward(self, run: OasesRun, sb: _SubBatch) -> Program:
+    def _forward(self, run: OasesRun, sb: SubBatch) -> Program:
         model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
@@ -308,7 +308,7 @@ class OasesSchedule(SequencePrograms):
             if x.is_floating_point():
                 x = yield from self._to_degree(model, x, prev, blk.degree)
             keep = self.recompute == "none" or i not in in_group
-            st = _BlockState()
+            st = BlockState()
             if i == 0 and not run.input_grad:  # token ids into the embedding
                 x_in = x
             else:
@@ -343,7 +343,7 @@ class OasesSchedule(SequencePrograms):
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
 
-    def _block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool, st: _BlockState,
+    def _block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool, st: BlockState,
                name: str) -> Program:
         """Block i of a sub-batch, forward: partial, all-reduce, combine; returns its
         output. ``keep``: its graph stays live (else the ``fine`` stash is kept)."""
@@ -357,7 +357,7 @@ class OasesSchedule(SequencePrograms):
             if self.recompute == "fine":
                 st.saved_r = run.stash(reduced, "reduced input (the all-reduced partial sum)")
         with self._enter(i, span=f"{name} C{i}"), torch.set_grad_enabled(keep), run.amp():
-            out = blk.combine(x_in, _Graft.apply(p, reduced) if keep else reduced)
+            out = blk.combine(x_in, ReducedAsPartial.apply(p, reduced) if keep else reduced)
         if keep:
             st.x_in, st.cuts, st.out = x_in, rec.cuts, out
         return out
@@ -387,13 +387,13 @@ class OasesSchedule(SequencePrograms):
         if prepare is not None and not (early and reqs):
             yield from prepare
 
-    def _rebuild(self, run: OasesRun, blk, st: _BlockState, reduced: torch.Tensor,
+    def _rebuild(self, run: OasesRun, blk, st: BlockState, reduced: torch.Tensor,
                  x_in: torch.Tensor, p):
         with run.replay(st.rng_combine), torch.enable_grad(), run.amp():
-            st.out = blk.combine(x_in, _Graft.apply(p, reduced))
+            st.out = blk.combine(x_in, ReducedAsPartial.apply(p, reduced))
         st.x_in = x_in
 
-    def _recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:
+    def _recompute_fine(self, run: OasesRun, i: int, st: BlockState, name: str) -> None:
         blk = run.blocks[i]
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         reduced = st.saved_r.get(blk, i, self.recompute)
@@ -405,7 +405,7 @@ class OasesSchedule(SequencePrograms):
             self._rebuild(run, blk, st, reduced, x_in, p)
         st.saved_x = st.saved_r = None
 
-    def _recompute_group(self, run: OasesRun, sbs: list[_BlockState], a: int, b: int,
+    def _recompute_group(self, run: OasesRun, sbs: list[BlockState], a: int, b: int,
                          name: str) -> Program:
         """Re-run blocks a..b-1 from the stashed group input, forward all-reduces (and
         resharding all-gathers) included."""
@@ -427,7 +427,7 @@ class OasesSchedule(SequencePrograms):
             x = st.out
         sbs[a].saved_x = None
 
-    def _prepare(self, run: OasesRun, group_of, sb: _SubBatch, i: int) -> Program:
+    def _prepare(self, run: OasesRun, group_of, sb: SubBatch, i: int) -> Program:
         """Make block i's autograd graph live again (recompute), if the forward dropped it."""
         st = sb.blocks[i]
         if st.out is not None:
@@ -442,7 +442,7 @@ class OasesSchedule(SequencePrograms):
                 group = self._sp_recompute_group if sp else self._recompute_group
                 yield from group(run, sb.blocks, a, b, f"R{sb.name}")
 
-    def _backward(self, run: OasesRun, sb: _SubBatch, scale: float) -> Program:
+    def _backward(self, run: OasesRun, sb: SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
         recompute of the next block down runs while it is in flight (it needs only the
         stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
@@ -476,7 +476,7 @@ class OasesSchedule(SequencePrograms):
             sb.blocks[i] = None
         sb.grad_in = g
 
-    def _block_backward(self, run: OasesRun, sb: _SubBatch, i: int, grad: torch.Tensor,
+    def _block_backward(self, run: OasesRun, sb: SubBatch, i: int, grad: torch.Tensor,
                         prepare: Optional[Program]) -> Program:
         """Backward of block i from its output's gradient, its input-gradient all-reduce
         scheduled (:meth:`_cut_backward`)."""

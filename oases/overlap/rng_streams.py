@@ -15,12 +15,11 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from oases.parallel.random import TPRNGTracker
 
 
-def _rng_snapshot(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
+def rng_snapshot(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
     if tracker is not None:
         return tracker.get_states()
     st = {"cpu": torch.get_rng_state()}
@@ -29,7 +28,7 @@ def _rng_snapshot(tracker: Optional[TPRNGTracker], device: torch.device) -> dict
     return st
 
 
-def _rng_restore(tracker: Optional[TPRNGTracker], device: torch.device, st: dict) -> None:
+def rng_restore(tracker: Optional[TPRNGTracker], device: torch.device, st: dict) -> None:
     if tracker is not None:
         tracker.set_states(st)
         return
@@ -47,16 +46,21 @@ def sub_batch_rng_streams(tracker: Optional[TPRNGTracker], device: torch.device,
     streams are offset by the TP rank, as in :meth:`TPRNGTracker.seed`.
     """
     seeds = torch.randint(0, 2**62, (n,)).tolist()
-    live = _rng_snapshot(tracker, device)
+    live = rng_snapshot(tracker, device)
     streams = []
     for sd in seeds:
         if tracker is not None:
             tracker.seed(sd, tracker.tp_rank)
         else:
             torch.manual_seed(sd)
-        streams.append(_rng_snapshot(tracker, device))
-    _rng_restore(tracker, device, live)
+        streams.append(rng_snapshot(tracker, device))
+    rng_restore(tracker, device, live)
     return streams
+
+
+# torch's dropout modules (their common base class is private to torch)
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+            nn.FeatureAlphaDropout)
 
 
 def _module_draws(m: nn.Module) -> bool:
@@ -64,7 +68,7 @@ def _module_draws(m: nn.Module) -> bool:
         return False
     if getattr(m, "draws_random", False):  # the block says so (see draws_random)
         return True
-    if isinstance(m, _DropoutNd):
+    if isinstance(m, DROPOUTS):
         return m.p > 0
     # a rate kept as a number and passed to a functional call, as the attention's
     # ``attn_dropout`` (F.scaled_dot_product_attention(dropout_p=...))
@@ -74,7 +78,7 @@ def _module_draws(m: nn.Module) -> bool:
 
 def draws_random(model: nn.Module) -> bool:
     """Whether running ``model`` draws random numbers: some module in training mode is
-    an ``nn.Dropout`` (or another ``_DropoutNd``) with p > 0, holds a number > 0 under a
+    an ``nn.Dropout`` (or another of :data:`DROPOUTS`) with p > 0, holds a number > 0 under a
     name with ``dropout`` in it (a rate handed to a functional call), or sets
     ``draws_random = True`` (a block that draws in another way: ``F.dropout`` with a
     literal rate, ``torch.rand``). A module that draws and is found by none of these is
@@ -87,11 +91,11 @@ def draws_random(model: nn.Module) -> bool:
 def rng_fingerprint(tracker: Optional[TPRNGTracker], device: torch.device) -> dict:
     """The generators' states, to compare with :func:`same_rng` (not to restore): the
     runner's check reads them apart from the snapshots it swaps."""
-    return _rng_snapshot(tracker, device)
+    return rng_snapshot(tracker, device)
 
 
 def same_rng(a: dict, b: dict) -> bool:
-    """Whether two :func:`_rng_snapshot` s hold the same states: equal before and after a
+    """Whether two :func:`rng_snapshot` s hold the same states: equal before and after a
     stretch of work = nothing in it drew a random number."""
     return a.keys() == b.keys() and all(
         (a[k] is None and b[k] is None) or (a[k] is not None and b[k] is not None

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
-from oases.overlap.rng_streams import (_rng_restore, _rng_snapshot, draws_random, rng_fingerprint,
+from oases.overlap.rng_streams import (rng_restore, rng_snapshot, draws_random, rng_fingerprint,
                                        same_rng)
 from oases.parallel.comm import all_gather_async, all_reduce, reduce_scatter_async, trivial
 from oases.parallel.random import TPRNGTracker
@@ -107,11 +107,11 @@ class OasesRun:
     # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
     def snap(self) -> Optional[dict]:
         """The generators' states (None when the run draws nothing: replay is a no-op)."""
-        return _rng_snapshot(self.tracker, self.device) if self.rng else None
+        return rng_snapshot(self.tracker, self.device) if self.rng else None
 
     def restore(self, st: Optional[dict]) -> None:
         if st is not None:
-            _rng_restore(self.tracker, self.device, st)
+            rng_restore(self.tracker, self.device, st)
 
     @contextlib.contextmanager
     def replay(self, st: Optional[dict]):

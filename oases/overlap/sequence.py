@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from oases.overlap.runner import OasesRun, Program, collect
-from oases.overlap.state import _BlockState, _SubBatch
+from oases.overlap.state import BlockState, SubBatch
 from oases.parallel.backprop import backward
 from oases.parallel.engine import HEAD
 from oases.parallel.region import GATHERED, entering
@@ -80,7 +80,7 @@ class SequencePrograms:
 
     # ---------------------------------------------------------------- forward
     def _sp_block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool,
-                  st: _BlockState, name: str, replay: bool = False) -> Program:
+                  st: BlockState, name: str, replay: bool = False) -> Program:
         """Block i of a sub-batch, forward, from its input chunk (or token ids); returns
         its output chunk. ``keep``: its graph stays live (else what recompute needs is
         stashed, see the module docstring). ``replay``: a ``full`` recompute, drawing
@@ -119,7 +119,7 @@ class SequencePrograms:
             st.x_in, st.h, st.g, st.p, st.r, st.out = x_in, h, g, p, r, out
         return out
 
-    def _sp_loss(self, run: OasesRun, sb: _SubBatch, x: torch.Tensor) -> Program:
+    def _sp_loss(self, run: OasesRun, sb: SubBatch, x: torch.Tensor) -> Program:
         """The head of the last stage: the final norm on the chunk, the all-gather of the
         normed chunks, the vocab-parallel loss and its all-reduce."""
         model = run.model
@@ -137,7 +137,7 @@ class SequencePrograms:
         sb.loss = loss.detach()
 
     # --------------------------------------------------------------- backward
-    def _sp_loss_backward(self, run: OasesRun, sb: _SubBatch, scale: float,
+    def _sp_loss_backward(self, run: OasesRun, sb: SubBatch, scale: float,
                           prepare: Program) -> Program:
         """Backward of :meth:`_sp_loss`; returns the gradient of the last block's output."""
         x_last, h, g, loss = sb.head
@@ -148,7 +148,7 @@ class SequencePrograms:
         sb.head = None
         return x_last.grad
 
-    def _sp_block_backward(self, run: OasesRun, sb: _SubBatch, i: int, grad: torch.Tensor,
+    def _sp_block_backward(self, run: OasesRun, sb: SubBatch, i: int, grad: torch.Tensor,
                            prepare: Optional[Program]) -> Program:
         """Backward of block i from its output chunk's gradient; the input chunk's gradient
         (residual and prologue terms) is left in ``x_in.grad``."""
@@ -164,7 +164,7 @@ class SequencePrograms:
                                      [st.h], prepare, i, f"B{sb.name} {i} in", batch_major)
 
     # -------------------------------------------------------------- recompute
-    def _sp_recompute_fine(self, run: OasesRun, i: int, st: _BlockState, name: str) -> None:
+    def _sp_recompute_fine(self, run: OasesRun, i: int, st: BlockState, name: str) -> None:
         """Block i again from the stash: no collective."""
         blk = run.blocks[i]
         prologue, region = blk.halves()

@@ -11,7 +11,7 @@ import torch
 from oases.overlap.runner import Stashed
 
 
-class _Graft(torch.autograd.Function):
+class ReducedAsPartial(torch.autograd.Function):
     """Forward: the all-reduced buffer. Backward: its gradient goes to the partial sum
     unchanged (the all-reduce's backward is the identity). The output shares the
     buffer's memory but is not an autograd view of it, so a ``combine`` may modify it
@@ -28,7 +28,7 @@ class _Graft(torch.autograd.Function):
 
 
 @dataclass
-class _BlockState:
+class BlockState:
     """One block of one sub-batch. ``out`` set = its autograd graph is live."""
     x_in: Optional[torch.Tensor] = None       # block input (a leaf when the graph is live)
     saved_x: Optional[Stashed] = None         # stashed input for recompute
@@ -47,7 +47,7 @@ class _BlockState:
 
 
 @dataclass
-class _SubBatch:
+class SubBatch:
     name: str
     ids: torch.Tensor                         # token ids, or the stage's input activation
     targets: Optional[torch.Tensor]           # None on a pipeline stage before the last

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from oases.parallel.comm_scope import (CommCounter, CommObserver, CommScope, NoopCollectives,
-                                       _DoneWork, active_observers, backward_in_forward_scope,
+                                       DoneWork, active_observers, backward_in_forward_scope,
                                        comm_scope, current_scope, launch_observed)
 from oases.parallel.region import Cut, CutRecorder, entered_region
 
@@ -96,10 +96,10 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.
         raise ValueError(f"all_reduce of a non-contiguous tensor (shape {tuple(t.shape)}, "
                          f"strides {t.stride()}): reduce t.contiguous() and use the result")
     if trivial(group):
-        return _DoneWork() if async_op else None
+        return DoneWork() if async_op else None
     CommCounter.record("all_reduce", t)
     if NoopCollectives.active(group):
-        return _DoneWork() if async_op else None
+        return DoneWork() if async_op else None
     work = launch_observed("all-reduce", group, t.device,
                            lambda: dist.all_reduce(t, op=op, group=group, async_op=True))
     if async_op:
@@ -114,10 +114,10 @@ def all_gather_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     n = group_size(group)
     src = t.contiguous()
     if trivial(group):  # one rank: the gathered tensor is this rank's (see all_reduce)
-        return src, _DoneWork()
+        return src, DoneWork()
     CommCounter.record("all_gather", src)
     if NoopCollectives.active(group):
-        return torch.cat([src] * n), _DoneWork()
+        return torch.cat([src] * n), DoneWork()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     return out, launch_observed("all-gather", group, t.device,
                                 lambda: _all_gather_single(out, src, group=group, async_op=True))
@@ -156,10 +156,10 @@ def reduce_scatter_async(t: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     n = _ranks_split(t, group, 0)
     src = t.contiguous()
     if trivial(group):  # one rank: its chunk is the whole sum (see all_reduce)
-        return src, _DoneWork()
+        return src, DoneWork()
     CommCounter.record("reduce_scatter", src)
     if NoopCollectives.active(group):
-        return src.chunk(n)[group_rank(group)].clone(), _DoneWork()
+        return src.chunk(n)[group_rank(group)].clone(), DoneWork()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     return out, launch_observed("reduce-scatter", group, t.device,
                                 lambda: _reduce_scatter_into(out, src, group, n))

@@ -218,7 +218,7 @@ class NoopCollectives(_Watcher):
         return any(n.group is group and n._is_open() for n in current_scope().noop)
 
 
-class _DoneWork:
+class DoneWork:
     """Stands in for the work handle of a collective that was skipped."""
 
     def wait(self, timeout=None) -> bool:

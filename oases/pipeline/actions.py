@@ -73,13 +73,13 @@ class _Link(NamedTuple):
     after_compute: bool
 
 
-_LINKS = {
+LINKS = {
     "RECV_F": _Link(-1, "SEND_F", "F", False),
     "SEND_F": _Link(+1, "RECV_F", "F", True),
     "RECV_B": _Link(+1, "SEND_B", "B", False),
     "SEND_B": _Link(-1, "RECV_B", "B", True),
 }
-_RECV_OF = {"F": "RECV_F", "B": "RECV_B"}
+RECV_OF = {"F": "RECV_F", "B": "RECV_B"}
 _SEND_OF = {"F": "SEND_F", "B": "SEND_B"}
 
 
@@ -95,9 +95,9 @@ class Action:
     mb: int
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE and self.kind not in _LINKS:
+        if self.kind not in COMPUTE and self.kind not in LINKS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of "
-                             f"{', '.join(COMPUTE + tuple(_LINKS))}")
+                             f"{', '.join(COMPUTE + tuple(LINKS))}")
         if not isinstance(self.mb, int) or self.mb < 0:
             raise ValueError(f"micro-batch must be an int >= 0, got {self.mb!r}")
 
@@ -106,7 +106,7 @@ class Action:
 
 
 def has_peer(kind: str, pp: int, stage: int) -> bool:
-    return 0 <= stage + _LINKS[kind].peer < pp
+    return 0 <= stage + LINKS[kind].peer < pp
 
 
 def _check_args(kind: str, pp: int, stage: int, microbatches: int) -> None:
@@ -177,7 +177,7 @@ def stage_actions(kind: str, pp: int, stage: int, microbatches: int,
     def recv(unit: list[Action]) -> list[Action]:
         out = []
         for c in unit:
-            kind_ = _RECV_OF[c.kind]
+            kind_ = RECV_OF[c.kind]
             if has_peer(kind_, pp, stage):
                 out.append(Action(kind_, c.mb))
         return out
@@ -217,7 +217,7 @@ def _check_stage(row: list[Action], s: int, pp: int, mbs: list[int]) -> None:
                 raise ScheduleError(f"stage {s}: no {kind}{m}")
         if where[Action("B", m)] < where[Action("F", m)]:
             raise ScheduleError(f"stage {s}: B{m} comes before F{m}")
-        for kind, link in _LINKS.items():
+        for kind, link in LINKS.items():
             a, c = Action(kind, m), Action(link.compute, m)
             if not has_peer(kind, pp, s):
                 if a in where:
@@ -259,10 +259,10 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
 
     def arrival(s: int, c: Action) -> float | None:
         """When c's input is on stage s; None while the neighbour has not sent it."""
-        recv = Action(_RECV_OF[c.kind], c.mb)
+        recv = Action(RECV_OF[c.kind], c.mb)
         if not has_peer(recv.kind, pp, s):
             return 0.0
-        send = (s + _LINKS[recv.kind].peer, Action(_LINKS[recv.kind].partner, c.mb))
+        send = (s + LINKS[recv.kind].peer, Action(LINKS[recv.kind].partner, c.mb))
         if send not in posted:
             return None
         return max(posted[send], posted[(s, recv)]) + comm_cost
@@ -291,7 +291,7 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
     for s, row in enumerate(actions):
         if pos[s] < len(row):  # only a compute can block, on its receive's partner
             a = row[pos[s]]
-            link = _LINKS[_RECV_OF[a.kind]]
+            link = LINKS[RECV_OF[a.kind]]
             stuck.append(f"stage {s} waits at {a} for {link.partner}{a.mb} "
                          f"from stage {s + link.peer}")
     if stuck:

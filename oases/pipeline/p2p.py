@@ -25,13 +25,13 @@ stuck ops; ``python -m oases.schedule --p2p`` prints both.
 
 from __future__ import annotations
 
-from oases.pipeline.actions import (_LINKS, _RECV_OF, COMPUTE, Action, ScheduleError,
+from oases.pipeline.actions import (LINKS, RECV_OF, COMPUTE, Action, ScheduleError,
                                     check_structure, has_peer, is_fused)
 
 
 def _boundary(stage: int, a: Action) -> int:
     """The boundary (its lower stage) that action ``a`` of ``stage`` crosses."""
-    return min(stage, stage + _LINKS[a.kind].peer)
+    return min(stage, stage + LINKS[a.kind].peer)
 
 
 def _group(stage: int, a: Action, shared: bool) -> tuple[int, str]:
@@ -71,7 +71,7 @@ def check_p2p(actions: list[list[Action]], fused: bool = False, shared: bool = F
             lo, hi = g[0], g[0] + 1
             while sides.get(lo) and sides.get(hi):
                 a, b = sides[lo][0], sides[hi][0]
-                if _LINKS[a.kind].partner != b.kind or a.mb != b.mb:
+                if LINKS[a.kind].partner != b.kind or a.mb != b.mb:
                     errors.append(f"group {_label(g)}: stage {lo} is at {a} while stage {hi} "
                                   f"is at {b}")
                     return moved
@@ -89,7 +89,7 @@ def check_p2p(actions: list[list[Action]], fused: bool = False, shared: bool = F
                 a = row[pos[s]]
                 if a.kind in COMPUTE:
                     unit = row[pos[s]:pos[s] + (2 if fused and is_fused(row, pos[s]) else 1)]
-                    needs = [Action(_RECV_OF[c.kind], c.mb) for c in unit]
+                    needs = [Action(RECV_OF[c.kind], c.mb) for c in unit]
                     if any(has_peer(r.kind, pp, s) and (s, r) not in done for r in needs):
                         break
                     pos[s] += len(unit)

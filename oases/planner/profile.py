@@ -27,9 +27,10 @@ from typing import Callable, Optional
 
 import torch
 
-from oases.models import ARCHS, build_model
+from oases.models import arch_class, build_model
 from oases.models.attention import ParallelAttention
 from oases.config import Config, ModelConfig
+from oases.config.archs import get_arch
 from oases.config.heads import local_kv_heads
 from oases.config.schema import resolve_precision
 from oases.overlap.memory import SavedTensorMeter
@@ -152,11 +153,12 @@ def _block(kind: str, cfg: ModelConfig, t: int):
     # one rank's share; above n_kv_heads ranks it holds one (replicated) kv head
     sc.n_head, sc.ffn_hidden = cfg.n_head // t, cfg.ffn_hidden // t
     sc.n_kv_heads = local_kv_heads(cfg.n_kv_heads, t)
-    proto = ARCHS[cfg.arch]
+    proto = arch_class(cfg.arch)
     lm = proto.__new__(proto)  # only for make_norm / make_mlp / make_rotary
     if kind == "attn":
         rot = proto.make_rotary(lm, cfg)
-        return ParallelAttention(sc, proto.make_norm(lm, cfg), None, None, rot, proto.qkv_bias)
+        return ParallelAttention(sc, proto.make_norm(lm, cfg), None, None, rot,
+                                 get_arch(cfg.arch).qkv_bias)
     return proto.make_mlp(lm, sc, proto.make_norm(lm, cfg), None)
 
 

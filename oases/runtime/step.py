@@ -20,8 +20,8 @@ from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.optim import clip_grads_norm
 from oases.runtime.state import StepStats, TrainState
 
-__all__ = ["StepStats", "TrainState", "amp_factory", "autocast", "evaluate", "step_shares",
-           "train_step"]
+__all__ = ["StepStats", "TrainState", "amp_factory", "autocast", "evaluate", "local_step",
+           "pipeline_step", "step_shares", "train_step"]
 
 
 def autocast(cfg: Config, ctx: ParallelContext):
@@ -97,61 +97,78 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
 
     The loss and the norm are read on the host once, together: the decision to update
     needs them every step, and each read waits for the device."""
-    cfg, ctx, model, opt, reducer = state.cfg, state.ctx, state.model, state.opt, state.reducer
-    schedule, pipe = state.engine, state.pipe
-    for g in opt.param_groups:
+    cfg, reducer = state.cfg, state.reducer
+    for g in state.opt.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
-    n = cfg.train.grad_accum
-    amp = amp_factory(cfg, ctx)
-    micro = [batches.next_batch() for _ in range(n)]  # every rank keeps the data order
-    shares, seeds = step_shares(model, [y for _, y in micro], ctx, reducer.dp,
+    micro = [batches.next_batch() for _ in range(cfg.train.grad_accum)]  # every rank alike
+    shares, seeds = step_shares(state.model, [y for _, y in micro], state.ctx, reducer.dp,
                                 getattr(batches, "masked", True))
-    if pipe is not None:
-        whole = IntervalTimer(ctx.device)  # the step on the device's timeline, as busy is
-        t0 = whole.start()
-        losses, busy = pipe.step(schedule, model, micro, seeds, amp, reducer.arm)
-        reducer.finish()
-        norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size,
-                                 reducer, ctx.dp)
-        whole.stop(t0)
-        # on CUDA reading the two timers waits for the step's work, which the loss read
-        # below waits for anyway; the idle fraction then joins the loss in one sum
-        elapsed, busy_s = whole.take(), busy.take()
-        # one sum over the world: the last stage's loss (each replica adds its share of
-        # the global mean, divided among its TP ranks, which hold the same value) and
-        # every rank's idle fraction
-        sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        if losses is not None:
-            sums[0] = sum(w * loss for w, loss in zip(shares, losses)).double() / ctx.tp
-        sums[1] = (1.0 - busy_s / elapsed) / ctx.world_size if elapsed > 0 else 0.0
-        dist.all_reduce(sums)
-        loss, bubble, norm = torch.cat([sums, norm_t.double().reshape(1)]).tolist()
-        state.stats.bubble = max(0.0, bubble)
-    else:
-        total = torch.zeros((), device=ctx.device)
-        micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
-                 for x, y in micro]
-        if cfg.parallel.overlap_fb and schedule.pairs:
-            losses = paired_forward_backward(schedule, model, micro, seeds, amp, reducer.arm)
-        else:
-            losses = []
-            for i, (x, y) in enumerate(micro):
-                if i == n - 1:
-                    reducer.arm()  # DP all-reduce overlaps the last backward
-                losses.append(schedule.forward_backward(model, x, y, seeds[i], amp=amp))
-        for share, mb_loss in zip(shares, losses):
-            total += share * mb_loss
-        reducer.finish()
-        norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
-        if ctx.dp > 1:  # the replicas' shares add up to the global mean
-            all_reduce(total, ctx.dp_group)
-        loss, norm = torch.stack([total.float(), norm_t.float()]).tolist()
+    step = local_step if state.pipe is None else pipeline_step
+    loss, norm = step(state, micro, shares, seeds)
     if math.isfinite(loss) and math.isfinite(norm):
-        opt.step()
+        state.opt.step()
         reducer.shards.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
     else:
         reducer.zero_grad()
+    return loss, norm
+
+
+def local_step(state: TrainState, micro: list, shares: list, seeds: list) -> tuple[float, float]:
+    """Forward and backward of every micro-batch on this rank (pp = 1), the DP reduction
+    overlapping the last backward; returns the global loss and the clipped gradient's
+    norm, read on the host together."""
+    cfg, ctx, model, reducer, engine = state.cfg, state.ctx, state.model, state.reducer, \
+        state.engine
+    amp = amp_factory(cfg, ctx)
+    total = torch.zeros((), device=ctx.device)
+    micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
+             for x, y in micro]
+    if cfg.parallel.overlap_fb and engine.pairs:
+        losses = paired_forward_backward(engine, model, micro, seeds, amp, reducer.arm)
+    else:
+        losses = []
+        for i, (x, y) in enumerate(micro):
+            if i == len(micro) - 1:
+                reducer.arm()  # DP all-reduce overlaps the last backward
+            losses.append(engine.forward_backward(model, x, y, seeds[i], amp=amp))
+    for share, mb_loss in zip(shares, losses):
+        total += share * mb_loss
+    reducer.finish()
+    norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, 0, reducer, ctx.dp)
+    if ctx.dp > 1:  # the replicas' shares add up to the global mean
+        all_reduce(total, ctx.dp_group)
+    loss, norm = torch.stack([total.float(), norm_t.float()]).tolist()
+    return loss, norm
+
+
+def pipeline_step(state: TrainState, micro: list, shares: list,
+                  seeds: list) -> tuple[float, float]:
+    """The micro-batches through the pipeline stages (``state.pipe``); the loss (known on
+    the last stage) and the gradient norm (summed over stages) made global, so every rank
+    decides alike; the pipeline's bubble goes to ``state.stats``."""
+    cfg, ctx, model, reducer = state.cfg, state.ctx, state.model, state.reducer
+    whole = IntervalTimer(ctx.device)  # the step on the device's timeline, as busy is
+    t0 = whole.start()
+    losses, busy = state.pipe.step(state.engine, model, micro, seeds, amp_factory(cfg, ctx),
+                                   reducer.arm)
+    reducer.finish()
+    norm_t = clip_grads_norm(model, cfg.train.grad_clip, ctx.tp_group, ctx.stage_size,
+                             reducer, ctx.dp)
+    whole.stop(t0)
+    # on CUDA reading the two timers waits for the step's work, which the loss read
+    # below waits for anyway; the idle fraction then joins the loss in one sum
+    elapsed, busy_s = whole.take(), busy.take()
+    # one sum over the world: the last stage's loss (each replica adds its share of
+    # the global mean, divided among its TP ranks, which hold the same value) and
+    # every rank's idle fraction
+    sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    if losses is not None:
+        sums[0] = sum(w * loss for w, loss in zip(shares, losses)).double() / ctx.tp
+    sums[1] = (1.0 - busy_s / elapsed) / ctx.world_size if elapsed > 0 else 0.0
+    dist.all_reduce(sums)
+    loss, bubble, norm = torch.cat([sums, norm_t.double().reshape(1)]).tolist()
+    state.stats.bubble = max(0.0, bubble)
     return loss, norm
 
 
