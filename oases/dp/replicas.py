@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.parallel.comm import all_reduce
+from oases.parallel.model_view import view_of
 from oases.parallel.sharding import part_views
 
 
@@ -120,15 +121,14 @@ class SequenceGradSum:
         """The sum for ``model`` when it runs sequence parallel over more than one rank
         (None otherwise, or when it has no unsharded parameters). ``group``: the TP group
         (of the parameters outside ``model.blocks()``, and of blocks without their own)."""
-        if not getattr(model, "sequence_parallel", False) or group is None \
+        if not view_of(model).sequence_parallel or group is None \
                 or dist.get_world_size(group) == 1:
             return None
         T = dist.get_world_size(group)
         by_degree: dict[int, tuple] = {}
         seen = set()
-        blocks = model.blocks() if hasattr(model, "blocks") else []
-        for blk in blocks:
-            t, g = getattr(blk, "degree", T), getattr(blk, "tp_group", group)
+        for blk in model.blocks():  # TPBlocks: a sequence-parallel model is an EngineModel
+            t, g = blk.degree, blk.tp_group
             for p in blk.parameters():
                 seen.add(id(p))
                 if p.requires_grad and getattr(p, "tp_spec", None) is None and t > 1:

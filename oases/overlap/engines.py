@@ -89,14 +89,15 @@ import torch.nn as nn
 from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
 from oases.overlap.memory import SavedTensorMeter
-from oases.overlap.rng_streams import rng_restore, sub_batch_rng_streams  # noqa: F401
-from oases.overlap.runner import (Launch, ModelFacts, OasesRun, Program, Wait, collect,
+from oases.overlap.rng_streams import sub_batch_rng_streams
+from oases.overlap.runner import (Launch, ModelTraits, OasesRun, Program, Wait, collect,
                                   reduce_buffer, run_joint, run_programs)
 from oases.overlap.sequence import SequencePrograms, gather_seq
 from oases.overlap.state import BlockState, ReducedAsPartial, SubBatch
 from oases.parallel.backprop import backward
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
+from oases.parallel.model_view import view_of
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.region import Cut, CutRecorder
 from oases.parallel.sequence import seq_split
@@ -135,7 +136,7 @@ class OasesSchedule(SequencePrograms):
         # all-reduces, which would queue on the link behind the pending one (measured
         # slower); there the recompute follows the wait.
         self._early_prepare = recompute != "full"
-        self._facts = ModelFacts()  # per model: whether it draws, whether it communicates
+        self._traits = ModelTraits()  # per model: whether it draws, whether it communicates
 
     # ------------------------------------------------------------------ API
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
@@ -214,10 +215,9 @@ class OasesSchedule(SequencePrograms):
                              f"sub-batches")
         blocks = model.blocks()
         first = 0 if input_grad else 1  # the model's first block (embedding): never recomputed
-        # a user's model needs only blocks() and loss_from_hidden(); the rest is optional
-        groups = (model.recompute_groups() if hasattr(model, "recompute_groups")
-                  else [(i, i + 1) for i in range(first, len(blocks))])
-        rng, alone = self._facts(model, blocks)
+        view = view_of(model)  # a user's model needs only blocks() and loss_from_hidden()
+        groups = view.groups(len(blocks), first)
+        rng, alone = self._traits(model, blocks)
         # Nothing to hide nor drawn: the micro-batch whole (a split would cost smaller
         # matmuls). With dropout the split stays, as the masks are the sub-batch streams';
         # its programs then run in turn (none yields at a one-rank collective: collect).
@@ -226,8 +226,7 @@ class OasesSchedule(SequencePrograms):
         subs = [SubBatch("abcdefgh"[s] if s < 8 else str(s), x, y, w) for s, (x, y, w)
                 in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
-        home = getattr(model, "home_degree", blocks[0].degree)
-        sp = getattr(model, "sequence_parallel", False)
+        home, sp = view.home(blocks), view.sequence_parallel
         return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
                         input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3)
 
@@ -280,7 +279,7 @@ class OasesSchedule(SequencePrograms):
         """``rows`` (a transition of whole sequences) between degrees; under sequence
         parallelism the chunks are gathered over the ``t_from`` subgroup first and this
         rank's chunk of the ``t_to`` part kept last."""
-        if not getattr(model, "sequence_parallel", False):
+        if not view_of(model).sequence_parallel:
             return (yield from rows(model, x, t_from, t_to))
         sub = model.resharder.sub
         x = yield from gather_seq(x, sub[t_from])
@@ -331,12 +330,13 @@ class OasesSchedule(SequencePrograms):
             yield from self._sp_loss(run, sb, x)
             return
         x_last = x.detach().requires_grad_()
-        if hasattr(model, "loss_partial"):  # optional: then the loss's collective is scheduled too
+        view = view_of(model)
+        if view.split_loss:  # then the loss's collective is scheduled too
             with label(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
-                state, stats = model.loss_partial(x_last, sb.targets)
-            (stats,) = yield from collect([("ar", stats, model.tp_group)])
+                state, stats = view.loss_partial(x_last, sb.targets)
+            (stats,) = yield from collect([("ar", stats, view.tp_group)])
             with label(f"F{sb.name} loss"), run.amp():
-                loss = model.loss_combine(state, stats)
+                loss = view.loss_combine(state, stats)
         else:
             with label(f"F{sb.name} loss"), run.amp(), CutRecorder() as rec:
                 loss = model.loss_from_hidden(x_last, sb.targets)

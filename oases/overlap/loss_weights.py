@@ -24,18 +24,17 @@ pieces of equal size) has its pieces weigh alike: each counts 1.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-Count = Union[int, torch.Tensor]
+from oases.parallel.model_view import Count, view_of
 
 
 def loss_tokens(model, targets: torch.Tensor) -> Count:
     """How many terms ``model``'s mean loss over ``targets`` averages (1 if the model
     does not say): an int tensor on the targets' device, or an int."""
-    count = getattr(model, "loss_tokens", None)
-    return 1 if count is None else count(targets)
+    return view_of(model).count(targets)
 
 
 def shares(counts: list[Count]) -> list:

@@ -16,16 +16,17 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Generator, Optional
+from typing import Generator, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
 from oases.overlap.megatron import AmpFactory
 from oases.overlap.memory import SavedTensorMeter
-from oases.overlap.rng_streams import (rng_restore, rng_snapshot, draws_random, rng_fingerprint,
+from oases.overlap.rng_streams import (draws_random, rng_fingerprint, rng_restore, rng_snapshot,
                                        same_rng)
 from oases.parallel.comm import all_gather_async, all_reduce, reduce_scatter_async, trivial
+from oases.parallel.model_view import view_of
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.timing import label
 
@@ -152,24 +153,29 @@ class OasesRun:
         return torch.autocast(self.device.type, enabled=False)
 
 
-class ModelFacts:
+class Traits(NamedTuple):
+    draws: bool   # running the model draws random numbers (in its current training mode)
+    alone: bool   # its every collective, each block's and the loss's, is over one rank
+
+
+class ModelTraits:
     """What an engine decides once per model (held weakly), not per run: whether running
     it draws random numbers (:func:`~oases.overlap.rng_streams.draws_random`, per training
     mode: a walk over the modules) and whether its every collective, each block's and
-    the loss's, is over one rank. Called with the model and its blocks: (draws, alone)."""
+    the loss's, is over one rank. Called with the model and its blocks."""
 
     def __init__(self) -> None:
         self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __call__(self, model: nn.Module, blocks: list) -> tuple[bool, bool]:
+    def __call__(self, model: nn.Module, blocks: list) -> Traits:
         facts = self._of.get(model)
         if facts is None:
             facts = {"alone": all(trivial(b.tp_group) for b in blocks)
-                     and trivial(getattr(model, "tp_group", None))}
+                     and trivial(view_of(model).tp_group)}
             self._of[model] = facts
         if model.training not in facts:
             facts[model.training] = draws_random(model)
-        return facts[model.training], facts["alone"]
+        return Traits(facts[model.training], facts["alone"])
 
 
 def collect(reqs: list[tuple]) -> Program:

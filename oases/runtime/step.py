@@ -15,6 +15,7 @@ from oases.overlap.loss_weights import loss_tokens
 from oases.parallel.comm import all_reduce
 from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
+from oases.parallel.model_view import view_of
 from oases.parallel.timing import IntervalTimer
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.optim import clip_grads_norm
@@ -75,7 +76,7 @@ def step_shares(model, targets: list[torch.Tensor], ctx: ParallelContext, dp: in
 def _full_count(model, targets: torch.Tensor) -> int:
     """:func:`loss_tokens` of targets that all count: their number (1: the model's mean
     is not over tokens), without an ATen call."""
-    return targets.numel() if hasattr(model, "loss_tokens") else 1
+    return targets.numel() if view_of(model).loss_tokens is not None else 1
 
 
 def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[float, float]:
