@@ -95,12 +95,9 @@ class ParallelAttention(ResidualBlock):
     def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group, tracker: Optional[TPRNGTracker],
                  rotary: Optional[Rotary], qkv_bias: bool = False) -> None:
         super().__init__(tp_group, cfg.dropout)
-        tp = group_size(tp_group)
         hd = cfg.head_dim
-        problem = heads_problem(cfg.n_head, cfg.n_kv_heads, tp)
-        if problem:
-            raise ValueError(f"attention at TP degree {tp}: the degree {problem}")
-        self.n_head, self.n_kv = cfg.n_head // tp, local_kv_heads(cfg.n_kv_heads, tp)  # local
+        self.heads = (cfg.n_head, cfg.n_kv_heads)  # of the whole model
+        self.n_head, self.n_kv = self.local_heads(group_size(tp_group))
         self.head_dim = hd
         self.norm = norm
         self.qkv = ColumnParallelLinear(
@@ -119,6 +116,18 @@ class ParallelAttention(ResidualBlock):
         # (B, 1, T, T) bool: attend within documents only (CausalLM.attend_within_documents);
         # set from the token ids by each forward, read again by a recompute in its backward
         self.doc_mask: Optional[torch.Tensor] = None
+
+    def local_heads(self, tp: int) -> tuple[int, int]:
+        """(query heads, kv heads) of one rank at TP degree ``tp``."""
+        n_head, n_kv = self.heads
+        problem = heads_problem(n_head, n_kv, tp)
+        if problem:
+            raise ValueError(f"attention at TP degree {tp}: the degree {problem}")
+        return n_head // tp, local_kv_heads(n_kv, tp)
+
+    def shard(self, tp_group) -> None:
+        self.n_head, self.n_kv = self.local_heads(group_size(tp_group))
+        super().shard(tp_group)
 
     def qkv_heads(self, x, positions: Optional[torch.Tensor] = None,
                   rope: Optional[tuple] = None):

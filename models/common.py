@@ -33,7 +33,6 @@ from oases.parallel.block import TPBlock
 from oases.parallel.comm import all_reduce, copy_to_tp, gather_from_tp, group_size
 from oases.parallel.layers import ColumnParallelLinear
 from oases.parallel.loss import IGNORE_INDEX, ce_combine, ce_partial
-from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
 from oases.parallel.sequence import gathered_region, set_sequence_parallel
 
@@ -48,67 +47,61 @@ class CausalLM(nn.Module):
     qkv_bias = False  # q/k/v biases without the other projections' (Qwen2)
     sequence_parallel = False  # set_sequence_parallel
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp_group=None,
-                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
-                 degrees: Optional[list[int]] = None, degree_groups=None,
-                 stage: Optional[tuple[int, int]] = None) -> None:
-        """``degrees``: a TP degree per transformer block (attn, mlp of each layer, in
-        order; see oases.parallel.reshard), with ``degree_groups`` holding the groups.
-        None: every block uses the whole TP group. ``stage``: the layers [start, stop)
-        of the pipeline stage this rank runs (default: all of them); ``degrees`` then
-        covers that stage's blocks only."""
+    def __init__(self, cfg: ModelConfig, padded_vocab: int) -> None:
+        """The whole model, unsharded: architecture only. Build it on the meta device and
+        :func:`oases.models.parallelize.parallelize` it (TP groups and per-block degrees,
+        pipeline stage, recompute, sequence parallelism, parameter tags), then
+        materialise and initialise it (:func:`oases.models.parallelize.build`)."""
         super().__init__()
         self.cfg = cfg
-        self.tp_group = tp_group
-        self.tracker = tracker
-        self.recompute = recompute
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
         self.eos_id: Optional[int] = None  # attend_within_documents
-        a, b = stage if stage is not None else (0, cfg.n_layer)
-        self.layer_range = (a, b)
-        self.is_first, self.is_last = a == 0, b == cfg.n_layer
-        T = group_size(tp_group)
-        self.home_degree = T  # degree of the stage's input and output
-        if self.is_first:
-            self.embed = TokenEmbedding(cfg, padded_vocab, tp_group, self.learned_positions)
-        elif self.is_last and cfg.tie_embeddings:
-            self.embed = TiedEmbedding(cfg, padded_vocab, tp_group)
-        else:
-            self.embed = None
-        if degrees is not None and len(degrees) != 2 * (b - a):
-            raise ValueError(f"{len(degrees)} block degrees for {2 * (b - a)} blocks")
-        self.resharder = degree_groups if degrees is not None and set(degrees) != {T} else None
-
-        def group(j: int):
-            return tp_group if self.resharder is None else degree_groups.sub[degrees[j]]
-
+        # what parallelize sets: the whole model at tp = 1 until then
+        self.tp_group, self.tracker, self.recompute = None, None, "none"
+        self.layer_range = (0, cfg.n_layer)
+        self.is_first = self.is_last = True
+        self.home_degree = 1  # TP degree of the (stage's) input and output
+        self.resharder = None  # DegreeGroups when blocks run at several degrees
+        self.embed = TokenEmbedding(cfg, padded_vocab, None, self.learned_positions)
         rotary = self.make_rotary(cfg)
         self.layers = LayerStack([
             TransformerLayer(
-                ParallelAttention(cfg, self.make_norm(cfg), group(2 * i), tracker, rotary,
-                                  self.qkv_bias),
-                self.make_mlp(cfg, self.make_norm(cfg), group(2 * i + 1)), self.resharder)
-            for i in range(b - a)], first=a)
+                ParallelAttention(cfg, self.make_norm(cfg), None, None, rotary, self.qkv_bias),
+                self.make_mlp(cfg, self.make_norm(cfg), None))
+            for _ in range(cfg.n_layer)])
+        self.norm = self.make_norm(cfg)
+        self.head = None if cfg.tie_embeddings else ColumnParallelLinear(
+            cfg.d_model, padded_vocab, None, bias=False, init_std=cfg.init_std,
+            logical=cfg.vocab_size)
+
+    def keep_layers(self, a: int, b: int) -> None:
+        """A pipeline stage: only layers [a, b) stay, with the embedding on the first
+        stage (on the last one too, as a tied head's copy) and the final norm and head
+        on the last."""
+        cfg = self.cfg
+        for i in [*range(0, a), *range(b, cfg.n_layer)]:
+            self.layers.pop(str(i))
+        self.layer_range = (a, b)
+        self.is_first, self.is_last = a == 0, b == cfg.n_layer
+        if not self.is_first:
+            with torch.device(self.param_device()):
+                self.embed = TiedEmbedding(cfg, self.padded_vocab, None) \
+                    if self.is_last and cfg.tie_embeddings else None
+        if not self.is_last:
+            self.norm = self.head = None
+
+    def param_device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def reset_buffers(self) -> None:
+        """The tensors that are not parameters (rotary tables), made again on the
+        parameters' device: after a build on the meta device. Computed on the CPU and
+        moved, as a model built on the CPU has them."""
+        rotary = self.make_rotary(self.cfg)
+        if rotary is not None:
+            rotary = rotary.to(self.param_device())
         for layer in self.layers:
-            layer.attn.selective = recompute == "selective"
-        for blk in self.blocks():  # the reduction group of every gradient follows from it
-            for p in blk.parameters():
-                p.tp_degree = blk.degree
-            if self.resharder is not None and blk.degree < T:
-                blk.batch_part = (self.resharder.position(blk.degree)[0], T // blk.degree)
-        self.norm = self.head = None
-        if self.is_last:
-            self.norm = self.make_norm(cfg)
-            for p in self.norm.parameters():
-                p.tp_degree = T
-            if cfg.tie_embeddings:
-                self.embed.wte.weight.tp_degree = T
-            else:
-                self.head = ColumnParallelLinear(cfg.d_model, padded_vocab, tp_group, bias=False,
-                                                 init_std=cfg.init_std)
-                self.head.weight.tp_spec = type(self.head.weight.tp_spec)(
-                    0, (padded_vocab, cfg.d_model), logical=cfg.vocab_size)
-                self.head.weight.tp_degree = T
+            layer.attn.rotary = rotary
 
     # -- what a subclass chooses --
     def make_norm(self, cfg: ModelConfig) -> nn.Module:  # pragma: no cover - abstract

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from oases.parallel.comm import group_size, reduce_from_tp
+from oases.parallel.layers import ParallelLayer
 from oases.parallel.sequence import gathered_region, seq_leave
 
 
@@ -56,6 +57,16 @@ class TPBlock(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.degree = group_size(tp_group)  # TP degree this block runs at
+
+    def shard(self, tp_group) -> None:
+        """Run this block at the degree of ``tp_group``: every parallel layer in it is split
+        over that group (:meth:`~oases.parallel.layers.ParallelLayer.shard`), before the
+        parameters are initialised. A block that derives sizes from its degree (local
+        heads) overrides it and calls this one."""
+        self.tp_group, self.degree = tp_group, group_size(tp_group)
+        for m in self.modules():
+            if isinstance(m, ParallelLayer):
+                m.shard(tp_group)
 
     def prologue(self, x: torch.Tensor) -> torch.Tensor:
         """The sequence-local work before the TP region (default: none)."""

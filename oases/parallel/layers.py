@@ -39,7 +39,35 @@ def _set_coords(layer: nn.Module, group) -> None:
         p.tp_coords = (group_rank(group), group_size(group))
 
 
-class ColumnParallelLinear(nn.Module):
+def _param(old: Optional[nn.Parameter], shape: tuple, kw: dict, spec: Optional[TPSpec],
+           init: tuple) -> nn.Parameter:
+    """A parameter of this rank's ``shape``: new (``kw``: device and dtype) with its spec
+    and init rule, or ``old`` resized, its device, dtype and tags kept. Its values are
+    not: a layer is sharded before its parameters are initialised."""
+    if old is None:
+        return set_spec(nn.Parameter(torch.empty(shape, **kw)), spec, init)
+    if tuple(old.shape) == tuple(shape):
+        return old
+    new = nn.Parameter(torch.empty(shape, device=old.device, dtype=old.dtype),
+                       old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new
+
+
+class ParallelLayer(nn.Module):
+    """A layer whose parameters are split over a TP group. :meth:`shard` splits it over
+    another group (:meth:`oases.parallel.block.TPBlock.shard` calls it on every such
+    layer of a block): how :func:`oases.models.parallelize.parallelize` applies a plan's
+    degrees to a model built unsharded."""
+
+    tp_group = None
+    tp = 1
+
+    def shard(self, tp_group) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(ParallelLayer):
     """Y = X A^T + b with A split along its output dimension.
 
     | tensor  | full        | on each of tp ranks                |
@@ -62,34 +90,42 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
                  gather_output: bool = False, parts: Optional[Sequence[int]] = None,
                  init_std: float = 0.02, device=None, dtype=None,
-                 units: Optional[Sequence[int]] = None, sequence_parallel: bool = False) -> None:
+                 units: Optional[Sequence[int]] = None, sequence_parallel: bool = False,
+                 logical: Optional[int] = None) -> None:
+        """``logical``: the rows that are real (a vocabulary padded to ``out_features``:
+        the padding rows start at zero)."""
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
-        self.tp = group_size(tp_group)
         if parts is not None and sum(parts) != out_features:
             raise ValueError(f"parts {tuple(parts)} do not add up to out_features={out_features}")
         self.parts = tuple(parts) if parts else None
-        units = tuple(units) if units else None
-        spec = TPSpec(0, (out_features, in_features), self.parts, units=units)
-        for i, p in enumerate(self.parts or (out_features,)):
-            n = chunk_of(spec, i, 0, self.tp)[1]  # tp, or the part's units when fewer
-            divide(p, n, f"ColumnParallelLinear out_features part {i}")
-            if self.tp % n:
-                raise ValueError(f"ColumnParallelLinear part {i} has {n} units, which do not "
-                                 f"divide tp={self.tp}: it can be neither split nor replicated")
+        self.units = tuple(units) if units else None
+        self.spec = TPSpec(0, (out_features, in_features), self.parts, units=self.units,
+                           logical=logical)
         self.in_features, self.out_features = in_features, out_features
-        self._local_parts = tuple(local_parts(spec, self.tp))
-        self.out_per_rank = sum(self._local_parts)
         self.gather_output = gather_output
-        kw = dict(device=device, dtype=dtype)
-        self.weight = set_spec(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)),
-                               spec, ("normal", init_std))
-        if bias:
-            self.bias = set_spec(nn.Parameter(torch.empty(self.out_per_rank, **kw)),
-                                 TPSpec(0, (out_features,), self.parts, units=units), ("zeros",))
-        else:
-            self.register_parameter("bias", None)
+        self.init_std, self.has_bias, self.kw = init_std, bias, dict(device=device, dtype=dtype)
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+        self.shard(tp_group)
+
+    def shard(self, tp_group) -> None:
+        tp, spec = group_size(tp_group), self.spec
+        for i, p in enumerate(self.parts or (self.out_features,)):
+            n = chunk_of(spec, i, 0, tp)[1]  # tp, or the part's units when fewer
+            divide(p, n, f"ColumnParallelLinear out_features part {i}")
+            if tp % n:
+                raise ValueError(f"ColumnParallelLinear part {i} has {n} units, which do not "
+                                 f"divide tp={tp}: it can be neither split nor replicated")
+        self.tp_group, self.tp = tp_group, tp
+        self._local_parts = tuple(local_parts(spec, tp))
+        self.out_per_rank = sum(self._local_parts)
+        self.weight = _param(self.weight, (self.out_per_rank, self.in_features), self.kw, spec,
+                             ("normal", self.init_std))
+        if self.has_bias:
+            self.bias = _param(self.bias, (self.out_per_rank,), self.kw,
+                               TPSpec(0, (self.out_features,), self.parts, units=self.units),
+                               ("zeros",))
         _set_coords(self, tp_group)
 
     @property
@@ -117,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
                 f"parts={self.parts}, bias={self.bias is not None}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLayer):
     """Y = X A^T + b with A split along its input dimension.
 
     | tensor  | full        | on each of tp ranks                          |
@@ -136,19 +172,25 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
-        self.tp = group_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
-        self.in_per_rank = divide(in_features, self.tp, "RowParallelLinear in_features")
         self.input_is_parallel = input_is_parallel
         self.reduce_output = reduce_output
-        kw = dict(device=device, dtype=dtype)
-        self.weight = set_spec(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)),
-                               TPSpec(1, (out_features, in_features)), ("normal", init_std))
-        if bias:
-            self.bias = set_spec(nn.Parameter(torch.empty(out_features, **kw)), None, ("zeros",))
+        self.init_std, self.kw = init_std, dict(device=device, dtype=dtype)
+        self.register_parameter("weight", None)
+        if bias:  # replicated: the same at every degree
+            self.bias = set_spec(nn.Parameter(torch.empty(out_features, **self.kw)), None,
+                                 ("zeros",))
         else:
             self.register_parameter("bias", None)
+        self.shard(tp_group)
+
+    def shard(self, tp_group) -> None:
+        tp = group_size(tp_group)
+        self.in_per_rank = divide(self.in_features, tp, "RowParallelLinear in_features")
+        self.tp_group, self.tp = tp_group, tp
+        self.weight = _param(self.weight, (self.out_features, self.in_per_rank), self.kw,
+                             TPSpec(1, (self.out_features, self.in_features)),
+                             ("normal", self.init_std))
         _set_coords(self, tp_group)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +215,7 @@ class RowParallelLinear(nn.Module):
                 f"reduce_output={self.reduce_output}, bias={self.bias is not None}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ParallelLayer):
     """Embedding table split along the vocabulary.
 
     | tensor  | full            | on each of tp ranks                         |
@@ -193,15 +235,21 @@ class VocabParallelEmbedding(nn.Module):
                  logical: Optional[int] = None, reduce_output: bool = True,
                  init_std: float = 0.02, device=None, dtype=None) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp = group_size(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.per_rank = divide(num_embeddings, self.tp, "VocabParallelEmbedding num_embeddings")
-        self.vocab_start = group_rank(tp_group) * self.per_rank
         self.reduce_output = reduce_output
-        self.weight = set_spec(
-            nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype)),
-            TPSpec(0, (num_embeddings, embedding_dim), logical=logical), ("normal", init_std))
+        self.logical, self.init_std = logical, init_std
+        self.kw = dict(device=device, dtype=dtype)
+        self.register_parameter("weight", None)
+        self.shard(tp_group)
+
+    def shard(self, tp_group) -> None:
+        tp = group_size(tp_group)
+        self.per_rank = divide(self.num_embeddings, tp, "VocabParallelEmbedding num_embeddings")
+        self.tp_group, self.tp = tp_group, tp
+        self.vocab_start = group_rank(tp_group) * self.per_rank
+        self.weight = _param(self.weight, (self.per_rank, self.embedding_dim), self.kw,
+                             TPSpec(0, (self.num_embeddings, self.embedding_dim),
+                                    logical=self.logical), ("normal", self.init_std))
         _set_coords(self, tp_group)
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:

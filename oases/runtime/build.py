@@ -7,13 +7,11 @@ from typing import Optional
 
 import torch
 
-from oases.models import build_model
+from oases.models import Parallelism, arch_class, build
 from oases.config import Config
 from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
-from oases.errors import ConfigError
 from oases.overlap.engines import build_schedule
-from oases.parallel.compile import compile_blocks
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.ranks import destroy_groups, recording_groups
@@ -43,27 +41,18 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     # the model does megatron's recompute, and selective under either engine
     recompute = par.recompute if par.schedule == "megatron" or par.recompute == "selective" \
         else "none"
-    if ctx.layout is not None:
+    vocab, stage = cfg.padded_vocab_size, None
+    if ctx.layout is not None:  # the stage's layers, with the stage's degrees
         st = ctx.layout.stages[ctx.stage]
+        vocab, stage = cfg.padded_vocab(ctx.tp), st.layers
         degrees = list(st.degrees) if st.degrees is not None else None
-        mixed = degrees is not None and set(degrees) != {ctx.tp}
-        model = build_model(cfg.model, cfg.padded_vocab(ctx.tp), ctx.tp_group, tracker,
-                            recompute, seed=seed, device=ctx.device,
-                            degrees=degrees if mixed else None,
-                            degree_groups=ctx._degree_groups if mixed else None,
-                            stage=st.layers)
-    else:
-        model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, recompute,
-                            seed=seed, device=ctx.device, degrees=degrees,
-                            degree_groups=ctx.degree_groups() if degrees is not None else None)
-    if par.sequence_parallel:
-        try:
-            model.set_sequence_parallel(True)
-        except ValueError as e:  # a plan's layout the switch does not take
-            raise ConfigError(f"parallel.sequence_parallel: {e}") from None
-    if par.compile:  # each block's segments; compiled at their first call
-        compile_blocks(model, strict=par.compile == "strict")
-    return model
+        if degrees is not None and set(degrees) == {ctx.tp}:
+            degrees = None
+    plan = Parallelism(ctx.tp_group, tracker, recompute,
+                       tuple(degrees) if degrees is not None else None,
+                       ctx.degree_groups() if degrees is not None else None, stage,
+                       par.sequence_parallel, par.compile)
+    return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 
 def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,

@@ -1,0 +1,139 @@
+"""Parallelism is applied to a model from outside (torchtitan's ``parallelize_llama``): a
+:class:`~oases.models.common.CausalLM` is architecture only, built whole and unsharded on
+the meta device; :func:`parallelize` then applies this rank's :class:`Parallelism` (its
+pipeline stage, TP groups and per-block degrees, recompute, sequence parallelism, compile
+and the parameter tags the DP reduction reads); :func:`materialize` makes the parameters
+on the device, and :func:`build` does the three and initialises them.
+
+    model = Llama(cfg, padded_vocab)            # on torch.device("meta")
+    parallelize(model, Parallelism(tp_group=g, stage=(0, 16), recompute="selective"))
+    materialize(model, device)
+    init_parameters(model, seed, rank, size)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from oases.errors import ConfigError
+from oases.models.common import CausalLM
+from oases.parallel.comm import group_rank, group_size
+from oases.parallel.compile import compile_blocks
+from oases.parallel.random import TPRNGTracker
+from oases.parallel.sharding import init_parameters
+
+__all__ = ["Parallelism", "build", "materialize", "parallelize"]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How this rank runs its model.
+
+    ``tp_group``: the TP group (None: one rank). ``degrees``: a TP degree per block
+    (attn, mlp of each layer of the stage, in order; :mod:`oases.parallel.reshard`) with
+    ``degree_groups`` holding their groups (None: every block on ``tp_group``).
+    ``stage``: the layers [a, b) of this rank's pipeline stage (None: all). ``recompute``:
+    what the model recomputes itself ("full" per layer, "selective" the attention core;
+    the oases engine's own recompute is not the model's). ``compile``: False, True or
+    "strict" (:func:`oases.parallel.compile.compile_blocks`)."""
+    tp_group: Optional[object] = None
+    tracker: Optional[TPRNGTracker] = None
+    recompute: str = "none"
+    degrees: Optional[tuple[int, ...]] = None
+    degree_groups: Optional[object] = None
+    stage: Optional[tuple[int, int]] = None
+    sequence_parallel: bool = False
+    compile: Union[bool, str] = False
+
+
+def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
+    """Apply ``par`` to ``model`` (built unsharded, not yet initialised: sharding keeps no
+    values) in place; returns it. Raises ValueError for a plan the model cannot take."""
+    if par.stage is not None:
+        model.keep_layers(*par.stage)
+    a, b = model.layer_range
+    degrees = list(par.degrees) if par.degrees is not None else None
+    if degrees is not None and len(degrees) != 2 * (b - a):
+        raise ValueError(f"{len(degrees)} block degrees for {2 * (b - a)} blocks")
+    T = group_size(par.tp_group)
+    model.tp_group, model.tracker, model.recompute = par.tp_group, par.tracker, par.recompute
+    model.home_degree = T
+    model.resharder = par.degree_groups if degrees is not None and set(degrees) != {T} else None
+
+    def group(j: int):
+        return par.tp_group if model.resharder is None else par.degree_groups.sub[degrees[j]]
+
+    if model.is_first:
+        model.embed.shard(par.tp_group)
+    elif model.embed is not None:  # the last stage's copy of a tied table
+        model.embed.wte.shard(par.tp_group)
+    for i, layer in enumerate(model.layers):
+        layer.attn.shard(group(2 * i))
+        layer.mlp.shard(group(2 * i + 1))
+        layer.resharder = model.resharder
+        layer.attn.tracker = par.tracker
+        layer.attn.selective = par.recompute == "selective"
+    if model.head is not None:
+        model.head.shard(par.tp_group)
+    _tag(model, T)
+    if par.sequence_parallel:
+        try:
+            model.set_sequence_parallel(True)
+        except ValueError as e:  # a plan's layout the switch does not take
+            raise ConfigError(f"parallel.sequence_parallel: {e}") from None
+    if par.compile:  # each block's segments; compiled at their first call
+        compile_blocks(model, strict=par.compile == "strict")
+    return model
+
+
+def _tag(model: CausalLM, T: int) -> None:
+    """``tp_degree`` on every parameter: the group its gradient is reduced over follows
+    from it (:mod:`oases.parallel.reshard`); ``batch_part`` on a block below the home
+    degree: the part of the batch it runs on."""
+    for blk in model.blocks():
+        for p in blk.parameters():
+            p.tp_degree = blk.degree
+        if model.resharder is not None and blk.degree < T:
+            blk.batch_part = (model.resharder.position(blk.degree)[0], T // blk.degree)
+    if model.is_last:
+        for p in model.norm.parameters():
+            p.tp_degree = T
+        table = model.embed.wte.weight if model.head is None else model.head.weight
+        table.tp_degree = T
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Every parameter made (uninitialised) on ``device``, its tags kept, and the model's
+    buffers made again there (``reset_buffers``): a model parallelised on the meta device
+    becomes this rank's. ``Module.to_empty`` would drop the tags."""
+    made: dict[int, nn.Parameter] = {}  # a parameter held by two modules stays one
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            new = made.get(id(p))
+            if new is None:
+                new = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                made[id(p)] = new
+            setattr(mod, name, new)
+    if isinstance(model, CausalLM):
+        model.reset_buffers()
+    return model
+
+
+def build(cls: type, cfg, padded_vocab: int, par: Parallelism, seed: Optional[int] = 0,
+          device: torch.device | str = "cpu") -> CausalLM:
+    """The model of class ``cls`` for ``cfg``, parallelised by ``par`` on the meta device,
+    made on ``device`` and initialised from ``seed`` (None: left uninitialised, e.g.
+    before loading a checkpoint). Only this rank's shard of this rank's stage is ever
+    allocated."""
+    with torch.device("meta"):
+        model = cls(cfg, padded_vocab)
+    parallelize(model, par)
+    materialize(model, device)
+    if seed is not None:
+        init_parameters(model, seed, group_rank(par.tp_group), group_size(par.tp_group))
+    return model
