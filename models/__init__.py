@@ -1,4 +1,5 @@
-"""Model zoo: architectures by name (``model.arch``), sizes in oases.config.sizes."""
+"""Model zoo: architectures by name (``model.arch``), each declared once by its spec in
+oases/config/archs/ (module, sizes, HF mapping); :func:`arch_class` resolves its module."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ from typing import Optional
 
 import torch
 
+from oases.config import ModelConfig
+from oases.models.arch import ArchLM, arch_class
 from oases.models.common import CausalLM
 from oases.models.gpt import GPT
 from oases.models.llama import Llama, Mistral, Qwen2
-from oases.config import ModelConfig
-from oases.parallel.comm import group_rank, group_size
+from oases.models.parallelize import Parallelism, build, parallelize
 from oases.parallel.random import TPRNGTracker
-from oases.parallel.sharding import init_parameters
-
-ARCHS = {"gpt": GPT, "llama": Llama, "qwen2": Qwen2, "mistral": Mistral}
 
 
 def build_model(cfg: ModelConfig, padded_vocab: int, tp_group=None,
@@ -27,19 +26,18 @@ def build_model(cfg: ModelConfig, padded_vocab: int, tp_group=None,
     ``degrees``: per-block TP degrees of a plan (``ctx.degree_groups()`` holds the groups).
     ``stage``: the layers [start, stop) of this rank's pipeline stage: only they (and the
     embedding or head where the stage has them) are built and initialised."""
-    model = ARCHS[cfg.arch](cfg, padded_vocab, tp_group, tracker, recompute, degrees,
-                            degree_groups, stage)
-    if seed is not None:
-        init_parameters(model, seed, group_rank(tp_group), group_size(tp_group))
-    return model.to(device)
+    par = Parallelism(tp_group, tracker, recompute,
+                      tuple(degrees) if degrees is not None else None, degree_groups, stage)
+    return build(arch_class(cfg.arch), cfg, padded_vocab, par, seed, device)
 
 
 def model_stats(cfg: ModelConfig, padded_vocab: int) -> tuple[int, float]:
     """(parameters, training FLOPs per token) of the whole unsharded model, whichever
     part of it this rank holds; built on the meta device, so it costs no memory."""
     with torch.device("meta"):
-        model = ARCHS[cfg.arch](cfg, padded_vocab)
+        model = arch_class(cfg.arch)(cfg, padded_vocab)
     return model.num_params(), model.flops_per_token()
 
 
-__all__ = ["build_model", "model_stats", "CausalLM", "GPT", "Llama", "Qwen2", "Mistral", "ARCHS"]
+__all__ = ["build_model", "model_stats", "Parallelism", "build", "parallelize", "arch_class",
+           "ArchLM", "CausalLM", "GPT", "Llama", "Qwen2", "Mistral"]

@@ -1,12 +1,14 @@
 """Hugging Face interop: load ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` / ``MistralForCausalLM`` weights into a TP-sharded oases model,
-and export an oases model as one.
+``Qwen2ForCausalLM`` / ``MistralForCausalLM`` weights (any architecture whose spec has
+``hf_weights``, oases/config/archs/) into a TP-sharded oases model, and export an oases
+model as one.
 
     load_hf_weights(model, "ckpt/gpt2", ctx.tp_rank, ctx.tp)   # after build_model
     export_hf(full_state, model_cfg, "out/hf")                 # config.json + model.safetensors
 
-Name mapping (``L`` a layer; GPT-2 names under ``transformer.``, LLaMA under ``model.``;
-Qwen2 and Mistral use LLaMA's names, Qwen2 with q/k/v biases):
+Name mapping, as the built-in specs' ``hf_weights`` give it (``L`` a layer; GPT-2 names
+under ``transformer.``, LLaMA under ``model.``; Qwen2 and Mistral use LLaMA's names,
+Qwen2 with q/k/v biases):
 
 | oases                     | GPT-2                          | LLaMA                              |
 |---------------------------|--------------------------------|------------------------------------|
@@ -45,13 +47,10 @@ from typing import Optional
 
 import torch
 
-from oases.config.hf import GPT_UNUSED, HF_FIELDS, LLAMA_ARCHS, hf_model_fields
+from oases.config.archs import get_arch
+from oases.config.hf import HF_FIELDS, hf_config_dict, hf_model_fields
 from oases.errors import CheckpointError, UserError
 from oases.parallel.sharding import chunk_of
-
-# model.arch -> its HF class, for the LLaMA-like architectures
-_HF_NAMES = {arch: name for name, arch in LLAMA_ARCHS.items()}
-LLAMA_FAMILY = tuple(_HF_NAMES)
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,11 @@ class _Part:
 
 def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
     """For model fields ``f`` (``ModelConfig`` names): oases parameter name -> its parts,
-    and HF tensor name -> its full HF shape."""
+    and HF tensor name -> its full HF shape; from the architecture's ``hf_weights``."""
+    spec = get_arch(f["arch"])
+    w = spec.hf_weights
+    if w is None:
+        raise UserError(f"model.arch={f['arch']!r} has no Hugging Face mapping")
     L, d, h, kv = f["n_layer"], f["d_model"], f["n_head"], f["n_kv_heads"]
     F, V, T, bias = f["ffn_hidden"], f["vocab_size"], f["seq_len"], f["bias"]
     hd = d // h
@@ -75,71 +78,51 @@ def hf_layout(f: dict) -> tuple[dict[str, list[_Part]], dict[str, tuple]]:
     shapes: dict[str, tuple] = {}
 
     def put(ours: str, parts: list[_Part], hf_shapes: dict[str, tuple], have: bool = True):
-        # GPT-2 always has biases (export writes zeros for a bias=false GPT); LLaMA has
-        # projection biases only when attention_bias/mlp_bias are set
-        if have or f["arch"] == "gpt":
+        # a checkpoint with always_bias (GPT-2) has every bias (export writes zeros for
+        # bias=false); others have the projection biases the model has
+        if have or w.always_bias:
             shapes.update(hf_shapes)
         if have:
             m[ours] = parts
 
-    if f["arch"] == "gpt":
-        t = "transformer."
-        put("embed.wte.weight", [_Part(t + "wte.weight", logical=V)], {t + "wte.weight": (V, d)})
-        put("embed.wpe", [_Part(t + "wpe.weight")], {t + "wpe.weight": (T, d)})
-        for i in range(L):
-            o, x = f"layers.{i}.", f"{t}h.{i}."
-            for ours, theirs in (("attn.norm", "ln_1"), ("mlp.norm", "ln_2")):
-                put(o + ours + ".weight", [_Part(x + theirs + ".weight")],
-                    {x + theirs + ".weight": (d,)})
-                put(o + ours + ".bias", [_Part(x + theirs + ".bias")], {x + theirs + ".bias": (d,)})
-            c = x + "attn.c_attn."
-            put(o + "attn.qkv.weight", [_Part(c + "weight", True, j * d, d) for j in range(3)],
-                {c + "weight": (d, 3 * d)})
-            put(o + "attn.qkv.bias", [_Part(c + "bias", False, j * d, d) for j in range(3)],
-                {c + "bias": (3 * d,)}, bias)
-            for ours, theirs, n_in, n_out in (("attn.proj", "attn.c_proj", d, d),
-                                              ("mlp.fc", "mlp.c_fc", d, F),
-                                              ("mlp.proj", "mlp.c_proj", F, d)):
-                put(o + ours + ".weight", [_Part(x + theirs + ".weight", True)],
-                    {x + theirs + ".weight": (n_in, n_out)})
-                put(o + ours + ".bias", [_Part(x + theirs + ".bias")],
-                    {x + theirs + ".bias": (n_out,)}, bias)
-        put("norm.weight", [_Part(t + "ln_f.weight")], {t + "ln_f.weight": (d,)})
-        put("norm.bias", [_Part(t + "ln_f.bias")], {t + "ln_f.bias": (d,)})
-    elif f["arch"] in LLAMA_FAMILY:
-        t = "model."
-        put("embed.wte.weight", [_Part(t + "embed_tokens.weight", logical=V)],
-            {t + "embed_tokens.weight": (V, d)})
-        for i in range(L):
-            o, x = f"layers.{i}.", f"{t}layers.{i}."
-            put(o + "attn.norm.weight", [_Part(x + "input_layernorm.weight")],
-                {x + "input_layernorm.weight": (d,)})
-            put(o + "mlp.norm.weight", [_Part(x + "post_attention_layernorm.weight")],
-                {x + "post_attention_layernorm.weight": (d,)})
-            a = x + "self_attn."
-            sizes = (("q_proj", h * hd), ("k_proj", kv * hd), ("v_proj", kv * hd))
-            put(o + "attn.qkv.weight", [_Part(a + n + ".weight", length=s) for n, s in sizes],
-                {a + n + ".weight": (s, d) for n, s in sizes})
-            put(o + "attn.qkv.bias", [_Part(a + n + ".bias", length=s) for n, s in sizes],
-                {a + n + ".bias": (s,) for n, s in sizes}, bias or f["arch"] == "qwen2")
-            put(o + "attn.proj.weight", [_Part(a + "o_proj.weight")],
-                {a + "o_proj.weight": (d, h * hd)})
-            put(o + "attn.proj.bias", [_Part(a + "o_proj.bias")], {a + "o_proj.bias": (d,)}, bias)
-            p = x + "mlp."
-            gu = ("gate_proj", "up_proj")
-            put(o + "mlp.fc.weight", [_Part(p + n + ".weight", length=F) for n in gu],
-                {p + n + ".weight": (F, d) for n in gu})
-            put(o + "mlp.fc.bias", [_Part(p + n + ".bias", length=F) for n in gu],
-                {p + n + ".bias": (F,) for n in gu}, bias)
-            put(o + "mlp.proj.weight", [_Part(p + "down_proj.weight")],
-                {p + "down_proj.weight": (d, F)})
-            put(o + "mlp.proj.bias", [_Part(p + "down_proj.bias")], {p + "down_proj.bias": (d,)},
-                bias)
-        put("norm.weight", [_Part(t + "norm.weight")], {t + "norm.weight": (d,)})
-    else:
-        raise UserError(f"model.arch={f['arch']!r} has no Hugging Face mapping")
+    def norm(ours: str, theirs: str):
+        for kind in ("weight", "bias") if spec.norm == "layernorm" else ("weight",):
+            put(f"{ours}.{kind}", [_Part(f"{theirs}.{kind}")], {f"{theirs}.{kind}": (d,)})
+
+    def linear(ours: str, theirs: tuple[str, ...], n_in: int, outs: tuple[int, ...],
+               has_bias: bool):
+        """oases ``ours`` (its output rows the parts ``outs``) from HF ``theirs``: one
+        name per part, or one fused name holding all parts along its output axis."""
+        fused = len(theirs) == 1 and len(outs) > 1
+        names = theirs * len(outs) if fused else theirs
+        offsets = [sum(outs[:j]) if fused else 0 for j in range(len(outs))]
+        lengths = [n if len(outs) > 1 else None for n in outs]
+        full = {n: sum(outs) if fused else o for n, o in zip(names, outs)}
+        wshape = {n: (n_in, o) if w.conv1d else (o, n_in) for n, o in full.items()}
+        put(ours + ".weight", [_Part(n + ".weight", w.conv1d, a, ln)
+                               for n, a, ln in zip(names, offsets, lengths)],
+            {n + ".weight": s for n, s in wshape.items()})
+        put(ours + ".bias", [_Part(n + ".bias", False, a, ln)
+                             for n, a, ln in zip(names, offsets, lengths)],
+            {n + ".bias": (o,) for n, o in full.items()}, has_bias)
+
+    t = w.prefix
+    put("embed.wte.weight", [_Part(t + w.embed, logical=V)], {t + w.embed: (V, d)})
+    if w.positions:
+        put("embed.wpe", [_Part(t + w.positions)], {t + w.positions: (T, d)})
+    for i in range(L):
+        o, x = f"layers.{i}.", t + w.layer.format(i=i)
+        norm(o + "attn.norm", x + w.attn_norm)
+        norm(o + "mlp.norm", x + w.mlp_norm)
+        linear(o + "attn.qkv", tuple(x + n for n in w.qkv), d, (h * hd, kv * hd, kv * hd),
+               bias or spec.qkv_bias)
+        linear(o + "attn.proj", (x + w.attn_out,), h * hd, (d,), bias)
+        mlp_in = tuple(x + n for n in w.mlp_in)
+        linear(o + "mlp.fc", mlp_in, d, (F,) * len(mlp_in), bias)
+        linear(o + "mlp.proj", (x + w.mlp_out,), F, (d,), bias)
+    norm("norm", t + w.final_norm)
     if not f["tie_embeddings"]:
-        put("head.weight", [_Part("lm_head.weight", logical=V)], {"lm_head.weight": (V, d)})
+        put("head.weight", [_Part(w.head, logical=V)], {w.head: (V, d)})
     return m, shapes
 
 
@@ -293,8 +276,9 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int, tp
     where = f"init_from hf:{hf_dir}"
     f = hf_model_fields(hf_dir)
     ours = model_fields(model.cfg)
+    unused = get_arch(f["arch"]).unused_fields()
     for k, v in f.items():
-        if k in GPT_UNUSED and f["arch"] == "gpt":
+        if k in unused:
             continue
         if ours[k] != v and not (k == "seq_len" and ours[k] <= v):
             raise UserError(f"{where}: the model has {k}={ours[k]} but config.json says {v}")
@@ -323,66 +307,6 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int, tp
 
 # ---------------------------------------------------------------------------
 # Export.
-
-def hf_config_dict(model_cfg) -> dict:
-    """``config.json`` contents for an oases ``ModelConfig``."""
-    c = model_cfg
-    if c.arch == "gpt":
-        special = 50256 if c.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, if present
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": c.vocab_size, "n_positions": c.seq_len, "n_embd": c.d_model,
-            "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": c.ffn_hidden,
-            "activation_function": "gelu_new", "layer_norm_epsilon": c.norm_eps,
-            "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
-            "initializer_range": c.init_std, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": bool(c.tie_embeddings), "use_cache": True,
-            "bos_token_id": special, "eos_token_id": special, "dtype": "float32",
-        }
-    if c.arch in LLAMA_FAMILY:
-        return _llama_config_dict(c)
-    raise UserError(f"model.arch={c.arch!r} has no Hugging Face export")
-
-
-def _rope_json(c) -> dict:
-    """RoPE as both spellings: ``rope_theta`` + ``rope_scaling`` (transformers < 5,
-    published Llama 3.x) and ``rope_parameters`` (transformers >= 5)."""
-    rp = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
-    if c.rope_type != "default":
-        rp["factor"] = c.rope_factor
-    if c.rope_type == "llama3":
-        rp.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
-                  original_max_position_embeddings=c.rope_original_max_len)
-    scaling = None if c.rope_type == "default" else {k: v for k, v in rp.items()
-                                                      if k != "rope_theta"}
-    return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": rp}
-
-
-def _llama_config_dict(c) -> dict:
-    if c.arch == "llama" and c.sliding_window:  # pragma: no cover - the config refuses it
-        raise UserError("export: LlamaForCausalLM has no sliding window")
-    out = {
-        "architectures": [_HF_NAMES[c.arch]], "model_type": c.arch,
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model,
-        "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.d_model // c.n_head, "hidden_act": "silu",
-        # dynamic RoPE rescales past max_position_embeddings: it is the original length
-        "max_position_embeddings": (c.rope_original_max_len if c.rope_type == "dynamic"
-                                    else c.seq_len),
-        "rms_norm_eps": c.norm_eps, **_rope_json(c),
-        "attention_dropout": c.dropout, "initializer_range": c.init_std,
-        "tie_word_embeddings": bool(c.tie_embeddings), "use_cache": True, "dtype": "float32",
-    }
-    if c.arch == "llama":
-        out.update(attention_bias=bool(c.bias), mlp_bias=bool(c.bias), pretraining_tp=1)
-    elif c.arch == "qwen2":
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
-    else:
-        out.update(sliding_window=c.sliding_window or None)
-    return out
-
 
 def hf_tensors(name: str, t: torch.Tensor, parts) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors made from the full oases tensor ``name`` (``parts``: its

@@ -59,10 +59,10 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     degrees = list(par.degrees) if par.degrees is not None else None
     if degrees is not None and len(degrees) != 2 * (b - a):
         raise ValueError(f"{len(degrees)} block degrees for {2 * (b - a)} blocks")
-    T = group_size(par.tp_group)
+    tp = group_size(par.tp_group)
     model.tp_group, model.tracker, model.recompute = par.tp_group, par.tracker, par.recompute
-    model.home_degree = T
-    model.resharder = par.degree_groups if degrees is not None and set(degrees) != {T} else None
+    model.home_degree = tp
+    model.resharder = par.degree_groups if degrees is not None and set(degrees) != {tp} else None
 
     def group(j: int):
         return par.tp_group if model.resharder is None else par.degree_groups.sub[degrees[j]]
@@ -79,7 +79,7 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
         layer.attn.selective = par.recompute == "selective"
     if model.head is not None:
         model.head.shard(par.tp_group)
-    _tag(model, T)
+    _tag(model, tp)
     if par.sequence_parallel:
         try:
             model.set_sequence_parallel(True)
@@ -90,20 +90,20 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     return model
 
 
-def _tag(model: CausalLM, T: int) -> None:
+def _tag(model: CausalLM, tp: int) -> None:
     """``tp_degree`` on every parameter: the group its gradient is reduced over follows
     from it (:mod:`oases.parallel.reshard`); ``batch_part`` on a block below the home
     degree: the part of the batch it runs on."""
     for blk in model.blocks():
         for p in blk.parameters():
             p.tp_degree = blk.degree
-        if model.resharder is not None and blk.degree < T:
-            blk.batch_part = (model.resharder.position(blk.degree)[0], T // blk.degree)
+        if model.resharder is not None and blk.degree < tp:
+            blk.batch_part = (model.resharder.position(blk.degree)[0], tp // blk.degree)
     if model.is_last:
         for p in model.norm.parameters():
-            p.tp_degree = T
+            p.tp_degree = tp
         table = model.embed.wte.weight if model.head is None else model.head.weight
-        table.tp_degree = T
+        table.tp_degree = tp
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:

@@ -58,9 +58,9 @@ class ReplicaGradSum:
         self.group_of = group_of
 
     @classmethod
-    def for_model(cls, model: nn.Module, group_of, T: int) -> Optional["ReplicaGradSum"]:
+    def for_model(cls, model: nn.Module, group_of, tp: int) -> Optional["ReplicaGradSum"]:
         """The sum for ``model``'s replicated parameters (None: it has none). A parameter's
-        degree is its block's (``tp_degree``), T by default. Every degree with replicated
+        degree is its block's (``tp_degree``), tp by default. Every degree with replicated
         rows must have a replica group of as many ranks as the rows have replicas: a
         context built without the model's kv heads (or for other ones) would otherwise
         train the replicas apart without a word."""
@@ -71,7 +71,7 @@ class ReplicaGradSum:
             reps = {r for _, r in part_views(p.data, spec, size) if r > 1} if spec else set()
             if not (p.requires_grad and reps):
                 continue
-            t = getattr(p, "tp_degree", T)
+            t = getattr(p, "tp_degree", tp)
             group = group_of(t)
             have = 1 if group is None else dist.get_world_size(group)
             if reps != {have}:
@@ -108,7 +108,7 @@ class SequenceGradSum:
     combine it acts on this rank's chunk of the sequence only, and inside a region,
     before the column-parallel layers, it sees the un-reduced input gradient (the
     all-gather's reduce-scatter sums it later, where the all-reduce at the region's entry
-    summed it before). A block of degree t < T sums over its own t-rank subgroup (its
+    summed it before). A block of degree t < tp sums over its own t-rank subgroup (its
     other batch parts are the DP reducer's, oases.parallel.reshard). Once per step, after
     the DP reduction (both are sums; Megatron-LM sums its layer norms' alike); one
     all-reduce of one flat buffer per degree."""
@@ -124,7 +124,7 @@ class SequenceGradSum:
         if not view_of(model).sequence_parallel or group is None \
                 or dist.get_world_size(group) == 1:
             return None
-        T = dist.get_world_size(group)
+        tp = dist.get_world_size(group)
         by_degree: dict[int, tuple] = {}
         seen = set()
         for blk in model.blocks():  # TPBlocks: a sequence-parallel model is an EngineModel
@@ -135,7 +135,7 @@ class SequenceGradSum:
                     by_degree.setdefault(t, (g, []))[1].append(p)
         for p in model.parameters():
             if id(p) not in seen and p.requires_grad and getattr(p, "tp_spec", None) is None:
-                by_degree.setdefault(T, (group, []))[1].append(p)
+                by_degree.setdefault(tp, (group, []))[1].append(p)
         return cls(by_degree) if by_degree else None
 
     @torch.no_grad()

@@ -1,12 +1,12 @@
 """Per-block TP degrees: the process groups and the resharding between degrees.
 
-Let T be the TP group size and t a degree dividing T. A block of degree t runs
-on T/t *subgroups* of t contiguous ranks; subgroup g processes part g of the
-(sub-)batch, split into T/t parts along the batch dimension. Inside one TP group
-(ranks 0..T-1 of a DP replica), rank r at degree t is in subgroup r // t, at
+Let tp be the TP group size and t a degree dividing tp. A block of degree t runs
+on tp/t *subgroups* of t contiguous ranks; subgroup g processes part g of the
+(sub-)batch, split into tp/t parts along the batch dimension. Inside one TP group
+(ranks 0..tp-1 of a DP replica), rank r at degree t is in subgroup r // t, at
 position r % t, and holds batch part r // t:
 
-    T = 4     degree 4: {0 1 2 3} whole batch
+    tp = 4     degree 4: {0 1 2 3} whole batch
               degree 2: {0 1} part 0 of 2     {2 3} part 1 of 2
               degree 1: {0} {1} {2} {3}       part r of 4
 
@@ -25,19 +25,19 @@ Either way the pieces are exchanged inside the *reshard group* of (t_small,
 t_big): the ranks r' in this rank's t_big subgroup with r' = r mod t_small,
 ordered by rank, which is exactly the order of the batch pieces.
 
-The weights of a degree-t block are replicated over the T/t subgroups, each of
+The weights of a degree-t block are replicated over the tp/t subgroups, each of
 which saw a different batch part: their gradients are *summed* over those
 replicas and averaged over DP, in one all-reduce over the *gradient group*
-{d*T + g*t + j : all DP replicas d, all subgroups g} of this rank's position j.
+{d*tp + g*t + j : all DP replicas d, all subgroups g} of this rank's position j.
 
 Each degree has its own GQA layout (oases.config.heads): an attention block of degree
 t > n_kv_heads replicates each kv head on t / n_kv_heads consecutive ranks of its
-subgroup, whose kv gradients are summed over that *kv replica group* (at degree T
+subgroup, whose kv gradients are summed over that *kv replica group* (at degree tp
 the context's; ``kv[t]`` here, built by the same rank formula,
 oases.parallel.ranks.kv_replica_ranks):
 
-    T = 4, n_kv_heads 2:   degree 4: kv replicas {0 1} {2 3}     degree 2, 1: none
-    T = 4, n_kv_heads 1:   degree 4: {0 1 2 3}   degree 2: {0 1} {2 3}
+    tp = 4, n_kv_heads 2:   degree 4: kv replicas {0 1} {2 3}     degree 2, 1: none
+    tp = 4, n_kv_heads 1:   degree 4: {0 1 2 3}   degree 2: {0 1} {2 3}
 """
 
 from __future__ import annotations
@@ -52,34 +52,34 @@ from oases.parallel.ranks import create_groups, degree_specs
 from oases.parallel.sequence import seq_gather, seq_split
 
 
-def divisors_pow2(T: int) -> list[int]:
-    """The degrees a block may take: powers of two dividing T."""
-    return [t for t in (2 ** i for i in range(T.bit_length())) if T % t == 0]
+def divisors_pow2(tp: int) -> list[int]:
+    """The degrees a block may take: powers of two dividing tp."""
+    return [t for t in (2 ** i for i in range(tp.bit_length())) if tp % t == 0]
 
 
 class DegreeGroups:
     """All process groups for per-block degrees. Built collectively: every rank
     creates every group in the same order (``new_group`` is collective), from
     :func:`oases.parallel.ranks.degree_specs`. A group over the same ranks as another is
-    that one (e.g. the (1, T) resharding group is the TP group, the (1, t) one the
+    that one (e.g. the (1, tp) resharding group is the TP group, the (1, t) one the
     degree-t subgroup): :func:`oases.parallel.ranks.new_group` shares it."""
 
-    def __init__(self, rank: int, world: int, T: int, dp: int, tp_group, dp_group,
+    def __init__(self, rank: int, world: int, tp: int, dp: int, tp_group, dp_group,
                  base: int = 0, kv_heads: Optional[int] = None, kv_group=None) -> None:
         """``base``: the first global rank of the ranks these groups cover (a pipeline
-        stage's; ranks outside ``base .. base + dp*T - 1`` only take part in creating them).
+        stage's; ranks outside ``base .. base + dp*tp - 1`` only take part in creating them).
         ``kv_heads``: the model's, for the kv replica groups; ``kv_group``: this rank's at
-        degree T (the context builds it)."""
-        self.T, self.dp, self.rank = T, dp, rank
-        self.degrees = divisors_pow2(T)
-        d_idx, r = divmod(rank - base, T)
+        degree tp (the context builds it)."""
+        self.tp, self.dp, self.rank = tp, dp, rank
+        self.degrees = divisors_pow2(tp)
+        d_idx, r = divmod(rank - base, tp)
         self.tp_rank = r
-        self.sub: dict[int, Optional[dist.ProcessGroup]] = {T: tp_group, 1: None}
+        self.sub: dict[int, Optional[dist.ProcessGroup]] = {tp: tp_group, 1: None}
         self._reshard: dict[tuple[int, int], Optional[dist.ProcessGroup]] = {}
-        self.grad: dict[int, Optional[dist.ProcessGroup]] = {T: dp_group}
-        self.kv: dict[int, Optional[dist.ProcessGroup]] = {T: kv_group}
-        self.kv.update({t: None for t in self.degrees if t < T})
-        mine = create_groups(rank, degree_specs(base, dp, T, kv_heads))
+        self.grad: dict[int, Optional[dist.ProcessGroup]] = {tp: dp_group}
+        self.kv: dict[int, Optional[dist.ProcessGroup]] = {tp: kv_group}
+        self.kv.update({t: None for t in self.degrees if t < tp})
+        mine = create_groups(rank, degree_specs(base, dp, tp, kv_heads))
         table = {"sub": self.sub, "reshard": self._reshard, "grad": self.grad, "kv": self.kv}
         for (role, key), g in mine.items():
             table[role][key] = g
@@ -116,24 +116,24 @@ class DegreeGroups:
         return gather_from_tp(x, group, dim=0)       # all-gather; backward slices
 
 
-def grad_group_of(ctx, T: int):
+def grad_group_of(ctx, tp: int):
     """For GradReducer: the group a parameter's gradient is summed over, from the
     degree of the block that owns it (``param.tp_degree``)."""
     dg = ctx._degree_groups
 
     def group_of(p):
-        t = getattr(p, "tp_degree", T)
-        return ctx.dp_group if t == T or dg is None else dg.grad[t]
+        t = getattr(p, "tp_degree", tp)
+        return ctx.dp_group if t == tp or dg is None else dg.grad[t]
 
     return group_of
 
 
-def kv_group_of(ctx, T: int):
+def kv_group_of(ctx, tp: int):
     """For the kv replica sum (oases.dp.replicas): the kv replica group of a block
     of degree t (None where kv heads are not replicated)."""
     dg = ctx._degree_groups
 
     def group_of(t: int):
-        return ctx.kv_group if t == T or dg is None else dg.kv.get(t)
+        return ctx.kv_group if t == tp or dg is None else dg.kv.get(t)
 
     return group_of

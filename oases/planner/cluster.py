@@ -216,25 +216,25 @@ def load_cluster(path: str) -> Cluster:
     return c
 
 
-def tp_groups(t: int, T: int, dp: int) -> list[list[int]]:
-    """The degree-t subgroups of a run of dp TP groups of T ranks (ranks d*T + ..)."""
-    return [[d * T + g * t + j for j in range(t)] for d in range(dp) for g in range(T // t)]
+def tp_groups(t: int, tp: int, dp: int) -> list[list[int]]:
+    """The degree-t subgroups of a run of dp TP groups of tp ranks (ranks d*tp + ..)."""
+    return [[d * tp + g * t + j for j in range(t)] for d in range(dp) for g in range(tp // t)]
 
 
-def reshard_groups(a: int, b: int, T: int, dp: int) -> list[list[int]]:
+def reshard_groups(a: int, b: int, tp: int, dp: int) -> list[list[int]]:
     """The all-gather groups between degrees a < b (oases.parallel.reshard)."""
-    return [[d * T + g * b + m * a + j for m in range(b // a)]
-            for d in range(dp) for g in range(T // b) for j in range(a)]
+    return [[d * tp + g * b + m * a + j for m in range(b // a)]
+            for d in range(dp) for g in range(tp // b) for j in range(a)]
 
 
-def grad_groups(t: int, T: int, dp: int) -> list[list[int]]:
-    """The replicas whose gradients a degree-t block sums: its T/t copies x dp."""
-    return [[d * T + g * t + j for d in range(dp) for g in range(T // t)] for j in range(t)]
+def grad_groups(t: int, tp: int, dp: int) -> list[list[int]]:
+    """The replicas whose gradients a degree-t block sums: its tp/t copies x dp."""
+    return [[d * tp + g * t + j for d in range(dp) for g in range(tp // t)] for j in range(t)]
 
 
-_GROUPS = {"all_reduce": lambda k, T, dp: tp_groups(int(k), T, dp),
-           "grad_all_reduce": lambda k, T, dp: grad_groups(int(k), T, dp),
-           "all_gather": lambda k, T, dp: reshard_groups(*map(int, k.split("-")), T, dp)}
+_GROUPS = {"all_reduce": lambda k, tp, dp: tp_groups(int(k), tp, dp),
+           "grad_all_reduce": lambda k, tp, dp: grad_groups(int(k), tp, dp),
+           "all_gather": lambda k, tp, dp: reshard_groups(*map(int, k.split("-")), tp, dp)}
 
 
 class CommModel:

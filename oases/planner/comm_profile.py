@@ -43,7 +43,7 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
                  log: Callable[[str], None] = print) -> dict:
     """Collective fits on the live cluster; every rank must call it (collective)."""
     dg = ctx.degree_groups()
-    T = ctx.tp
+    tp = ctx.tp
     out: dict = {"all_reduce": {}, "all_gather": {}, "grad_all_reduce": {}}
 
     def measure(kind: str, key: str, group, make) -> None:
@@ -86,7 +86,7 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
                 measure("all_gather", f"{a}-{b}", dg.reshard_group(a, b),
                         lambda nbytes, k=b // a: f32(nbytes // k))
     for t in dg.degrees:
-        if t < T or ctx.dp > 1:
+        if t < tp or ctx.dp > 1:
             measure("grad_all_reduce", str(t), dg.grad[t], f32)
     out["cpu_per_byte"] = {}
     for t in dg.degrees:
@@ -95,8 +95,8 @@ def profile_comm(ctx, sizes=(2**16, 2**20, 2**22), reps: int = 3,
             if ctx.is_main:
                 log(f"profile compute slowdown under degree-{t} all-reduces: "
                     f"{1e3 * 2**20 * out['cpu_per_byte'][str(t)]:.2f} ms per MiB all-reduced")
-    out["on"] = {"tp": T, "dp": ctx.dp}
-    out["call_s"] = _call_cost(ctx, dg.sub[T] if T > 1 else dist.group.WORLD)
+    out["on"] = {"tp": tp, "dp": ctx.dp}
+    out["call_s"] = _call_cost(ctx, dg.sub[tp] if tp > 1 else dist.group.WORLD)
     if ctx.is_main:
         log(f"profile cost of a collective call in a step: {1e3 * out['call_s']:.2f} ms")
     return out

@@ -1,7 +1,7 @@
 """The overlap-aware cost model (after Oases section 4). Pure Python, no torch.
 
 A plan gives every transformer block i (attn, mlp of each layer) a TP degree
-t_i dividing T. Per block and degree the model knows, per sub-batch:
+t_i dividing tp. Per block and degree the model knows, per sub-batch:
 forward compute ``cf``, backward compute ``cb`` (recompute included), and the
 all-reduce ``m`` that ends the block (forward) and the one of its input
 gradient (backward), both of rows x seq x d activations.
@@ -23,8 +23,8 @@ one sub-batch nothing pairs: cf + cb + 2 m, each collective waited for whole. Wh
 resharding all-gather, in forward when the degree grows, in backward when it
 drops, for both sub-batches and without much compute to hide behind (the
 overlap it breaks). ``recompute=full`` adds, per block, the re-issued forward
-all-reduce paired with the recompute. Gradients of a block of degree t < T are
-summed over its T/t replicas (and DP); the reducer launches each block's sync
+all-reduce paired with the recompute. Gradients of a block of degree t < tp are
+summed over its tp/t replicas (and DP); the reducer launches each block's sync
 as soon as its gradients are ready, so the syncs queue on the link behind one
 another and hide behind the backward of the blocks before them: only what
 outlasts the backward counts (:meth:`CostModel.sync_exposed`, a max of sums,
@@ -83,7 +83,7 @@ __all__ = ["ADAM_BYTES_PER_PARAM", "PARAM_BYTES", "CostModel", "ModelShape", "Pr
 
 @dataclass
 class RunShape:
-    tp: int                      # T
+    tp: int
     dp: int
     micro_batch_size: int        # per DP rank
     grad_accum: int
@@ -106,8 +106,8 @@ class CostModel:
         self.profile = at_speed(profile, self.speed)
         self.comm = CommModel(cluster, profile.comm)
         self.call_s = profile.comm.get("call_s", 0.0)  # a step's cost per collective call
-        self.T = run.tp
-        self.degrees = degrees or shape.valid_degrees(self.T)
+        self.tp = run.tp
+        self.degrees = degrees or shape.valid_degrees(self.tp)
         self.kinds = shape.kinds()
         self.n = len(self.kinds)
         self._precompute()
@@ -115,7 +115,7 @@ class CostModel:
     # ------------------------------------------------------------ ingredients
     def rows(self, t: int) -> float:
         """Batch rows a rank processes per sub-batch at degree t."""
-        return self.run.micro_batch_size / self.run.sub_batches * t / self.T
+        return self.run.micro_batch_size / self.run.sub_batches * t / self.tp
 
     def _act_bytes(self, t: int) -> float:
         """One sub-batch's (rows, seq, d) activation in the compute dtype."""
@@ -169,23 +169,23 @@ class CostModel:
         """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
         if t == 1:
             return 0.0
-        groups = tp_groups(t, self.T, self.run.dp)
+        groups = tp_groups(t, self.tp, self.run.dp)
         fit = self.comm.fitted("all_reduce", str(t), nbytes, groups)
         return fit if fit is not None else max(self.comm.all_reduce(nbytes, g) for g in groups)
 
     def ag_time(self, a: int, b: int, nbytes_total: float) -> float:
         """All-gather of the reshard groups between degrees a < b."""
-        groups = reshard_groups(a, b, self.T, self.run.dp)
+        groups = reshard_groups(a, b, self.tp, self.run.dp)
         fit = self.comm.fitted("all_gather", f"{a}-{b}", nbytes_total, groups)
         return fit if fit is not None else \
             max(self.comm.all_gather(nbytes_total, g) for g in groups)
 
     def _grad_sync(self, kind: str, t: int) -> float:
-        """Summing a degree-t block's gradients over its T/t replicas x dp (one call)."""
-        if self.run.dp * self.T // t < 2:
+        """Summing a degree-t block's gradients over its tp/t replicas x dp (one call)."""
+        if self.run.dp * self.tp // t < 2:
             return 0.0
         nbytes = self.shape.rank_params(kind, t) * 4
-        groups = grad_groups(t, self.T, self.run.dp)
+        groups = grad_groups(t, self.tp, self.run.dp)
         fit = self.comm.fitted("grad_all_reduce", str(t), nbytes, groups)
         wire = fit if fit is not None else max(self.comm.all_reduce(nbytes, g) for g in groups)
         return wire + self.call_s
@@ -209,12 +209,12 @@ class CostModel:
         return max(m.values(), default=0.0) if t > 1 else 0.0
 
     def sync_cpu_per_byte(self) -> float:
-        """The same for gradient syncs: as profiled (a calibration step at degree T has
+        """The same for gradient syncs: as profiled (a calibration step at degree tp has
         no replica syncs to say otherwise)."""
         m = self.profile.comm.get("cpu_per_byte_sync")
         if m is None:
-            return self.cpu_per_byte(self.T)
-        return m.get(str(self.T), max(m.values(), default=0.0))
+            return self.cpu_per_byte(self.tp)
+        return m.get(str(self.tp), max(m.values(), default=0.0))
 
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
@@ -248,8 +248,8 @@ class CostModel:
                 # subtracted.
                 interleaved = t > 1 or r.schedule == "megatron"
                 self.free[kind, t] = (nsub if interleaved else 1) * bwd
-        mb = self._act_bytes(self.T)
-        self.m_edge = self.ar_time(self.T, mb)     # embedding's forward / head's backward all-reduce
+        mb = self._act_bytes(self.tp)
+        self.m_edge = self.ar_time(self.tp, mb)     # embedding's forward / head's backward all-reduce
 
     # ------------------------------------------------------------- the model
     def node_cost(self, i: int, t: int) -> float:
@@ -346,7 +346,7 @@ class CostModel:
         """Backward compute left after block i's gradients are complete."""
         return sum(self.free[self.kinds[j], degrees[j]] for j in range(i))
 
-    def _reshard(self, i: int, ta: int, tb: int) -> float:
+    def reshard_cost(self, i: int, ta: int, tb: int) -> float:
         """All-gathers between block i-1 (degree ta) and block i (degree tb), per micro-batch."""
         if ta == tb:
             return 0.0
@@ -365,7 +365,7 @@ class CostModel:
     def edge_cost(self, i: int, ta: int, tb: int) -> float:
         """Edge between block i-1 at degree ta and block i at degree tb."""
         k0, k1, r = self.kinds[i - 1], self.kinds[i], self.run
-        reshard = self._reshard(i, ta, tb) * r.grad_accum  # every micro-batch, paired or not
+        reshard = self.reshard_cost(i, ta, tb) * r.grad_accum  # every micro-batch, paired or not
         if r.schedule != "oases" or r.sub_batches == 1:
             return reshard
         # every sub-batch after the first takes its turn on the compute stream here, each
@@ -375,12 +375,12 @@ class CostModel:
         return reshard + turns * (1 if self._paired_run() else r.grad_accum)
 
     def edge_in(self, t: int) -> float:
-        """Embedding (degree T) -> first block: each sub-batch after the first pairs the
+        """Embedding (degree tp) -> first block: each sub-batch after the first pairs the
         block's forward with the embedding's all-reduce, and the embedding's backward
         with the block's input-gradient all-reduce; one sub-batch waits for the
         embedding's all-reduce whole."""
         k = self.kinds[0]
-        c = self._reshard(0, self.T, t)
+        c = self.reshard_cost(0, self.tp, t)
         if self.run.schedule == "oases":
             if self.run.sub_batches == 1:
                 return c + self.m_edge
@@ -390,10 +390,10 @@ class CostModel:
         return c
 
     def edge_out(self, t: int) -> float:
-        """Last block -> head (degree T), as :meth:`edge_in`: the head's forward with the
+        """Last block -> head (degree tp), as :meth:`edge_in`: the head's forward with the
         block's all-reduce, the block's backward with the head's input-gradient one."""
         k = self.kinds[-1]
-        c = self._reshard(self.n, t, self.T)
+        c = self.reshard_cost(self.n, t, self.tp)
         if self.run.schedule == "oases":
             if self.run.sub_batches == 1:
                 return c + self.m_edge
@@ -406,9 +406,9 @@ class CostModel:
         c = self.profile.constant
         per_mb = c.get("fwd", 0.0) + c.get("bwd", 0.0)
         n = self.run.sub_batches if self.run.schedule == "oases" else 1
-        per_mb += 2 * n * self.calls(self.T)  # the embedding's and the head's all-reduces
+        per_mb += 2 * n * self.calls(self.tp)  # the embedding's and the head's all-reduces
         if self.run.schedule == "oases":  # overlapped: their bytes take host cycles
-            per_mb += 2 * n * self._act_bytes(self.T) * self.cpu_per_byte(self.T)
+            per_mb += 2 * n * self._act_bytes(self.tp) * self.cpu_per_byte(self.tp)
         return per_mb * self.run.grad_accum + c.get("step", 0.0)
 
     def plan_time(self, degrees: list[int]) -> float:
@@ -419,9 +419,9 @@ class CostModel:
         return t
 
     def static_memory(self) -> float:
-        head_cast = self.run.act_bytes * self.shape.vocab_size * self.shape.d_model / self.T \
+        head_cast = self.run.act_bytes * self.shape.vocab_size * self.shape.d_model / self.tp \
             if self.run.act_bytes < PARAM_BYTES else 0.0  # the head matrix's bf16 copy
-        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.T + head_cast + \
+        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.tp + head_cast + \
             self.profile.constant.get("peak", 0.0)
 
     def plan_memory(self, degrees: list[int]) -> float:

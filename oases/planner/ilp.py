@@ -54,12 +54,12 @@ def min_memory(cm: CostModel, mixed: float = 0.0) -> float:
     when that needs less with ``mixed`` added to the others)."""
     best = [min(cm.degrees, key=lambda t: cm.mem[k, t] + cm.trans[k, t]) for k in cm.kinds]
     need = _with_mixed(cm, best, mixed)
-    return min(need, _with_mixed(cm, [cm.T] * cm.n, mixed)) if cm.T in cm.degrees else need
+    return min(need, _with_mixed(cm, [cm.tp] * cm.n, mixed)) if cm.tp in cm.degrees else need
 
 
 def _with_mixed(cm: CostModel, plan: list[int], mixed: float) -> float:
     """A plan's memory, with ``mixed`` when a block runs below tp."""
-    return cm.plan_memory(plan) + (mixed if any(t != cm.T for t in plan) else 0.0)
+    return cm.plan_memory(plan) + (mixed if any(t != cm.tp for t in plan) else 0.0)
 
 
 def solve(cm: CostModel, memory_limit_bytes: Optional[float] = None, msg: bool = False,
@@ -102,7 +102,7 @@ def _solve(cm: CostModel, memory_limit_bytes: Optional[float], msg: bool,
             u = pulp.LpVariable("u_mixed", cat="Binary")
             for i in range(n):
                 for k, t in enumerate(D):
-                    if t != cm.T:
+                    if t != cm.tp:
                         prob += u >= x[i][k]
             row += mixed * u
         prob += row <= memory_limit_bytes

@@ -325,21 +325,21 @@ def _memory_const(job: Job, ch: Choice, cms: list[CostModel]) -> list[float]:
     """Per stage: the embedding (stage 0), final norm, head (a tied head keeps its own
     copy of the table on the last stage of a pipeline), the head's bf16 copy and
     the logits' peak (last stage), and the largest graph rebuilt in backward."""
-    s, P, T = job.shape, ch.pp, ch.tp
+    s, P, tp = job.shape, ch.pp, ch.tp
     d = s.d_model
-    embed = s.vocab_size * d + (s.seq_len * d if s.arch == "gpt" else 0)
-    head = d * (2 if s.arch == "gpt" else 1)
+    embed = s.embed_params()
+    head = s.final_norm_params()
     if not s.tie_embeddings or P > 1:
         head += s.vocab_size * d
     out = []
     for p, cm in enumerate(cms):
         mem = max(cm.trans[k, t] for k in ("attn", "mlp") for t in ch.degrees)
         if p == 0:
-            mem += ADAM_BYTES_PER_PARAM * embed / T
+            mem += ADAM_BYTES_PER_PARAM * embed / tp
         if p == P - 1:
-            mem += ADAM_BYTES_PER_PARAM * head / T + cm.profile.constant.get("peak", 0.0)
+            mem += ADAM_BYTES_PER_PARAM * head / tp + cm.profile.constant.get("peak", 0.0)
             if job.act_bytes < PARAM_BYTES:
-                mem += job.act_bytes * s.vocab_size * d / T
+                mem += job.act_bytes * s.vocab_size * d / tp
         out.append(mem)
     return out
 
@@ -377,8 +377,8 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
     for p in range(P - 1):
         # the activation and its gradient: two calls of the step's per-call cost
         move = _transfer(job, ch, cluster, ranks[p], ranks[p + 1]) + 2 * cms[p].call_s
-        T = ch.tp
-        x.append([[[move + cms[p]._reshard(0, r, T) + cms[p + 1]._reshard(0, T, s)
+        tp = ch.tp
+        x.append([[[move + cms[p].reshard_cost(0, r, tp) + cms[p + 1].reshard_cost(0, tp, s)
                     for s in ch.degrees] for r in ch.degrees]] * L)
     const = _memory_const(job, ch, cms)
     comms = choice_bytes(job, ch, cluster)  # NCCL communicators, off a derived limit only

@@ -42,18 +42,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _tp_parts(g: torch.Tensor, p: nn.Parameter, T: int):
+def _tp_parts(g: torch.Tensor, p: nn.Parameter, tp: int):
     """``g`` (a TP-sharded parameter's whole gradient, or a piece of it) as (view, weight)
     pairs, the weight making a sum over the TP group count the full parameter once: a
-    block of degree t < T is replicated over T/t subgroups, and a part held alike by r
+    block of degree t < tp is replicated over tp/t subgroups, and a part held alike by r
     ranks of its group (GQA kv heads) r times. None for a replicated parameter."""
     spec = getattr(p, "tp_spec", None)
     if spec is None:
         return None
-    t = getattr(p, "tp_coords", (0, T))[1]
+    t = getattr(p, "tp_coords", (0, tp))[1]
     if g.shape != p.shape:  # a flat ZeRO piece: no replicated parts (those stay whole)
-        return [(g, t / T)]
-    return [(v, t / T / r) for v, r in part_views(g, spec, t)]
+        return [(g, t / tp)]
+    return [(v, t / tp / r) for v, r in part_views(g, spec, t)]
 
 
 def _weighted_squares(parts: list[tuple[torch.Tensor, float]], device: torch.device,
@@ -84,11 +84,11 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     over the world, which is the sum over stages. The last stage's copy of a tied
     embedding (``shared_copy``) is left out: the first stage counts it.
     """
-    T = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
-            parts = _tp_parts(p.grad, p, T)
+            parts = _tp_parts(p.grad, p, tp)
             if parts is None:
                 replicated.append(p.grad)
             else:
@@ -106,19 +106,19 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], T: int, dp: int,
+def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], tp: int, dp: int,
                       pp: bool) -> torch.Tensor:
     """:func:`grad_norm` when ZeRO splits gradients over ranks (``terms`` from
     ``ZeroOwnership.grad_terms``: gradient held, its parameter, G = ranks splitting it).
 
     Written as one sum over every rank of the stage: a TP shard of a degree-t block
-    is held by dp T / t ranks and weighs t / T per rank, a replicated parameter by
-    dp T ranks and weighs 1 / T, and everything is divided by dp. A gradient split
+    is held by dp tp / t ranks and weighs t / tp per rank, a replicated parameter by
+    dp tp ranks and weighs 1 / tp, and everything is divided by dp. A gradient split
     over G ranks contributes G x its piece's squares, so the split pieces add up to
     the whole. Pipelined, the same sum over the world adds the stages."""
     dev = terms[0][0].device if terms else torch.device("cpu")
     parts = [(v, w * G) for g, p, G in terms if not (pp and getattr(p, "shared_copy", False))
-             for v, w in _tp_parts(g, p, T) or [(g, 1.0 / T)]]
+             for v, w in _tp_parts(g, p, tp) or [(g, 1.0 / tp)]]
     sq = _weighted_squares(parts, dev, torch.float64)
     sq /= dp
     dist.all_reduce(sq)
@@ -141,8 +141,8 @@ def clip_grads_norm(model: nn.Module, max_norm: float, tp_group, stage_size: int
     holds are the ones measured and scaled (:func:`sharded_grad_norm`)."""
     if reducer is not None and getattr(reducer, "norm_by_terms", False):
         terms = reducer.shards.grad_terms(model)
-        T = 1 if tp_group is None else dist.get_world_size(tp_group)
-        norm = sharded_grad_norm(terms, T, dp, stage_size > 0)
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        norm = sharded_grad_norm(terms, tp, dp, stage_size > 0)
         grads = [g for g, _, _ in terms]
     else:
         norm = grad_norm(model, tp_group, stage_size)
