@@ -28,7 +28,7 @@ updated parameters (levels 1, 2), and at level 3 a
 tied embedding of a pipeline's first and last stage stays at level 0 (its group spans
 two stages). The reducer owns the buckets and their reduction only: what this rank
 owns of them, and what the optimizer and checkpoints see, is its
-:class:`~oases.dp.ownership.ZeroOwnership` (``reducer.shards``).
+:class:`~oases.dp.ownership.ZeroOwnership` (``reducer.ownership``).
 
 Averaging over dp is the gradient of the global batch's loss only if each replica's
 backward was seeded with dp times its share of that loss: ``train_step`` does so
@@ -165,7 +165,7 @@ class GradReducer:
         hook = weak_hook(self._on_grad_ready)
         self._handles = ([p.register_post_accumulate_grad_hook(hook) for p in params]
                          if self.active else [])
-        self.shards = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],
+        self.ownership = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],
                                     block_of, tied_head, prefetch)
 
     def close(self) -> None:
@@ -174,7 +174,7 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.shards.close()
+        self.ownership.close()
 
     def _add(self, params, group) -> None:
         b = _Bucket(params, group, params[0].device, params[0].dtype,
@@ -239,7 +239,7 @@ class GradReducer:
         self._scope = None
         if self.active:
             self._reduce()
-        self.shards.release()
+        self.ownership.release()
         if self._then is not None:
             self._then()
 
@@ -274,7 +274,7 @@ class GradReducer:
     def memory(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes held for parameters, gradients and optimizer state
         (:func:`~oases.dp.accounting.held_memory`)."""
-        return held_memory(model, opt, [b.buffer for b in self.buckets], self.shards)
+        return held_memory(model, opt, [b.buffer for b in self.buckets], self.ownership)
 
 
 class TiedTableSync:

@@ -67,7 +67,7 @@ Both hold only while every segment runs on the default stream: a run refuses to
 start on another (:func:`~oases.parallel.comm.require_default_stream`).
 
 ZeRO-3: the engine reaches parameters only through its ``params`` hook
-(:class:`~oases.parallel.engine.BlockParams`), in :meth:`OasesSchedule._enter`.
+(:class:`~oases.parallel.engine.BlockParams`), in :meth:`OasesEngine._enter`.
 
 Pipeline stages: ``forward`` and ``backward`` run the same programs as separate
 actions, the sub-batches' state kept in a :class:`StageRun` in between; an input
@@ -75,7 +75,7 @@ activation becomes a leaf whose gradient ``backward`` returns.
 
 Mixed precision: forward segments and recompute run under ``amp()``, backward
 segments without it; the run sits in one enclosing autocast region, so each
-weight is cast once per run and its copy shared (:meth:`OasesRun.cast_cache`).
+weight is cast once per run and its copy shared (:meth:`MicroBatchRun.cast_cache`).
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ import torch
 import torch.nn as nn
 
 from oases.overlap.loss_weights import piece_shares
-from oases.overlap.megatron import AmpFactory, MegatronSchedule, StageRun
+from oases.overlap.megatron import AmpFactory, MegatronEngine, StageRun
 from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import sub_batch_rng_streams
-from oases.overlap.runner import (Launch, ModelTraits, OasesRun, Program, Wait, collect,
+from oases.overlap.runner import (Launch, ModelTraits, MicroBatchRun, Program, Wait, collect,
                                   reduce_buffer, run_joint, run_programs)
 from oases.overlap.sequence import SequencePrograms, gather_seq
 from oases.overlap.state import BlockState, ReducedAsPartial, SubBatch
@@ -103,13 +103,13 @@ from oases.parallel.region import Cut, CutRecorder
 from oases.parallel.sequence import seq_split
 from oases.parallel.timing import label
 
-__all__ = ["MegatronSchedule", "OasesSchedule", "StageRun", "build_schedule",
+__all__ = ["MegatronEngine", "OasesEngine", "StageRun", "build_engine",
            "sub_batch_rng_streams"]
 
 
-class OasesSchedule(SequencePrograms):
+class OasesEngine(SequencePrograms):
     """The ``oases`` engine. It holds only its configuration: each call's state lives
-    in an :class:`~oases.overlap.runner.OasesRun` (a pipeline stage's is returned in
+    in an :class:`~oases.overlap.runner.MicroBatchRun` (a pipeline stage's is returned in
     the :class:`StageRun`), so one engine serves interleaved runs (several forwards
     before their backwards) and several threads. (Dropout draws from the process's
     generators, a sub-batch's streams swapped in per segment: runs that draw random
@@ -125,7 +125,7 @@ class OasesSchedule(SequencePrograms):
             raise ValueError(f"recompute={recompute!r}")
         self.tp_group = tp_group
         self.n = sub_batches
-        # True (build_schedule's): a run with nothing to hide (tp = 1) nor to draw takes
+        # True (build_engine's): a run with nothing to hide (tp = 1) nor to draw takes
         # the micro-batch whole; False lets a one-process test drive the sub-batches
         self.whole_when_alone = whole_when_alone
         self.recompute = recompute
@@ -153,14 +153,14 @@ class OasesSchedule(SequencePrograms):
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
                 amp: AmpFactory = contextlib.nullcontext) -> StageRun:
         """Forward of one micro-batch on a pipeline stage (see
-        :meth:`MegatronSchedule.forward`): the sub-batches take turns as in
+        :meth:`MegatronEngine.forward`): the sub-batches take turns as in
         :meth:`forward_backward`, and keep their state until :meth:`backward`."""
         run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
         run_programs(run, [self._forward(run, sb) for sb in run.subs])
         return self._stage_run(run)
 
     @staticmethod
-    def _stage_run(run: OasesRun) -> StageRun:
+    def _stage_run(run: MicroBatchRun) -> StageRun:
         if run.subs[0].targets is not None:
             return StageRun(run, loss=torch.stack([sb.share * sb.loss for sb in run.subs]).sum())
         return StageRun(run, output=torch.cat([sb.out for sb in run.subs]))
@@ -189,12 +189,12 @@ class OasesSchedule(SequencePrograms):
 
     def backward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
                  amp: AmpFactory = contextlib.nullcontext) -> Optional[torch.Tensor]:
-        """Backward of a :meth:`forward` run (see :meth:`MegatronSchedule.backward`)."""
+        """Backward of a :meth:`forward` run (see :meth:`MegatronEngine.backward`)."""
         orun = self._resume(run, grad, amp)
         run_programs(orun, [self._backward(orun, sb, scale * sb.share) for sb in orun.subs])
         return self._grad_in(orun)
 
-    def _resume(self, srun: StageRun, grad: Optional[torch.Tensor], amp: AmpFactory) -> OasesRun:
+    def _resume(self, srun: StageRun, grad: Optional[torch.Tensor], amp: AmpFactory) -> MicroBatchRun:
         """A forward's run, taken from its StageRun, with the output's gradient per sub-batch."""
         run, srun.state = srun.state, None
         require_default_stream(run.device, "the oases engine")
@@ -205,10 +205,10 @@ class OasesSchedule(SequencePrograms):
         return run
 
     @staticmethod
-    def _grad_in(run: OasesRun) -> Optional[torch.Tensor]:
+    def _grad_in(run: MicroBatchRun) -> Optional[torch.Tensor]:
         return torch.cat([sb.grad_in for sb in run.subs]) if run.input_grad else None
 
-    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> OasesRun:
+    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> MicroBatchRun:
         require_default_stream(ids.device, "the oases engine")
         if ids.shape[0] % self.n:
             raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
@@ -227,10 +227,10 @@ class OasesSchedule(SequencePrograms):
                 in enumerate(zip(ids.chunk(n), tgts, piece_shares(model, tgts)))]
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home, sp = view.home(blocks), view.sequence_parallel
-        return OasesRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
+        return MicroBatchRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
                         input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3)
 
-    def _program(self, run: OasesRun, sb: SubBatch, scale: float) -> Program:
+    def _program(self, run: MicroBatchRun, sb: SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
         run.forwards_left -= 1
         if run.forwards_left == 0:  # every sub-batch's activations are saved now
@@ -294,7 +294,7 @@ class OasesSchedule(SequencePrograms):
         (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
         return gathered
 
-    def _forward(self, run: OasesRun, sb: SubBatch) -> Program:
+    def _forward(self, run: MicroBatchRun, sb: SubBatch) -> Program:
         model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
         in_group = {i for a, b in groups for i in range(a, b)}
@@ -343,7 +343,7 @@ class OasesSchedule(SequencePrograms):
         sb.head = (x_last, rec.cuts, loss)
         sb.loss = loss.detach()
 
-    def _block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool, st: BlockState,
+    def _block(self, run: MicroBatchRun, i: int, x_in: torch.Tensor, keep: bool, st: BlockState,
                name: str) -> Program:
         """Block i of a sub-batch, forward: partial, all-reduce, combine; returns its
         output. ``keep``: its graph stays live (else the ``fine`` stash is kept)."""
@@ -387,13 +387,13 @@ class OasesSchedule(SequencePrograms):
         if prepare is not None and not (early and reqs):
             yield from prepare
 
-    def _rebuild(self, run: OasesRun, blk, st: BlockState, reduced: torch.Tensor,
+    def _rebuild(self, run: MicroBatchRun, blk, st: BlockState, reduced: torch.Tensor,
                  x_in: torch.Tensor, p):
         with run.replay(st.rng_combine), torch.enable_grad(), run.amp():
             st.out = blk.combine(x_in, ReducedAsPartial.apply(p, reduced))
         st.x_in = x_in
 
-    def _recompute_fine(self, run: OasesRun, i: int, st: BlockState, name: str) -> None:
+    def _recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState, name: str) -> None:
         blk = run.blocks[i]
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         reduced = st.saved_r.get(blk, i, self.recompute)
@@ -405,7 +405,7 @@ class OasesSchedule(SequencePrograms):
             self._rebuild(run, blk, st, reduced, x_in, p)
         st.saved_x = st.saved_r = None
 
-    def _recompute_group(self, run: OasesRun, sbs: list[BlockState], a: int, b: int,
+    def _recompute_group(self, run: MicroBatchRun, sbs: list[BlockState], a: int, b: int,
                          name: str) -> Program:
         """Re-run blocks a..b-1 from the stashed group input, forward all-reduces (and
         resharding all-gathers) included."""
@@ -427,7 +427,7 @@ class OasesSchedule(SequencePrograms):
             x = st.out
         sbs[a].saved_x = None
 
-    def _prepare(self, run: OasesRun, group_of, sb: SubBatch, i: int) -> Program:
+    def _prepare(self, run: MicroBatchRun, group_of, sb: SubBatch, i: int) -> Program:
         """Make block i's autograd graph live again (recompute), if the forward dropped it."""
         st = sb.blocks[i]
         if st.out is not None:
@@ -442,7 +442,7 @@ class OasesSchedule(SequencePrograms):
                 group = self._sp_recompute_group if sp else self._recompute_group
                 yield from group(run, sb.blocks, a, b, f"R{sb.name}")
 
-    def _backward(self, run: OasesRun, sb: SubBatch, scale: float) -> Program:
+    def _backward(self, run: MicroBatchRun, sb: SubBatch, scale: float) -> Program:
         """Block by block from the loss. Each input-gradient all-reduce is launched, the
         recompute of the next block down runs while it is in flight (it needs only the
         stash, not the gradient; not under ``full``, see ``_early_prepare``), and only
@@ -476,7 +476,7 @@ class OasesSchedule(SequencePrograms):
             sb.blocks[i] = None
         sb.grad_in = g
 
-    def _block_backward(self, run: OasesRun, sb: SubBatch, i: int, grad: torch.Tensor,
+    def _block_backward(self, run: MicroBatchRun, sb: SubBatch, i: int, grad: torch.Tensor,
                         prepare: Optional[Program]) -> Program:
         """Backward of block i from its output's gradient, its input-gradient all-reduce
         scheduled (:meth:`_cut_backward`)."""
@@ -486,14 +486,14 @@ class OasesSchedule(SequencePrograms):
         yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", prepare, i)
 
 
-def build_schedule(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
+def build_engine(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",
                    tracker: Optional[TPRNGTracker] = None,
                    params: Optional[BlockParams] = None) -> Engine:
     """The engine for ``parallel.schedule``. Under ``megatron`` recompute is the model's
     business (``CausalLM(recompute=...)``); under ``oases`` the engine does it."""
     if name == "megatron":
-        return MegatronSchedule()
+        return MegatronEngine()
     if name == "oases":  # selective recompute is the model's (its attention cores)
-        return OasesSchedule(tp_group, sub_batches, "none" if recompute == "selective" else
+        return OasesEngine(tp_group, sub_batches, "none" if recompute == "selective" else
                              recompute, tracker, params, whole_when_alone=True)
     raise ValueError(f"unknown schedule {name!r}")

@@ -30,7 +30,7 @@ from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import AmpFactory, StageRun
 from oases.parallel.timing import label, profiling
 
-__all__ = ["AmpFactory", "BlockLabels", "MegatronSchedule", "StageRun"]
+__all__ = ["AmpFactory", "BlockLabels", "MegatronEngine", "StageRun"]
 
 
 class BlockLabels:
@@ -101,7 +101,7 @@ class BlockLabels:
         self._queued = False
 
 
-class MegatronSchedule:
+class MegatronEngine:
     """Plain autograd over the whole micro-batch (recompute=full lives in the model)."""
 
     name = "megatron"

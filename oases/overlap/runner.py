@@ -1,7 +1,7 @@
 """The per-call state of the ``oases`` engine and its round-robin runner.
 
 Everything one call of the engine (``forward_backward``, or a pipeline stage's
-``forward`` and later ``backward``) needs lives in an :class:`OasesRun`; the
+``forward`` and later ``backward``) needs lives in an :class:`MicroBatchRun`; the
 engine object holds only its configuration. Two runs of one engine may therefore
 be in flight at once (a pipeline keeps several micro-batches between their
 forward and backward) or run on two threads, and neither sees the other.
@@ -84,7 +84,7 @@ class Stashed:
 
 
 @dataclass
-class OasesRun:
+class MicroBatchRun:
     """One call's state: the model's blocks, the sub-batches, their RNG streams, the
     device and autocast of the run, and what the forward stashed. ``rng`` False: the
     model draws no random numbers (:func:`~oases.overlap.rng_streams.draws_random`), so
@@ -241,12 +241,12 @@ def _wait(pending: list) -> list[torch.Tensor]:
     return res
 
 
-def run_programs(run: OasesRun, programs: list[Program]) -> None:
+def run_programs(run: MicroBatchRun, programs: list[Program]) -> None:
     """Round-robin over one run's sub-batch programs (see :func:`run_joint`)."""
     run_joint([(run, programs)])
 
 
-def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
+def run_joint(parts: list[tuple[MicroBatchRun, list[Program]]]) -> None:
     """Round-robin: resume each program with the results of the collectives it
     launched before the others ran their next segment. ``parts``: one or more runs,
     each with its sub-batches' programs (two runs when a micro-batch's backward is
@@ -288,7 +288,7 @@ def run_joint(parts: list[tuple[OasesRun, list[Program]]]) -> None:
 
     # The runs that swap no streams rely on their model drawing nothing: check it, for
     # the price of reading the generators twice. (Another thread drawing meanwhile would
-    # trip it too; such runs take each other's draws anyway, see OasesSchedule.)
+    # trip it too; such runs take each other's draws anyway, see OasesEngine.)
     quiet = next((run for run, _ in parts if not run.rng), None)
     before = rng_fingerprint(quiet.tracker, quiet.device) if quiet is not None else None
     # one autocast region around all of them: the runs share the weights' casts

@@ -16,7 +16,7 @@ segment:
     comm             | AG a1   | AG b1 |RS a1 | RS b1   | AG a2   | ...
                        (AG a1 and RS b1: exposed)
 
-A sequence-parallel run of three sub-batches or more is staggered (``OasesRun.stagger``):
+A sequence-parallel run of three sub-batches or more is staggered (``MicroBatchRun.stagger``):
 the odd sub-batches run a segment behind the even ones, so every collective has a long
 segment of another sub-batch after it (four sub-batches):
 
@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from oases.overlap.runner import OasesRun, Program, collect
+from oases.overlap.runner import MicroBatchRun, Program, collect
 from oases.overlap.state import BlockState, SubBatch
 from oases.parallel.backprop import backward
 from oases.parallel.engine import HEAD
@@ -75,11 +75,11 @@ def gather_seq(x: torch.Tensor, group) -> Program:
 
 
 class SequencePrograms:
-    """The sequence-parallel segments of :class:`~oases.overlap.engines.OasesSchedule`
+    """The sequence-parallel segments of :class:`~oases.overlap.engines.OasesEngine`
     (mixed into it; ``self`` has its ``_enter``, ``recompute`` and ``_reduce_back``)."""
 
     # ---------------------------------------------------------------- forward
-    def _sp_block(self, run: OasesRun, i: int, x_in: torch.Tensor, keep: bool,
+    def _sp_block(self, run: MicroBatchRun, i: int, x_in: torch.Tensor, keep: bool,
                   st: BlockState, name: str, replay: bool = False) -> Program:
         """Block i of a sub-batch, forward, from its input chunk (or token ids); returns
         its output chunk. ``keep``: its graph stays live (else what recompute needs is
@@ -90,7 +90,7 @@ class SequencePrograms:
         fine = not keep and self.recompute == "fine"
         h = g = mid = None
         if x_in.is_floating_point():
-            prologue, region = blk.halves()
+            prologue, region = blk.around_gather()
             with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), \
                     run.replay(st.rng_partial if replay else None), run.amp():
                 h = _region_input(prologue, x_in)
@@ -119,7 +119,7 @@ class SequencePrograms:
             st.x_in, st.h, st.g, st.p, st.r, st.out = x_in, h, g, p, r, out
         return out
 
-    def _sp_loss(self, run: OasesRun, sb: SubBatch, x: torch.Tensor) -> Program:
+    def _sp_loss(self, run: MicroBatchRun, sb: SubBatch, x: torch.Tensor) -> Program:
         """The head of the last stage: the final norm on the chunk, the all-gather of the
         normed chunks, the vocab-parallel loss and its all-reduce."""
         model = run.model
@@ -137,7 +137,7 @@ class SequencePrograms:
         sb.loss = loss.detach()
 
     # --------------------------------------------------------------- backward
-    def _sp_loss_backward(self, run: OasesRun, sb: SubBatch, scale: float,
+    def _sp_loss_backward(self, run: MicroBatchRun, sb: SubBatch, scale: float,
                           prepare: Program) -> Program:
         """Backward of :meth:`_sp_loss`; returns the gradient of the last block's output."""
         x_last, h, g, loss = sb.head
@@ -148,7 +148,7 @@ class SequencePrograms:
         sb.head = None
         return x_last.grad
 
-    def _sp_block_backward(self, run: OasesRun, sb: SubBatch, i: int, grad: torch.Tensor,
+    def _sp_block_backward(self, run: MicroBatchRun, sb: SubBatch, i: int, grad: torch.Tensor,
                            prepare: Optional[Program]) -> Program:
         """Backward of block i from its output chunk's gradient; the input chunk's gradient
         (residual and prologue terms) is left in ``x_in.grad``."""
@@ -164,10 +164,10 @@ class SequencePrograms:
                                      [st.h], prepare, i, f"B{sb.name} {i} in", batch_major)
 
     # -------------------------------------------------------------- recompute
-    def _sp_recompute_fine(self, run: OasesRun, i: int, st: BlockState, name: str) -> None:
+    def _sp_recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState, name: str) -> None:
         """Block i again from the stash: no collective."""
         blk = run.blocks[i]
-        prologue, region = blk.halves()
+        prologue, region = blk.around_gather()
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         g = st.saved_g.get(blk, i, self.recompute).detach().requires_grad_()
         r = st.saved_r.get(blk, i, self.recompute).detach().requires_grad_()
@@ -180,7 +180,7 @@ class SequencePrograms:
         st.x_in, st.h, st.g, st.p, st.r = x_in, h, g, p, r
         st.saved_x = st.saved_g = st.saved_r = None
 
-    def _sp_recompute_group(self, run: OasesRun, sbs: list, a: int, b: int,
+    def _sp_recompute_group(self, run: MicroBatchRun, sbs: list, a: int, b: int,
                             name: str) -> Program:
         """Blocks a..b-1 again from the stashed input chunk, both collectives re-issued."""
         x = sbs[a].saved_x.get(run.blocks[a], a, self.recompute)

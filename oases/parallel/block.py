@@ -13,7 +13,7 @@ A *block* is a computation that ends in one TP all-reduce:
 ``partial`` may be split in two: ``prologue(x)``, the sequence-local work before the
 TP region (a pre-norm), and ``region(h)``, from the region's input to the partial sum,
 with ``partial(x) == region(prologue(x))``. A block that defines ``partial`` itself is
-taken whole, with an identity prologue (:meth:`TPBlock.halves`).
+taken whole, with an identity prologue (:meth:`TPBlock.around_gather`).
 
 ``forward`` is the plain (blocking) path. A schedule that wants to hide the
 all-reduce calls ``partial``, launches the reduction itself, runs other work
@@ -86,7 +86,7 @@ class TPBlock(nn.Module):
     def combine(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
-    def halves(self) -> tuple:
+    def around_gather(self) -> tuple:
         """(prologue, region) as a schedule runs them around the all-gather of sequence
         parallelism: the block's own, or (identity, partial) for a block that defines
         ``partial`` itself (its norm, if any, then runs on the whole sequence)."""
@@ -98,7 +98,7 @@ class TPBlock(nn.Module):
         if not self.sequence_parallel:
             return self.combine(x, reduce_from_tp(self.partial(x), self.tp_group))
         if x.is_floating_point():  # an activation's sequence chunk
-            prologue, region = self.halves()
+            prologue, region = self.around_gather()
             h = prologue(x)  # x itself: the region reads the chunk in its own dtype
             p = gathered_region(region, h, self.tp_group, wire=h is not x)
         else:  # token ids, whole on every rank

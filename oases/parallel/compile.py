@@ -76,7 +76,7 @@ def compile_blocks(model: nn.Module, strict: bool = False) -> int:
     n = 0
     for i, blk in enumerate(model.blocks()):
         segs = ("partial", "combine")
-        if getattr(blk, "sequence_parallel", False) and blk.halves()[1] != blk.partial:
+        if getattr(blk, "sequence_parallel", False) and blk.around_gather()[1] != blk.partial:
             segs = ("prologue", "region", "combine")
         for seg in segs:
             fn = getattr(blk, seg)

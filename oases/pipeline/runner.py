@@ -26,7 +26,7 @@ counted targets.
 
 With ``parallel.overlap_fb`` each B directly followed by an F in a stage's list (the
 steady state) runs as one action, the engine interleaving the two micro-batches'
-programs (:meth:`~oases.overlap.engines.OasesSchedule.backward_forward`); both
+programs (:meth:`~oases.overlap.engines.OasesEngine.backward_forward`); both
 receives are waited first and both sends follow the pair (the lists place them so,
 :func:`~oases.pipeline.actions.stage_actions`). Only eager-1f1b's warm-up keeps the
 pairs from waiting on each other across stages (``python -m oases.schedule --overlap-fb``).

@@ -52,7 +52,7 @@ TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
 StepOf = Callable[[Config, ParallelContext, Optional[list[int]]], Callable[[], None]]
 
 
-def wanted(cfg: Config) -> bool:
+def requested(cfg: Config) -> bool:
     return cfg.parallel.plan == "auto" and cfg.parallel.plan_search != "tp-only"
 
 

@@ -11,7 +11,7 @@ from oases.models import Parallelism, arch_class, build
 from oases.config import Config
 from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
-from oases.overlap.engines import build_schedule
+from oases.overlap.engines import build_engine
 from oases.parallel.groups import ParallelContext
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.ranks import destroy_groups, recording_groups
@@ -33,7 +33,7 @@ def seed_tracker(cfg: Config, ctx: ParallelContext) -> TPRNGTracker:
     return tracker
 
 
-def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
+def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
               degrees: Optional[list[int]], seed: Optional[int]):
     """This rank's model: at pp = 1 all of it with ``degrees`` (None: all at tp); in a
     pipeline its stage's layers with the stage's degrees. ``seed`` None: uninitialised."""
@@ -55,7 +55,7 @@ def model_for(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 
-def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,
+def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,
                  zero_levels: Optional[list[int]] = None) -> TrainState:
     """The run's state around ``model`` (put in training mode): engine, optimizer,
     gradient reducer and (pp > 1) pipeline runner. Collective when pipelined (the runner
@@ -100,10 +100,10 @@ def training_for(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker
                           then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch,
                           zero=any_zero)
-    opt = build_optimizer(model, cfg.train, ctx.device, reducer.shards.optimizer_params(model))
-    reducer.shards.seed_optimizer(opt)
-    schedule = build_schedule(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
-                              tracker, params=reducer.shards.params)
+    opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
+    reducer.ownership.seed_optimizer(opt)
+    schedule = build_engine(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
+                              tracker, params=reducer.ownership.params)
     pipe = PipelineRunner.from_config(ctx, cfg) if ctx.layout is not None else None
     return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)
 
@@ -206,10 +206,10 @@ def throwaway_step(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int
     made: list = []
     with recording_groups(made):
         tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, degrees, None if fast else cfg.seed)
+        model = build_rank_model(cfg, ctx, tracker, degrees, None if fast else cfg.seed)
         if fast:
             fast_init(model)
-        state = training_for(cfg, ctx, model, tracker)
+        state = build_train_state(cfg, ctx, model, tracker)
     # groups the context built on first use (its degree groups) are the context's
     own = [g for g in made if g not in ctx.groups]
     return ThrowawayStep(state, _FixedBatches(cfg), own)

@@ -67,7 +67,7 @@ class Checkpointer:
         """Write the checkpoint of step ``step``; None (nothing written) when the weights
         are not finite: a good checkpoint is never replaced by a broken one."""
         cfg, ctx, state = self.cfg, self.ctx, self.state
-        shards = state.reducer.shards
+        shards = state.reducer.ownership
         if not ckpt.all_finite(state.model, ctx, shards):
             if ctx.is_main:
                 print(f"step {step}: the weights are not finite; checkpoint not saved",

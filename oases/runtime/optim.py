@@ -140,7 +140,7 @@ def clip_grads_norm(model: nn.Module, max_norm: float, tp_group, stage_size: int
     needs it. With a ``reducer`` whose buckets are sharded (ZeRO), the gradients it
     holds are the ones measured and scaled (:func:`sharded_grad_norm`)."""
     if reducer is not None and getattr(reducer, "norm_by_terms", False):
-        terms = reducer.shards.grad_terms(model)
+        terms = reducer.ownership.grad_terms(model)
         tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         norm = sharded_grad_norm(terms, tp, dp, stage_size > 0)
         grads = [g for g, _, _ in terms]

@@ -26,7 +26,7 @@ from oases.planner.calibrate import time_throwaway
 from oases.planner.online import resolve_plan
 from oases.runtime import checkpoint as ckpt
 from oases.runtime import sub_batches
-from oases.runtime.build import model_for, seed_tracker, throwaway_step, training_for
+from oases.runtime.build import build_rank_model, seed_tracker, throwaway_step, build_train_state
 from oases.runtime.checkpointer import Checkpointer
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.evaluator import Evaluator
@@ -152,7 +152,7 @@ class Run:
         extra = {"skipped_steps": self.skipped}
         if self.ctx.pp > 1:
             extra["pipeline_bubble"] = self.state.stats.bubble
-        store = self.state.reducer.shards.store
+        store = self.state.reducer.ownership.store
         if store is not None:  # ZeRO-3: rank 0's wait for all-gathers
             extra["zero_gather_wait_s"] = store.take_wait() / len(taken)
         self.logger.log(step, r.loss, r.lr, r.grad_norm, sum(taken) / len(taken),
@@ -250,13 +250,13 @@ def build_run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = _no
         print(f"pipeline: {ctx.layout.describe()} | {par.pp_schedule}, "
               f"{cfg.train.grad_accum} micro-batches of {cfg.pipeline_batch} sequences",
               flush=True)
-    model = model_for(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
+    model = build_rank_model(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         load_init_from(cfg, ctx, model)
     if cfg.data.reset_attention_at_eos:  # attention stays inside documents
         model.attend_within_documents(batches.eos_id)
-    state = training_for(cfg, ctx, model, tracker)
-    shards = state.reducer.shards
+    state = build_train_state(cfg, ctx, model, tracker)
+    shards = state.reducer.ownership
     if not shards.sharded and (par.zero or state.reducer.norm_by_terms) and ctx.is_main:
         print("parallel.zero: no gradient group of this layout has more than one rank "
               "(dp = 1, no replicated blocks): nothing is sharded", flush=True)

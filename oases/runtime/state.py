@@ -1,6 +1,6 @@
 """A training run's state on this rank: what every step reads and updates, as one object.
 
-:func:`oases.runtime.build.training_for` builds it; :func:`oases.runtime.step.train_step`
+:func:`oases.runtime.build.build_train_state` builds it; :func:`oases.runtime.step.train_step`
 and :func:`~oases.runtime.step.evaluate` take it. The config inside is frozen (validated
 once); what a run derives from it lives here, not written back into the config."""
 
@@ -13,7 +13,7 @@ import torch
 
 from oases.config import Config
 from oases.dp.reducer import GradReducer
-from oases.overlap.engines import MegatronSchedule
+from oases.overlap.engines import MegatronEngine
 from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
 from oases.pipeline.runner import PipelineRunner
@@ -42,4 +42,4 @@ class TrainState:
 
     def __post_init__(self) -> None:
         if self.engine is None:
-            self.engine = MegatronSchedule()
+            self.engine = MegatronEngine()

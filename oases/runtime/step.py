@@ -109,7 +109,7 @@ def train_step(state: TrainState, batches: TrainBatches, lr: float) -> tuple[flo
     loss, norm = step(state, micro, shares, seeds)
     if math.isfinite(loss) and math.isfinite(norm):
         state.opt.step()
-        reducer.shards.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
+        reducer.ownership.after_step()  # ZeRO-1/2: the updated owned ranges, all-gathered
     else:
         reducer.zero_grad()
     return loss, norm
@@ -176,7 +176,7 @@ def pipeline_step(state: TrainState, micro: list, shares: list,
 def paired_forward_backward(engine: Engine, model, micro: list, seeds: list[float], amp,
                             before_last_backward) -> list[torch.Tensor]:
     """``parallel.overlap_fb`` at pp=1: F0, then each backward interleaved with the next
-    micro-batch's forward (:meth:`~oases.overlap.engines.OasesSchedule.backward_forward`),
+    micro-batch's forward (:meth:`~oases.overlap.engines.OasesEngine.backward_forward`),
     then the last backward alone (the DP reduction armed before it, as unpaired):
 
         F0 | B0+F1 | B1+F2 | ... | B(n-2)+F(n-1) | B(n-1)

@@ -33,10 +33,10 @@ from oases.runtime.run_dir import RunLock, check_shared
 from oases.runtime.step import evaluate, train_step
 
 __all__ = ["run", "train", "build_run", "Run", "collective_failure", "train_step", "evaluate", "model_shape", "check_out_dir", "trim_metrics",
-           "for_device", "use_tf32"]
+           "with_device_precision", "use_tf32"]
 
 
-def for_device(cfg: Config, device: torch.device) -> Config:
+def with_device_precision(cfg: Config, device: torch.device) -> Config:
     """``cfg`` with ``train.precision`` resolved for ``device`` (``auto``: bf16 on CUDA,
     fp32 elsewhere): what the run logs, saves and plans with (the same config if
     nothing changes)."""
@@ -110,7 +110,7 @@ def run(cfg: Config) -> None:
     # the layout search and the planner included, sees the precision the run uses
     order = kernel_order()  # before the CUDA context exists (pick_device creates it)
     device = pick_device(cfg.parallel.device)
-    cfg = for_device(cfg, device)
+    cfg = with_device_precision(cfg, device)
     # NCCL's error handling and flight recorder, before any process group (nccl_env)
     backend = backend_for(device, cfg.parallel.backend)
     prepare_backend(backend, str(Path(cfg.out_dir) / "nccl_trace"))
@@ -123,7 +123,7 @@ def run(cfg: Config) -> None:
     try:
         if main:
             lock.refuse_if_held()  # a double launch stops here, before any work
-        if auto_layout.wanted(cfg):  # the layout itself is searched: before the run's groups
+        if auto_layout.requested(cfg):  # the layout itself is searched: before the run's groups
             if main:
                 check_out_dir(cfg)
                 lock.acquire()  # the search writes plan.yaml
