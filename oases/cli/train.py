@@ -1,4 +1,5 @@
-"""Train a GPT/LLaMA-like model with tensor x data parallelism (``train.py``, ``oases train``).
+"""Train a GPT/LLaMA-like model (``train.py``, ``oases train``): the parallel layout is the
+config's (``parallel.*``: tp, pp, per-block degrees, ZeRO, SP), dp = world / (pp x tp).
 
     torchrun --standalone --nproc_per_node=2 train.py --config configs/gpt-tiny.yaml [key.sub=value ...]
 
