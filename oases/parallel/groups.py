@@ -85,6 +85,12 @@ class ParallelContext:
     def stage_size(self) -> int:
         return self.dp * self.tp
 
+    @property
+    def built_degree_groups(self):
+        """The groups for per-block TP degrees if they exist (a plan or a pipeline stage
+        made them), else None; never creates them."""
+        return self._degree_groups
+
     def degree_groups(self):
         """Groups for per-block TP degrees (built on first use; collective: every rank
         must call it at the same point)."""

@@ -68,6 +68,16 @@ class TPRNGTracker:
             _set_state(outer, self.device)
 
     # -- capture/restore, for recompute and checkpoints --
+    @property
+    def tp_state(self) -> torch.Tensor | None:
+        """The tp stream's generator state (None before :meth:`seed`); assigning one
+        makes the stream continue from it (a recompute replays its forward's)."""
+        return self._state
+
+    @tp_state.setter
+    def tp_state(self, state: torch.Tensor | None) -> None:
+        self._state = state
+
     def get_states(self) -> dict:
         return {"default": _get_state(self.device).clone(),
                 "cpu": torch.get_rng_state().clone(),

@@ -27,7 +27,7 @@ from oases.parallel.random import TPRNGTracker
 def _recompute_contexts(tracker: Optional[TPRNGTracker]):
     """(forward context, re-run context), made when the forward runs: the re-run gets
     the forward's TP RNG state and comm scope."""
-    snap = None if tracker is None or tracker._state is None else tracker._state.clone()
+    snap = None if tracker is None or tracker.tp_state is None else tracker.tp_state.clone()
     scope = current_scope()
 
     @contextlib.contextmanager
@@ -36,12 +36,12 @@ def _recompute_contexts(tracker: Optional[TPRNGTracker]):
             if snap is None:
                 yield
                 return
-            current = tracker._state
-            tracker._state = snap.clone()
+            current = tracker.tp_state
+            tracker.tp_state = snap.clone()
             try:
                 yield
             finally:
-                tracker._state = current
+                tracker.tp_state = current
 
     return contextlib.nullcontext(), replay()
 

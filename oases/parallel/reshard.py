@@ -119,7 +119,7 @@ class DegreeGroups:
 def grad_group_of(ctx, tp: int):
     """For GradReducer: the group a parameter's gradient is summed over, from the
     degree of the block that owns it (``param.tp_degree``)."""
-    dg = ctx._degree_groups
+    dg = ctx.built_degree_groups
 
     def group_of(p):
         t = getattr(p, "tp_degree", tp)
@@ -131,7 +131,7 @@ def grad_group_of(ctx, tp: int):
 def kv_group_of(ctx, tp: int):
     """For the kv replica sum (oases.dp.replicas): the kv replica group of a block
     of degree t (None where kv heads are not replicated)."""
-    dg = ctx._degree_groups
+    dg = ctx.built_degree_groups
 
     def group_of(t: int):
         return ctx.kv_group if t == tp or dg is None else dg.kv.get(t)
