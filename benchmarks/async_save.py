@@ -19,16 +19,14 @@ saves on GPUs. Writes benchmarks/results/async_save.{md,json}.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 
+from benchmarks.lib import driver
 from benchmarks.lib.ranks import spawn_ranks, write_result
-from benchmarks.zero_ckpt_memory import MODEL, REPO, start_rank
+from benchmarks.zero_ckpt_memory import MODEL, start_rank
 
 STEPS, SAVE_AT = 8, 4
 
@@ -56,10 +54,10 @@ def _worker(rank: int, world: int, store: str, out_dir: str, mode: str, override
             args = (out_dir, step, model, ts.opt, ctx, meta, tracker.get_states())
             ts_save = time.perf_counter()
             if saver is None:
-                ckpt.save(*args, shards=ts.reducer.shards)
+                ckpt.save(*args, shards=ts.reducer.ownership)
                 write_s = time.perf_counter() - ts_save
             else:
-                saver.save(*args, shards=ts.reducer.shards)
+                saver.save(*args, shards=ts.reducer.ownership)
                 fut = saver.pending[0]
                 fut.add_done_callback(lambda f, t=ts_save: done.append(time.perf_counter() - t))
         times.append(time.perf_counter() - t0)
@@ -72,56 +70,38 @@ def _worker(rank: int, world: int, store: str, out_dir: str, mode: str, override
     dist.destroy_process_group()
 
 
-def _run(mode: str, world: int, overrides: list[str]) -> dict:
+def measure(_, mode: str, args) -> dict:
+    """One run of ``mode`` in fresh processes: rank 0's iteration times, and the figures."""
     with tempfile.TemporaryDirectory() as out_dir:
-        return spawn_ranks(_worker, world, out_dir, mode, overrides)[0]  # rank 0's
-
-
-def summarize(runs: list[dict]) -> dict:
+        r = spawn_ranks(_worker, args.world, out_dir, mode, args.set)[0]
     med = statistics.median
-    return {"steady_s": med(med(r["times"][1:SAVE_AT - 1]) for r in runs),
-            "save_step_s": med(r["times"][SAVE_AT - 1] for r in runs),
-            "next_two_s": med(sum(r["times"][SAVE_AT: SAVE_AT + 2]) / 2 for r in runs),
-            "write_s": med(r["write_s"] for r in runs), "rounds": len(runs)}
+    return {**r, "steady_s": med(r["times"][1:SAVE_AT - 1]), "save_step_s": r["times"][SAVE_AT - 1],
+            "next_two_s": sum(r["times"][SAVE_AT: SAVE_AT + 2]) / 2}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--set", nargs="*", default=[], help="extra config overrides")
-    args = p.parse_args(argv)
-    runs: dict[str, list] = {"sync": [], "async": []}
-    for _ in range(args.repeats):
-        for mode in runs:  # interleaved: noise hits both modes alike
-            runs[mode].append(_run(mode, args.world, args.set))
-    res = {m: summarize(r) for m, r in runs.items()}
-    from benchmarks.lib.machine import machine_info  # deferred: the report only
-
-    m = machine_info()
-    command = "python -m benchmarks.async_save " + shlex.join(sys.argv[1:] if argv is None
-                                                              else argv)
-    lines = ["# Step time around a checkpoint save: sync vs async", "",
-             f"Command: `{command.strip()}`", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores (shared with other work while this "
-             f"ran: absolute times are noise, compare the modes), torch {m['torch']}, git "
-             f"{m['git']}, {m['date']}", "",
-             f"Model: {' '.join(MODEL + args.set)}; parallel.zero=3, dp {args.world}; "
-             f"step {SAVE_AT} of {STEPS} saves; medians over {args.repeats} interleaved rounds.",
-             "", "| mode | steady step s | step + save s | next two steps s (mean) "
+def render(out, data: dict) -> None:
+    meta = data["meta"]
+    lines = [*driver.report_head("# Step time around a checkpoint save: sync vs async", meta),
+             "The machine was shared with other work: absolute times are noise, compare the "
+             "modes.", "",
+             f"Model: {' '.join(MODEL + meta['set'])}; parallel.zero=3, dp {meta['world']}; "
+             f"step {SAVE_AT} of {STEPS} saves; medians over {meta['rounds']} interleaved "
+             "rounds.", "", "| mode | steady step s | step + save s | next two steps s (mean) "
              "| write s |", "|---|---|---|---|---|"]
-    for mode, r in res.items():
+    for mode, r in data["modes"].items():
         lines.append(f"| {mode} | {r['steady_s']:.2f} | {r['save_step_s']:.2f} "
                      f"| {r['next_two_s']:.2f} | {r['write_s']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    out = REPO / "benchmarks" / "results" / "async_save"
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "runs": runs,
-                                                    "summary": res}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
+
+def _flags(p) -> None:
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides")
+
+
+SUITE = driver.Suite("async_save", "benchmarks.async_save", dict.fromkeys(("sync", "async")),
+                     measure, render, flags=_flags, min_rounds=1,
+                     metrics=("steady_s", "save_step_s", "next_two_s", "write_s"))
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(driver.run_suite(SUITE, __doc__))

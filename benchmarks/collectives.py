@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import EmulatedCluster, load_specs
+from benchmarks.emucluster import EmulatedCluster, load_specs
 from benchmarks.lib.machine import machine_info
 
 KINDS = ["all_reduce", "reduce_scatter_tensor", "all_to_all_single + sum",
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--mib", type=float, default=2.0, help="tensor size (one block's partial "
                    "sum at the overlap benchmark's shape: 8 x 128 x 512 fp32)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=str(driver.RESULTS / "collectives"), help="output prefix")
     p.add_argument("--on-node", nargs=3, metavar=("MIB", "REPEATS", "OUT"),
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
             return 1
         res[spec.name] = json.loads(got.read_text())
         got.unlink()
-    out = driver.RESULTS / "collectives"
+    out = Path(args.out)
     driver.save(out, {"machine": machine_info(), "command": driver.command(
         "benchmarks.collectives", argv), "elapsed_min": (time.time() - t0) / 60,
         "clusters": res}, render)

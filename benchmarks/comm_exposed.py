@@ -1,7 +1,7 @@
 """The logged exposed-communication figure against step times, on the emulated cluster.
 
     sudo .venv/bin/python -m benchmarks.comm_exposed                 # 3 repeats, 500 Mbit/s
-    sudo .venv/bin/python -m benchmarks.comm_exposed --repeats 3 --clusters configs/cluster/two-nodes-300m.yaml
+    sudo .venv/bin/python -m benchmarks.comm_exposed --cluster configs/cluster/two-nodes-300m.yaml
     .venv/bin/python -m benchmarks.comm_exposed --from-json benchmarks/results/comm_exposed.json
 
 Runs megatron+full, oases+fine and nocomm (oases+fine with ``parallel.tp_comm_noop``)
@@ -15,28 +15,18 @@ more than megatron+full. Writes ``benchmarks/results/comm_exposed.{md,json}``.
 
 from __future__ import annotations
 
-import datetime
-import statistics
 import sys
-from functools import partial
 from pathlib import Path
 
 from benchmarks import overlap
-from benchmarks.lib import driver
-from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, check_prerequisites
-from benchmarks.lib.machine import machine_info
-from benchmarks.lib.train_run import timed_run
+from benchmarks.lib import driver, train_run
 
-MODES = ["megatron+full", "oases+fine", "nocomm"]
+MODES = {m: overlap.TRAIN_MODES[m] for m in ("megatron+full", "oases+fine", "nocomm")}
 FIGURES = ("tp_comm_exposed_s", "tp_comm_s", "tp_comm_hidden_frac")
 
 
-def summarize(runs: list[dict]) -> dict:
-    def extra(mode, ok):
-        return {k: (statistics.median(r[k] for r in ok) if all(r.get(k) is not None for r in ok)
-                    else None) for k in FIGURES}
-
-    per = driver.mode_medians(runs, MODES, extra)
+def summarize(per: dict) -> dict:
+    """The orders and the checks, from the modes' medians."""
     ok = {m: r for m, r in per.items() if r["ok"]}
     by_time = sorted(ok, key=lambda m: ok[m]["step_time_s"])
     by_exposed = sorted(ok, key=lambda m: ok[m]["tp_comm_exposed_s"] or 0.0)
@@ -52,15 +42,17 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def render(out: Path, data: dict):
-    meta, s = data["meta"], data["summary"]
+    meta = data["meta"]
+    s = data.get("summary") or summarize(data["modes"])  # older results kept the summary
 
     def cell(v, pct=False):
         return "n/a" if v is None else (f"{100 * v:.0f}%" if pct else f"{v:.3f}")
 
     L = [*driver.report_head("# Exposed TP communication, as the run logs it", meta),
-         f"Emulated cluster {meta['cluster']}: 2 nodes x 1 CPU process, tp=2 across the shaped "
-         f"link (benchmarks.overlap's shape {meta['model']}). Per mode: median over "
-         f"{meta['repeats']} repeats of each run's median of steps {meta['warmup'] + 1}.."
+         f"Emulated cluster {Path(meta['cluster']).stem}: 2 nodes x 1 CPU process, tp=2 across "
+         f"the shaped link (benchmarks.overlap's shape {meta.get('model_shape', meta['model'])})."
+         f" Per mode: median over {meta.get('rounds', meta.get('repeats'))} repeats of each "
+         f"run's median of steps {meta['warmup'] + 1}.."
          f"{meta['steps']}. The figures are the run's own `metrics.jsonl` fields "
          f"(oases.overlap.comm_clock). Absolute times depend on the machine's load (below): "
          f"compare within the table.", "",
@@ -82,42 +74,12 @@ def render(out: Path, data: dict):
     return None
 
 
-def main(argv=None) -> int:
-    argv = list(argv if argv is not None else sys.argv[1:])
-    args = overlap.parse_args(["--modes", *MODES, "--repeats", "3", "--clusters",
-                               overlap.DEFAULT_CLUSTERS[0], *argv])
-    if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
-    try:
-        check_prerequisites()
-        spec = ClusterSpec.load(args.clusters[0])
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    workdir = (Path(args.workdir) if args.workdir
-               else driver.REPO / "runs" / "bench-comm-exposed" / stamp)
-
-    def one(cluster, mode, rnd):
-        rdir = workdir / mode.replace("+", "-") / f"r{rnd}"
-        return timed_run(cluster, mode, overlap.TRAIN_MODES[mode], args.model_shape, args, rdir,
-                         fields=FIGURES)
-
-    def line(rec, minutes):
-        return driver.run_line(f"r{rec['round']}", rec, minutes, 16)
-
-    runs, interrupted, elapsed = driver.run_rounds(
-        [(partial(EmulatedCluster, spec), MODES)], args.repeats, one, line)
-    out = Path(args.out) if args.out else driver.RESULTS / "comm_exposed"
-    meta = {"command": driver.command("benchmarks.comm_exposed", argv), "machine": machine_info(),
-            "model": args.model_shape, "cluster": spec.name, "steps": args.steps,
-            "warmup": args.warmup, "repeats": args.repeats, "elapsed_min": elapsed}
-    summary = summarize(runs)
-    driver.save(out, {"meta": meta, "summary": summary, "runs": runs}, render)
-    if interrupted:
-        return 130
-    return 0 if all(c["ok"] for c in summary["checks"]) else 1
-
+SUITE = driver.Suite(
+    "comm_exposed", "benchmarks.comm_exposed", MODES, train_run.cluster_measure(MODES, FIGURES),
+    render, metrics=("step_time_s", *FIGURES), min_rounds=1, fatal=train_run.FATAL,
+    flags=train_run.cluster_flags(overlap.DEFAULT_CLUSTERS[0], overlap.DEFAULT_MODEL, tp=2),
+    setup=train_run.cluster_setup("comm-exposed", overlap.DEFAULT_MODEL),
+    exit_code=lambda data: 0 if all(c["ok"] for c in summarize(data["modes"])["checks"]) else 1)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(driver.run_suite(SUITE, __doc__))

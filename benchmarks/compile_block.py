@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib import driver
-from benchmarks.lib.machine import machine_info
 
 MODES = {"eager": (0.0, None), "compiled": (0.0, True), "eager-drop": (0.1, None),
          "compiled-drop": (0.1, True), "compiled-drop-inductor-rng": (0.1, False)}
@@ -68,54 +67,31 @@ def worker(mode: str, batch: int, seq: int, warmup: int, reps: int) -> dict:
     return {"mode": mode, "warmup_s": warm, "steps": [step() for _ in range(reps)]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--from-json", help="re-render the report from a result's .json")
-    p.add_argument("--out", default=str(driver.RESULTS / "compile_block"))
-    args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.batch, args.seq, args.warmup, args.reps)))
-        return 0
-    if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
-    t0 = time.monotonic()
-    runs: dict[str, list] = {m: [] for m in args.modes}
-    for r in range(args.rounds):
-        for mode in args.modes:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_block", "--worker",
-                                   mode, "--batch", str(args.batch), "--seq", str(args.seq),
-                                   "--warmup", str(args.warmup), "--reps", str(args.reps)],
-                                  capture_output=True, text=True, check=True)
-            runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}/{args.rounds} {mode}: steps "
-                  f"{[round(s, 3) for s in runs[mode][-1]['steps']]}", flush=True)
-    meta = {"command": driver.command("benchmarks.compile_block", argv),
-            "machine": machine_info(), "batch": args.batch, "seq": args.seq,
-            "rounds": args.rounds, "reps": args.reps, "warmup": args.warmup,
-            "elapsed_min": (time.monotonic() - t0) / 60}
-    driver.save(Path(args.out), {"meta": meta, "rows": summarize(runs), "runs": runs}, render)
-    return 0
+def measure(_, mode: str, args) -> dict:
+    """``mode`` in a fresh process, so that its compiled graphs are its own."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_block", "--worker", mode,
+                           "--batch", str(args.batch), "--seq", str(args.seq), "--warmup",
+                           str(args.warmup), "--reps", str(args.reps)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": (proc.stdout + proc.stderr)[-600:]}
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**rec, "step_s": statistics.median(rec["steps"])}
 
 
-def summarize(runs: dict) -> list[dict]:
-    """Per mode: the median step, the speed-up against its eager twin, the warm-up times."""
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per mode: the median of all its timed steps, the speed-up against its eager twin,
+    the warm-up times."""
     base = {"eager": "eager", "compiled": "eager", "eager-drop": "eager-drop",
             "compiled-drop": "eager-drop", "compiled-drop-inductor-rng": "eager-drop"}
-    med = {m: statistics.median(s for run in v for s in run["steps"]) for m, v in runs.items()}
-    rows = []
-    for m in runs:
-        ref = base[m] if base[m] in med else m
-        rows.append({"mode": m, "step_s": med[m], "vs_eager": med[ref] / med[m],
-                     "first_round_warmup_s": runs[m][0]["warmup_s"],
-                     "warmup_s": statistics.median(r["warmup_s"] for r in runs[m])})
-    return rows
+    by_mode: dict = {}
+    for r in runs:
+        if r.get("ok", True):
+            by_mode.setdefault(r["mode"], []).append(r)
+    med = {m: statistics.median(s for run in v for s in run["steps"]) for m, v in by_mode.items()}
+    return [{"mode": m, "step_s": med[m], "vs_eager": med.get(base[m], med[m]) / med[m],
+             "first_round_warmup_s": v[0]["warmup_s"],
+             "warmup_s": statistics.median(r["warmup_s"] for r in v)} for m, v in by_mode.items()]
 
 
 def render(out: Path, data: dict) -> None:
@@ -129,11 +105,28 @@ def render(out: Path, data: dict) -> None:
              f"| mode | step (s) | speed-up vs eager | {w} warm-up steps, round 1 (s) | "
              f"{w} warm-up steps, median (s) |",
              "|---|---|---|---|---|"]
-    for row in data["rows"]:
+    for row in data.get("rows") or summarize(data["runs"]):  # older results kept rows
         lines.append(f"| {row['mode']} | {row['step_s']:.3f} | {row['vs_eager']:.2f}x | "
                      f"{row['first_round_warmup_s']:.1f} | {row['warmup_s']:.1f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+def _flags(p) -> None:
+    p.add_argument("--reps", type=int, default=5, help="timed steps per mode and round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (compiling) first")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+SUITE = driver.Suite("compile_block", "benchmarks.compile_block", MODES, measure, render,
+                     metrics=("step_s", "warmup_s"), flags=_flags, min_rounds=1)
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if "--worker" in sys.argv:
+        p = argparse.ArgumentParser()
+        _flags(p)
+        a = p.parse_args()
+        print(json.dumps(worker(a.worker, a.batch, a.seq, a.warmup, a.reps)))
+    else:
+        raise SystemExit(driver.run_suite(SUITE, __doc__))

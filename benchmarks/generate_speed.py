@@ -17,15 +17,13 @@ Writes ``benchmarks/results/generate.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.lib import driver
-from benchmarks.lib.machine import machine_info
 from oases.models import build_model
 from oases.config import load_config
 from oases.parallel.groups import ParallelContext
@@ -73,41 +71,27 @@ def render(prefix: Path, data: dict) -> None:
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--out", default=str(driver.RESULTS / "generate"))
-    args = ap.parse_args(argv)
-    if args.rounds < 3:
-        ap.error("--rounds must be >= 3 (medians of >= 3 interleaved rounds)")
+def prepare(args):
     torch.set_num_threads(1)
-    t_start = time.monotonic()
     cfg = load_config(None, ["model.name=gpt-125m", "model.dropout=0"]).validate(1)
     model = build_model(cfg.model, cfg.padded_vocab_size, seed=cfg.seed).eval()
-    ctx = ParallelContext.single()
-    vocab = cfg.model.vocab_size
-    run_once(model, 1, True, args.prompt, 8, vocab)  # warm-up
-    rounds = {m: {"tokens_per_s": [], "tokens_per_cpu_s": []} for m in args.modes}
-    for rnd in range(args.rounds):
-        for m in args.modes:
-            r = run_once(model, *MODES[m], args.prompt, args.new, vocab)
-            for k in rounds[m]:
-                rounds[m][k].append(r[k])
-            print(f"round {rnd} {m:11s} {r['tokens_per_s']:.1f} tokens/s wall, "
-                  f"{r['tokens_per_cpu_s']:.1f} per CPU s", flush=True)
-    per = {m: {k: statistics.median(v) for k, v in r.items()} | {"rounds": r}
-           for m, r in rounds.items()}
-    meta = {"machine": machine_info(), "command": driver.command("benchmarks.generate_speed", argv),
-            "elapsed_min": (time.monotonic() - t_start) / 60, "rounds": args.rounds,
-            "prompt": args.prompt, "new": args.new, "threads": 1, "device": ctx.device.type,
-            "params_m": model.num_params() / 1e6}
-    driver.save(Path(args.out), {"meta": meta, "modes": per}, render)
-    return 0
+    run_once(model, 1, True, args.prompt, 8, cfg.model.vocab_size)  # warm-up
+    return model, cfg.model.vocab_size
+
+
+def _flags(p) -> None:
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--new", type=int, default=128, help="new tokens per row")
+
+
+SUITE = driver.Suite(
+    "generate", "benchmarks.generate_speed", MODES,
+    lambda state, mode, args: run_once(state[0], *MODES[mode], args.prompt, args.new, state[1]),
+    render, metrics=("tokens_per_s", "tokens_per_cpu_s"), flags=_flags,
+    setup=lambda args: contextlib.nullcontext(prepare(args)),
+    meta=lambda args, state: {"threads": 1, "device": ParallelContext.single().device.type,
+                              "params_m": state[0].num_params() / 1e6})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(driver.run_suite(SUITE, __doc__))

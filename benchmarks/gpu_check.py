@@ -3,40 +3,13 @@
     make gpu-check                     # python -m benchmarks.gpu_check
     python -m benchmarks.gpu_check --budget-s 300 --skip-tests     # quicker
 
-On a machine with CUDA GPUs, in this order (the most wanted answers first), each part
-given what is left of ``--budget-s`` (540 s: the check finishes, with its results
-file, inside ten minutes on one H100) and the results file rewritten after each part:
-
-1. **Environment**: GPU model and count, driver, CUDA, NCCL and torch versions, and the
-   dense bf16 peak the MFU figures divide by.
-2. **Waits** (:mod:`benchmarks.lib.gpu_wait`): the ``oases`` engine's turn at a
-   collective on a one-rank NCCL group, with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the old
-   default: the host polls each wait) and with oases' settings (the stream waits, the
-   host runs on): seconds per turn and the host's seconds per wait.
-3. **Host against GPU** (:mod:`benchmarks.lib.gpu_host`): per engine (megatron+full,
-   oases+fine at one and two sub-batches), the host's time to issue a forward-backward
-   of gpt-1.3b at a tp rank's shapes (``--host-tp``), against the time kernels ran in
-   it, and per block per sub-batch; at the first tp with ``CUDA_DEVICE_MAX_CONNECTIONS``
-   1 and unset.
-4. **Correctness**: the cuda-marked tests (``pytest -m cuda tests``). With one GPU: the
-   single-rank paths, and two ranks sharing the GPU over gloo with CUDA tensors (the
-   overlapped schedule's stream ordering); with two or more, the NCCL tier as well.
-5. **Speed, one GPU**: gpt-1.3b in bf16 under the megatron engine, the oases engine
-   (fine recompute, ``sub_batches`` 1 and 2) and ``recompute=selective`` at
-   ``--mbs`` (``--probe``: the largest power-of-two micro-batch each mode fits):
-   tokens/s, TFLOP/s, MFU and peak memory, ``--rounds`` rounds with the modes
-   interleaved, the median reported; peak memory beside the planner's prediction.
-6. **Overlap, two or more GPUs**: tp = 2 tokens/s of megatron+full, oases+fine and
-   oases+fine with ``parallel.tp_comm_noop`` (the bound), through ``torchrun train.py``,
-   and a ``torch.profiler`` trace of one step of each engine, from which the share of
-   NCCL kernel time that runs under computation kernels is computed
-   (:mod:`benchmarks.lib.kernel_overlap`). Logs and traces stay in ``runs/gpu-check/``.
-
-Writes ``benchmarks/results/gpu-<gpu name>.md`` and ``.json``. Weights are drawn on the
-GPU with torch's generator (timing only). Without a CUDA device it prints the
-environment and why it skips, writes nothing and exits 0. On a machine without network
-whose ``python3`` already has CUDA torch: ``make gpu-check GPU_PYTHON=python3``
-(docs/gpu-check.md).
+In this order, each part given what is left of ``--budget-s`` and the results file
+rewritten after each: the environment, waits (:mod:`benchmarks.lib.gpu_wait`), host
+against GPU (:mod:`benchmarks.lib.gpu_host`), the cuda-marked tests, speed on one GPU,
+overlap on two (:mod:`benchmarks.lib.kernel_overlap`); what each runs and needs is in
+docs/gpu-check.md. Writes ``benchmarks/results/gpu-<gpu name>.md`` and ``.json``.
+Without a CUDA device it prints the environment and why it skips, writes nothing and
+exits 0.
 """
 
 from __future__ import annotations
@@ -65,7 +38,7 @@ from oases.planner.cluster import Cluster
 from oases.planner.cost import CostModel, ModelShape
 from oases.parallel.nccl_env import kernel_order
 from oases.planner.profile import get_profile
-from oases.runtime.build import fast_init, model_for, seed_tracker, training_for
+from oases.runtime.build import fast_init, build_rank_model, seed_tracker, build_train_state
 from oases.runtime.step import train_step
 
 MODES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"],
@@ -113,9 +86,9 @@ class _Batch:
 
 def _build(cfg, ctx):
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, None)
+    model = build_rank_model(cfg, ctx, tracker, None, None)
     fast_init(model)
-    return training_for(cfg, ctx, model, tracker)
+    return build_train_state(cfg, ctx, model, tracker)
 
 
 def _free(state) -> None:

@@ -25,7 +25,6 @@ Writes ``benchmarks/results/host_bound.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -36,7 +35,6 @@ import time
 from pathlib import Path
 
 from benchmarks.lib import driver
-from benchmarks.lib.machine import machine_info
 from benchmarks.lib.train_run import metrics
 
 MODES = {
@@ -53,25 +51,22 @@ MODEL = ["model.name=gpt-tiny", "model.d_model=64", "model.n_layer=2", "model.n_
 TARGET = ("oases+fine", "megatron+full", 1.05)
 
 
-def run_once(mode: str, args, out: Path) -> dict:
+def run_once(work: str, mode: str, args) -> dict:
+    out = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "train.py", *MODEL, *MODES[mode], "parallel.tp=2", "data.kind=synthetic",
            "train.precision=fp32", f"train.steps={args.steps}", "train.log_interval=1",
            "train.warmup_steps=0", "eval.interval=0", "data.val_path=", "wandb.mode=disabled",
            "checkpoint.interval=0", "checkpoint.save_final=false", "resume=none",
            "metrics.comm_clock=false", f"out_dir={out}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=driver.REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    rec = {"mode": mode, "ok": proc.returncode == 0, "wall_s": time.monotonic() - t0,
-           "loadavg_1min_before": os.getloadavg()[0]}
-    if not rec["ok"]:
-        rec["error"] = (proc.stdout + proc.stderr)[-600:]
-        return rec
-    steps = [r["step_time_s"] for r in metrics(out) if "step_time_s" in r
-             and r["step"] > args.warmup]
-    rec["step_time_s"] = statistics.median(steps)
+    proc = subprocess.run(cmd, cwd=driver.REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    rec: dict = {"wall_s": time.monotonic() - t0}
+    if proc.returncode:
+        return {**rec, "error": (proc.stdout + proc.stderr)[-600:]}
+    rec["step_time_s"] = statistics.median(r["step_time_s"] for r in metrics(out)
+                                           if "step_time_s" in r and r["step"] > args.warmup)
     chosen = re.search(r"(\d+) sub-batch(?:es)? \(auto, ([^)]*)\)", proc.stdout)
     if chosen:
         rec["auto"] = {"sub_batches": int(chosen.group(1)), "why": chosen.group(2)}
@@ -92,7 +87,8 @@ def render(prefix: Path, data: dict) -> None:
         if not r.get("ok"):
             lines.append(f"| {mode} | failed: {r.get('error', '')[:80]} | | |")
             continue
-        rounds = ", ".join(f"{1e3 * t:.1f}" for t in r["rounds"])
+        rounds = r["rounds"]["step_time_s"] if "step_time_s" in r["rounds"] else r["rounds"]
+        rounds = ", ".join(f"{1e3 * t:.1f}" for t in rounds)
         vs = f"{r['step_time_s'] / base:.3f}x" if base else "n/a"
         lines.append(f"| {mode} | {1e3 * r['step_time_s']:.1f} | {rounds} | {vs} |")
     num, den, limit = TARGET
@@ -111,45 +107,14 @@ def render(prefix: Path, data: dict) -> None:
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default=str(driver.RESULTS / "host_bound"))
-    ap.add_argument("--from-json", help="re-render the report from this JSON; run nothing")
-    args = ap.parse_args(argv)
-    if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
-    if args.rounds < 3:
-        ap.error("--rounds must be >= 3 (medians of >= 3 interleaved rounds)")
-    if args.steps <= args.warmup:
-        ap.error("--steps must be larger than --warmup")
-    t0 = time.monotonic()
-    runs = []
-    with tempfile.TemporaryDirectory() as d:
-        for rnd in range(args.rounds):
-            for mode in args.modes:
-                rec = run_once(mode, args, Path(d) / f"{mode}-{rnd}")
-                rec["round"] = rnd
-                runs.append(rec)
-                print(f"round {rnd} {mode:14s} " + (f"{1e3 * rec['step_time_s']:.1f} ms/step"
-                      if rec["ok"] else f"failed: {rec['error'][-200:]}"), flush=True)
-    per = {}
-    for mode in args.modes:
-        ok = [r for r in runs if r["mode"] == mode and r["ok"]]
-        per[mode] = ({"ok": True, "step_time_s": statistics.median(r["step_time_s"] for r in ok),
-                      "rounds": [r["step_time_s"] for r in ok]} if len(ok) == args.rounds else
-                     {"ok": False, "error": next((r["error"] for r in runs if r["mode"] == mode
-                                                  and not r["ok"]), "")})
-    meta = {"machine": machine_info(), "command": driver.command("benchmarks.host_bound", argv),
-            "elapsed_min": (time.monotonic() - t0) / 60, "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup}
-    driver.save(Path(args.out), {"meta": meta, "modes": per, "runs": runs}, render)
-    return 0
+def _flags(p) -> None:
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of a run's median")
+
+
+SUITE = driver.Suite("host_bound", "benchmarks.host_bound", MODES, run_once, render,
+                     flags=_flags, setup=lambda args: tempfile.TemporaryDirectory())
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(driver.run_suite(SUITE, __doc__))

@@ -76,12 +76,12 @@ def _build(mode: str, layers: int, ctx):
     """(engine, model, ids, targets, sub-batches) of a mode at a depth, as train.py builds it."""
     import torch
 
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
 
     cfg = _config(mode, layers)
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, seed=cfg.seed)
-    state = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, seed=cfg.seed)
+    state = build_train_state(cfg, ctx, model, tracker)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size,
                         (cfg.train.micro_batch_size, cfg.model.seq_len + 1), generator=g)

@@ -3,33 +3,13 @@
     .venv/bin/python -m benchmarks.init_scaling                 # llama-7b, tp=2 (no root)
     .venv/bin/python -m benchmarks.init_scaling --cases 0:8 24:32 --repeats 1
 
-A pipelined rank builds and initialises only its own stage's layers (and the
-embedding or head where its stage has them). This benchmark checks that for
-``llama-7b`` (Llama-2-7B shape: 32 layers, d 4096, ffn 11008, vocab 32000) at
-tp=2: for each stage case it spawns the 2 ranks of ONE stage's TP group (world 2,
-gloo, the stage's tp group = the world; one intra-op thread per rank, as on the
-emulated cluster) in fresh processes and, on each, runs exactly what a pipelined
-rank runs,
-
-    oases.models.build_model(cfg.model, cfg.padded_vocab(2), tp_group, seed=cfg.seed, stage=(a, b))
-
-and measures
-
-* wall time of build_model (construction + init_parameters; the two are also
-  timed apart by wrapping ``models.init_parameters`` at run time),
-* peak RSS: ``VmHWM`` of /proc/self/status, reset just before the build (write
-  "5" to /proc/self/clear_refs), minus the RSS before the build = the build's peak
-  increase; also the absolute peak,
-* the rank's parameter bytes (sum of numel x element size).
-
-Cases (default): pp=8 stage 0 = layers [0, 4), pp=4 stage 0 = [0, 8) (both with
-the embedding), pp=4 last stage = [24, 32) (final norm + untied head), and pp=2
-stage 0 = [0, 16) if enough memory is free (2 ranks x ~7 GB). pp=1 (the whole model, ~13.5 GB per rank x 2) does not
-fit this 24 GiB machine: its time is an extrapolation from the measured cases
-(labelled as such). Targets (the issue): peak increase < 1.5x the rank's parameter
-bytes; time proportional to the stage's layers: t([0,16)) / t([0,8)) ~ 2.
-
-Writes benchmarks/results/init.{md,json}.
+Per stage case ``a:b``, the 2 ranks of one stage's TP group (gloo, fresh processes)
+each run ``oases.models.build_model(..., stage=(a, b))``; rank 0's build time (with
+``init_parameters`` timed apart), peak RSS increase (``VmHWM`` reset before the
+build) and parameter bytes are kept. A case whose 2 ranks would not fit in the free
+memory is skipped; the whole model's (pp=1) time is extrapolated from the measured cases.
+Targets: peak increase < 1.5x the rank's parameter bytes; t([0,16)) / t([0,8)) ~ 2.
+More in benchmarks/README.md, section init_scaling.py. Writes benchmarks/results/init.{md,json}.
 """
 
 from __future__ import annotations
@@ -59,13 +39,16 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
     import torch.distributed as dist
 
     init_gloo(rank, world, store_path)
-    import oases.models
+    from oases import models
     from oases.config import load_config
 
     cfg = load_config(None, [f"model.name={model_name}", f"parallel.tp={world}"]).validate(world)
     tp_group = dist.group.WORLD
     timing = {"init_s": 0.0}
-    orig_init = models.init_parameters
+    # init_parameters as the module that builds the model calls it (timed apart)
+    builder = sys.modules[models.build_model.__module__]
+    builder = sys.modules[getattr(builder, "build", models.build_model).__module__]
+    orig_init = builder.init_parameters
 
     def timed_init(*a, **k):
         t = time.perf_counter()
@@ -74,13 +57,13 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
         finally:
             timing["init_s"] += time.perf_counter() - t
 
-    models.init_parameters = timed_init
+    builder.init_parameters = timed_init
     dist.barrier()
     rss0 = status_kib("VmRSS")
     hwm_reset = reset_peak(strict=False)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    model = oases.models.build_model(cfg.model, cfg.padded_vocab(world), tp_group, seed=cfg.seed,
+    model = models.build_model(cfg.model, cfg.padded_vocab(world), tp_group, seed=cfg.seed,
                                stage=stage)
     build_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,12 +129,12 @@ def expected_stage_bytes(model_name: str, stage: tuple, tp: int) -> int:
     """Parameter bytes of one rank of the stage, from the meta-device model (no memory)."""
     import torch
 
-    import oases.models
+    from oases import models
     from oases.config import load_config
 
     cfg = load_config(None, [f"model.name={model_name}", f"parallel.tp={tp}"]).validate(tp)
     with torch.device("meta"):
-        m = models.ARCHS[cfg.model.arch](cfg.model, cfg.padded_vocab(tp), None, stage=stage)
+        m = models.build_model(cfg.model, cfg.padded_vocab(tp), None, seed=None, stage=stage)
     return sum(p.numel() * p.element_size() for p in m.parameters()) // tp
 
 
@@ -174,10 +157,7 @@ def main(argv=None) -> int:
     mcfg = load_config(None, [f"model.name={args.model}", "parallel.tp=2"]).validate(2).model
     n_layer = mcfg.n_layer
     cases = [tuple(int(v) for v in c.split(":")) for c in args.cases]
-    command = " ".join([os.path.relpath(sys.executable, REPO)
-                        if sys.executable.startswith(str(REPO)) else sys.executable,
-                        "-m", "benchmarks.init_scaling", *sys.argv[1:]])
-    meta = {"command": command, "machine": machine_info(), "model": args.model,
+    meta = {"command": driver.command("benchmarks.init_scaling", argv), "machine": machine_info(), "model": args.model,
             "n_layer": n_layer, "tp": 2, "repeats": args.repeats,
             "loadavg_before": list(os.getloadavg()),
             "mem_available_gib_before": round(mem_available_gib(), 1)}

@@ -4,43 +4,10 @@
     sudo .venv/bin/python -m benchmarks.overlap --quick          # smoke run, 1 repeat
     sudo .venv/bin/python -m benchmarks.overlap --modes megatron+full nocomm --repeats 3
 
-For every cluster file (default: a 500 Mbit/s and a 300 Mbit/s 2-node cluster) this
-brings the emulated cluster up (benchmarks.lib.cluster; needs root and iproute2),
-then runs, in ``--repeats`` rounds, every mode once per round in round-robin order
-(benchmarks.lib.driver: machine noise hits all modes alike), each run in fresh processes: tp=2 across
-the two nodes (one process per node, gloo over the shaped link).
-
-Modes (``--modes``):
-
-    megatron+full          baseline: blocking all-reduces, full per-layer recompute
-    megatron+none          blocking all-reduces, no recompute
-    oases+none             two sub-batches, comm overlapped, no recompute (the peers'
-                           memory regime: they keep every activation too)
-    oases+full             two sub-batches, comm overlapped, full recompute
-    oases+fine             fine-grained recompute, parallel.sub_batches=auto (timed at
-                           start-up; two on these slow links)
-    oases+fine+sb2         oases+fine at two sub-batches, fixed
-    nocomm                 oases+fine with parallel.tp_comm_noop=true: no TP communication
-                           at all (timing only, the upper bound)
-    megatron+full+compile, oases+fine+compile, nocomm+compile
-                           the same with parallel.compile=true
-    megatron+full+sp, oases+fine+sp, nocomm+sp
-                           the same with parallel.sequence_parallel=true (the oases
-                           ones at four sub-batches, staggered: sub_batches=auto)
-    oases+fine+sb4         oases+fine at four sub-batches
-    oases+fine+sp+sb2      oases+fine+sp at two sub-batches (in step)
-    megatron+full+nocomm   megatron+full without TP communication: its comm share
-    dtensor                benchmarks.peers.dtensor_gpt (torch DTensor TP)
-    megatron-core          benchmarks.peers.megatron_core_gpt (Megatron-Core TP)
-
-train.py runs read ``step_time_s`` from ``<out_dir>/metrics.jsonl``; peers write
-``{"step_times_s": [...], "tokens_per_step": n}`` to ``--out-json``. A run's figure
-is the median step time after ``--warmup`` steps; a mode's figure the median over
-its repeats. A mode that fails (e.g. the oases schedule not implemented yet, a peer
-script missing) is recorded with its error and not retried on that cluster; the
-others go on. Exposed-communication fraction = (t_mode - t_nocomm) / t_mode.
-
-Writes ``benchmarks/results/overlap.{md,json,png}`` (``--quick``: overlap-quick.*).
+Every mode (train.py overrides in ``TRAIN_MODES``, or a peer) runs once per round on
+each cluster, round-robin, tp=2 across the two nodes. The modes, the figures and why
+this shape and these link rates: benchmarks/README.md, section overlap.py. Writes
+``benchmarks/results/overlap.{md,json,png}`` (``--quick``: overlap-quick.*).
 """
 
 from __future__ import annotations
@@ -53,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
+from benchmarks.emucluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
 from benchmarks.lib.machine import fmt_mbit, machine_info
 from benchmarks.lib.train_run import timed_run
 
@@ -164,7 +131,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
     m = meta["model"]
     L = [*driver.report_head(f"# Overlapped TP on a slow link ({meta['tag']})", meta),
          f"Emulated cluster: 2 nodes (network namespaces) x 1 CPU process, tp=2 across the link "
-         f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/cluster.py). "
+         f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/emucluster). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
          f"ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq {m['seq_len']}, micro batch "
          f"{m['micro_batch_size']} x {m.get('grad_accum', 1)} per step, fp32. Each figure: median over {meta['repeats']} repeats "

@@ -2,67 +2,15 @@
 
     .venv/bin/python -m benchmarks.pipeline               # as root: the full benchmark
     .venv/bin/python -m benchmarks.pipeline --quick       # smoke run: 1 repeat, 4 steps
-    .venv/bin/python -m benchmarks.pipeline --clusters configs/cluster/hetero-4.yaml \
+    .venv/bin/python -m benchmarks.pipeline --clusters configs/cluster/hetero-4.yaml \\
         --modes megatron+full+1f1b oases+fine+1f1b --repeats 5
 
-Four emulated nodes, one process each, in two fast pairs joined by a slow link
-(benchmarks.lib.cluster; needs root and iproute2). ``--clusters`` (default both):
-configs/cluster/hetero-4.yaml ({0,1} and {2,3} at 1 Gbit/s, 200 Mbit/s between the
-pairs) and configs/cluster/hetero-4-300m.yaml (300 Mbit/s pairs, 100 Mbit/s between
-them: the overlap benchmark's 300 Mbit/s, where TP communication is half of a
-megatron+full step, the Oases paper's regime). The run is pp=2 x tp=2: oases puts
-stage s on ranks 2s, 2s+1 (oases.parallel.layout: a stage owns consecutive ranks, TP inside
-it), i.e. TP inside each pair and the pipeline across the slow link; train.py's
-``pipeline:`` line is recorded to show it.
-
-``--cpu-quota C`` (default 0.5, period ``--cpu-period-ms`` 10): every node's processes
-run in a cgroup (v1 cpu controller) limited to C cores, so that each emulated device
-computes at one fixed speed whatever the other nodes do (4 x 0.5 = the machine's 2
-cores). Without it 4 processes share 2 cores and a rank that waits (a transfer, a
-blocking all-reduce, the bubble) lends its core to the others, which no real cluster
-does. 0 = no limit. A cpuacct group per node also measures each node's CPU and,
-from /proc/stat, what other tenants used during each run.
-
-Modes (each run is ``train.py`` in fresh processes unless said):
-
-    same-layout case: pp 2 x tp 2, GPT ``--model`` (2 stages of n_layer/2 layers)
-      megatron+full+1f1b        the Oases paper's baseline: blocking TP all-reduces,
-                                full per-layer recompute, 1F1B
-      oases+fine+1f1b           two sub-batches, TP collectives overlapped, fine recompute
-      oases+fine+eager-1f1b     the same, eager-1F1B (more warm-up forwards)
-      nocomm+1f1b               oases+fine+1f1b with parallel.tp_comm_noop=true: no TP
-                                communication at all (timing only: the upper bound)
-      megatron+full+nocomm+1f1b megatron+full+1f1b without TP communication: gives the
-                                baseline's TP-communication share
-      torch-1f1b                benchmarks.peers.torch_pipelining: the same stage
-                                modules (megatron engine, full recompute) driven by
-                                torch.distributed.pipelining.Schedule1F1B
-    resharding case: stages of different layouts (a plan file in the work dir;
-      ``--reshard-order`` dp2-tp2: stage 0 = layers [0, split) as dp 2 x tp 1 on nodes
-      {0,1}, stage 1 = the rest as dp 1 x tp 2 on nodes {2,3}), so every boundary
-      transfer is a cross-mesh reshard; GPT ``--reshard-model``, ``--reshard-split``
-      layers on stage 0 (chosen so that the two stages take about as long, the case
-      where a transfer on the critical path costs 1F1B a stall per micro-batch)
-      reshard:1f1b              oases+fine, 1F1B, broadcast transfers
-      reshard:eager-1f1b        oases+fine, eager-1F1B, broadcast transfers
-      reshard:1f1b+send         the same with parallel.pp_transfer=send (naive; not run
-      reshard:eager-1f1b+send   by default)
-
-Default: the three megatron/oases modes that measure the TP overlap on every cluster
-but the last; every mode but the ``+send`` ones on the last. ``--modes`` runs the
-given modes on every cluster. Every mode runs ``--repeats`` times, modes interleaved
-round-robin (benchmarks.lib.driver: machine noise hits all alike). A run's figure is the median
-``step_time_s`` (and ``pipeline_bubble``) of ``metrics.jsonl`` after ``--warmup``
-steps; tokens/s = tokens per step / that time; a mode's figure the median over its
-repeats. Round 0 of each train.py mode runs with parallel.trace=true (train.py traces
-step 3; that step is left out of the timing) and its per-rank traces are drawn with
-benchmarks.lib.timeline to results/timeline-pipeline-<cluster>-<mode>.png. All modes
-use untied embeddings (model.tie_embeddings=false): the torch peer cannot tie a weight
-across stages.
-
-Writes ``benchmarks/results/pipeline.{md,json,png}`` (``--quick``: pipeline-quick.*);
-``--from-json`` re-writes them (and picks up ``<out>-analysis.md``, hand-written notes
-on the timelines, into the .md).
+pp=2 x tp=2 on four emulated nodes in two fast pairs joined by a slow link, each node
+under a cpu quota (``--cpu-quota``): the modes (``MODES``: the case and the train.py
+overrides, or the torch peer), the clusters, the shapes and the figures are in
+benchmarks/README.md, section pipeline.py. Writes ``benchmarks/results/pipeline.{md,json,png}``
+(``--quick``: pipeline-quick.*) and the timelines of round 0; ``--from-json`` re-writes them
+(and picks up ``<out>-analysis.md``, hand-written notes on the timelines, into the .md).
 """
 
 
@@ -83,8 +31,8 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver, train_run
-from benchmarks.lib.cluster import ClusterError, ClusterSpec, EmulatedCluster, free_port, load_specs
-from benchmarks.lib.cpu_cgroup import NodeQuota, busy_cpu_s
+from benchmarks.emucluster import ClusterError, ClusterSpec, EmulatedCluster, free_port, load_specs
+from benchmarks.emucluster.cpu_cgroup import NodeQuota, busy_cpu_s
 from benchmarks.lib.machine import machine_info
 from benchmarks.lib.pipeline_report import BASELINE, RESHARD_ORDERS, TRACED_STEP, render, write_plan
 from benchmarks.lib.timeline import render_timelines, slug, trace_stats

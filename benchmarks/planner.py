@@ -16,7 +16,7 @@ Per topology (tp = every node, one process per node, oases + fine):
    measured, and whether the planner's plan is at least as fast as the best
    uniform plan, to ``benchmarks/results/planner.{md,json,png}``.
 
-Needs root and iproute2 (network namespaces), like benchmarks.lib.cluster.
+Needs root and iproute2 (network namespaces), like benchmarks.emucluster.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import EmulatedCluster
-from benchmarks.lib.validation import (accuracy, measure_clusters, measure_plans,
-                                       repeat_consistency, train_steps)
+from benchmarks.emucluster import EmulatedCluster
+from benchmarks.lib.validation import (accuracy, add_flags, measure_clusters, measure_plans,
+                                       plot, repeat_consistency, train_steps)
 from oases.cli.plan import run_shape
 from oases.config import load_config
 from oases.planner import ilp
@@ -156,7 +156,7 @@ def topology(path: str, args, work: Path) -> dict:
 
 def write(results: list[dict], args, out: Path) -> None:
     meta = {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
-            "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+            "command": driver.command("benchmarks.planner"), "date": time.strftime("%Y-%m-%d"),
             "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len", "mbs")},
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "topologies": results}, indent=1))
@@ -207,51 +207,16 @@ def write(results: list[dict], args, out: Path) -> None:
                             "the planner kept a uniform plan here (no mixed plan to show)"))
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
-        for ax, r in zip(axes[0], results):
-            for p in r["plans"]:
-                c = ("tab:red" if p["name"].startswith("planner") else
-                     "tab:blue" if p["name"].startswith("uniform") else "tab:gray")
-                ax.scatter(1e3 * p["predicted_s"], 1e3 * p["measured_s"], color=c)
-                ax.annotate(p["name"], (1e3 * p["predicted_s"], 1e3 * p["measured_s"]), fontsize=7)
-            lo = min(min(p["predicted_s"], p["measured_s"]) for p in r["plans"]) * 1e3 * 0.9
-            hi = max(max(p["predicted_s"], p["measured_s"]) for p in r["plans"]) * 1e3 * 1.1
-            ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
-            ax.set_xlabel("predicted step (ms)")
-            ax.set_ylabel("measured step (ms)")
-            ax.set_title(f"{r['cluster']}: rho {r['spearman']:.2f}, err {100 * r['mean_rel_error']:.0f}%")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-        plt.close(fig)
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
+    plot(results, out.with_suffix(".png"), lambda name: name.startswith("planner"))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clusters", nargs="+", default=DEFAULT_CLUSTERS)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--random", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--d-model", dest="d_model", type=int, default=512)
-    ap.add_argument("--n-layer", dest="n_layer", type=int, default=2)
-    ap.add_argument("--n-head", dest="n_head", type=int, default=8)
-    ap.add_argument("--seq-len", dest="seq_len", type=int, default=128)
-    ap.add_argument("--mbs", type=int, default=8)
-    ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work", default=None,
-                    help="run directories (default /tmp/oases-planner-bench/<time>)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "planner"))
+    add_flags(ap, {"d_model": 512, "n_layer": 2, "n_head": 8, "seq_len": 128, "mbs": 8})
     args = ap.parse_args(argv)
+    args.clusters = args.clusters or DEFAULT_CLUSTERS
+    args.out = args.out or str(driver.RESULTS / "planner")
     if args.work is None:
         args.work = f"/tmp/oases-planner-bench/{time.strftime('%Y%m%d-%H%M%S')}"
     results = measure_clusters(args.clusters, lambda path: topology(path, args, Path(args.work)),

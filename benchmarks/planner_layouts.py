@@ -3,27 +3,13 @@
     sudo .venv/bin/python -m benchmarks.planner_layouts            # 3 clusters, 3 repeats
     sudo .venv/bin/python -m benchmarks.planner_layouts --quick    # one cluster, 1 repeat
 
-Per cluster (4 nodes x 1 device; GPT d_model 256, 8 layers, 4 heads, seq 64, global
-batch 16, oases + fine):
-
-1. profile: one ``train.py parallel.plan=auto`` step (tp-only, pp 1, tp 4) on the
-   cluster measures block compute on every rank at once (the contention of a real
-   run), the collectives and the host cost of communication (calibrated by real
-   steps); where nodes run at other speeds the ranks' mean is taken back to speed 1.0;
-2. candidates: the MILP's plan (``search(.., "uniap")``), AMP's pick, every uniform
-   Megatron-style (pp, dp, tp) layout (even layer split, every layer at tp) with the
-   micro-batch count the cost model prices best for it, and ``--random`` random valid
-   plans (a random layout, a random contiguous partition, a random degree per layer),
-   deduplicated; each is priced on its choice's instance (the pricing the search uses);
-3. each is written as a plan file and trained ``--steps`` steps with its run overrides
-   (``oases.planner.report.run_overrides``), ``--repeats`` rounds round-robin; the
-   measured step time is the median over repeats of the median after ``--warmup`` steps;
-4. reports Spearman (with the repeat-to-repeat Spearman as the noise ceiling), mean
-   relative error, the MILP plan against the best measured candidate and, where it
-   differs, against the best uniform layout, to
-   ``benchmarks/results/planner-layouts.{md,json,png}``.
-
-Needs root and iproute2, like benchmarks.lib.cluster.
+Per cluster: profile the live cluster (one ``train.py parallel.plan=auto`` step), price
+the candidates (``benchmarks.lib.layouts``: the MILP's pick, AMP's, every uniform
+layout, ``--random`` random plans), train each ``--repeats`` rounds round-robin
+(``benchmarks.lib.validation``), and report Spearman, mean error and the pick against
+the best measured and best uniform candidates to
+``benchmarks/results/planner-layouts.{md,json,png}``. The details: benchmarks/README.md,
+section planner_layouts.py. Needs root and iproute2 (``benchmarks.emucluster``).
 """
 
 from __future__ import annotations
@@ -38,8 +24,8 @@ from pathlib import Path
 
 from benchmarks.lib import driver
 from benchmarks.lib.layouts import PROFILE_MBS, WORLD, candidates, job_config, model_overrides
-from benchmarks.lib.validation import (accuracy, measure_clusters, measure_plans,
-                                       repeat_consistency, train_steps)
+from benchmarks.lib.validation import (accuracy, add_flags, measure_clusters, measure_plans,
+                                       plot, repeat_consistency, train_steps)
 from oases.planner import report as rep
 from oases.planner.search import search
 from oases.planner.stages import build, enumerate_choices, job_from_config, profile_run
@@ -104,7 +90,7 @@ def brief(c) -> dict:
 
 
 def topology(path: str, args, work: Path) -> dict:
-    from benchmarks.lib.cluster import EmulatedCluster
+    from benchmarks.emucluster import EmulatedCluster
     from oases.planner.cluster import load_cluster
 
     cluster = load_cluster(path)
@@ -174,7 +160,8 @@ def summarise(res: dict) -> None:
 
 def meta_of(args) -> dict:
     return {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
-            "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": driver.command("benchmarks.planner_layouts"),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
             "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len",
                                                     "batch")},
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
@@ -224,7 +211,7 @@ def write(results: list[dict], meta: dict, out: Path) -> None:
                             if "halfspeed" in r["cluster"] else ""))
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"), lambda name: name in ("milp", "amp"))
 
 
 def rewrite(path: Path, work=None) -> None:
@@ -250,55 +237,12 @@ def rewrite(path: Path, work=None) -> None:
     write(data["clusters"], data["meta"], path.with_suffix(""))
 
 
-def plot(results: list[dict], png: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.4), squeeze=False)
-    for ax, r in zip(axes[0], results):
-        for p in r["plans"]:
-            col = ("tab:red" if p["name"] in ("milp", "amp") else
-                   "tab:blue" if p["name"].startswith("uniform") else "tab:gray")
-            x, y = 1e3 * p["predicted_s"], 1e3 * p["measured_s"]
-            ax.scatter(x, y, color=col)
-            ax.annotate(p["name"].replace("uniform-", "u-"), (x, y), fontsize=6)
-        vals = [v for p in r["plans"] for v in (p["predicted_s"], p["measured_s"])]
-        lo, hi = 1e3 * min(vals) * 0.9, 1e3 * max(vals) * 1.1
-        ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
-        ax.set_xlabel("predicted step (ms)")
-        ax.set_ylabel("measured step (ms)")
-        ax.set_title(f"{r['cluster']}: rho {r['spearman']:.2f}, err "
-                     f"{100 * r['mean_rel_error']:.0f}%", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clusters", nargs="+", default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--random", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    add_flags(ap, {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 64, "batch": 16})
     ap.add_argument("--quick", action="store_true",
                     help="1 repeat, 4 steps, 3 random plans, the first cluster only")
-    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
-    ap.add_argument("--n-layer", dest="n_layer", type=int, default=8)
-    ap.add_argument("--n-head", dest="n_head", type=int, default=4)
-    ap.add_argument("--seq-len", dest="seq_len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work", default=None,
-                    help="run directories (default /tmp/oases-planner-layouts/<time>)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--from-json", dest="from_json", default=None,
                     help="only rewrite the report (md, png) from this results JSON")
     args = ap.parse_args(argv)

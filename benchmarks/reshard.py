@@ -3,33 +3,11 @@
     .venv/bin/python -m benchmarks.reshard          # as root: the full benchmark (~4 min)
     .venv/bin/python -m benchmarks.reshard --quick  # smoke run: 1 repeat, 3 iterations
 
-Two emulated nodes (configs/cluster/two-nodes-4dev-500m.yaml: 4 processes per node,
-500 Mbit/s between the nodes, loopback inside a node; benchmarks.lib.cluster, needs
-root and iproute2). The src mesh of every case is on node 0 (ranks 0..), the dst
-mesh on node 1 (ranks 4..); host_of = node, as the paper balances per host.
-Cases (``--cases``):
-
-    1-to-2   (dp1,tp1) -> (dp1,tp2)   one sender, two receivers on one node
-    1-to-4   (dp1,tp1) -> (dp1,tp4)
-    2-to-4   (dp1,tp2) -> (dp2,tp2)   each dst replica needs half of the rows
-    4-to-2   (dp1,tp4) -> (dp1,tp2)   four senders hold the whole batch, two receivers
-             (chosen over (dp2,tp1): there every dst replica is one rank, so the three
-             methods send the same bytes and only the sender choice differs)
-
-Methods (oases.pipeline.cross_mesh): ``broadcast`` (paper 002: balanced senders, each
-byte crosses once, fan-out by dist.broadcast inside the dst replica), ``send`` (naive:
-every dst rank receives its rows from the src rank at its TP position), ``allgather``
-(Megatron's scatter-gather: 1/tp of the slice per dst rank, then all_gather).
-
-One run = one ``torchrun`` per node (fresh processes) that times every case x method
-``--iters`` times after ``--warmup`` (methods interleaved, their order rotated each
-iteration). One timing: barrier, post + wait, then the max over all ranks of the time
-from the barrier to the end of this rank's wait. A run's figure is the median of its
-iterations; a method's figure the median over ``--repeats`` runs. The first timed
-iteration also checks that every dst rank got exactly the expected rows.
-
-Writes benchmarks/results/reshard.{md,json,png} (``--quick``: reshard-quick.*).
-``--worker`` is the per-rank body (what torchrun runs); not for direct use.
+The src mesh of every case (``CASES``) on node 0 of configs/cluster/two-nodes-4dev-500m.yaml,
+the dst mesh on node 1; the methods are oases.pipeline.cross_mesh's. The cases, methods
+and figures: benchmarks/README.md, section reshard.py. Writes
+benchmarks/results/reshard.{md,json,png} (``--quick``: reshard-quick.*). ``--worker`` is
+the per-rank body (what torchrun runs); not for direct use.
 """
 
 from __future__ import annotations
@@ -260,7 +238,7 @@ def main(argv=None) -> int:
         return driver.rerender(Path(args.from_json), render)
     from functools import partial
 
-    from benchmarks.lib.cluster import (ClusterError, ClusterSpec, EmulatedCluster,
+    from benchmarks.emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
                                         check_prerequisites, free_port)
     from benchmarks.lib.machine import machine_info
 

@@ -1,6 +1,7 @@
 """Saved activation bytes per rank with sequence parallelism against without (CPU, gloo).
 
     .venv/bin/python -m benchmarks.sp_memory [--tp 2 4] [--dropout 0.1] [key=value ...]
+    .venv/bin/python -m benchmarks.sp_memory --tp 1 --out /tmp/recompute   # each recompute mode
 
 For each TP degree, ``tp`` local ranks run one micro-batch's forward and backward per
 (engine, recompute) mode, with and without ``parallel.sequence_parallel``, and report
@@ -36,7 +37,7 @@ def _worker(rank: int, world: int, store: str, overrides: list, mbs: int, out: s
 
     from oases.models import build_model
     from oases.config import load_config
-    from oases.overlap.engines import build_schedule
+    from oases.overlap.engines import build_engine
     from oases.overlap.memory import SavedTensorMeter
     from oases.parallel.groups import build_context
     from oases.parallel.random import TPRNGTracker
@@ -47,7 +48,7 @@ def _worker(rank: int, world: int, store: str, overrides: list, mbs: int, out: s
                         generator=torch.Generator().manual_seed(0))
     res = {}
     for sched, rc in MODES:
-        for sp in (False, True):
+        for sp in (False, True)[:1 + (world > 1)]:  # tp 1: what each recompute mode keeps
             tracker = TPRNGTracker(ctx.device)
             tracker.seed(1, ctx.tp_rank)
             model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, store: str, overrides: list, mbs: int, out: s
                                 seed=1)
             model.set_sequence_parallel(sp)
             with SavedTensorMeter() as meter:
-                build_schedule(sched, ctx.tp_group, 2, rc, tracker).forward_backward(
+                build_engine(sched, ctx.tp_group, 2, rc, tracker).forward_backward(
                     model, ids, ids)
             res[f"{sched}/{rc}/{int(sp)}"] = meter.forward_bytes
     write_result(out, rank, res)
@@ -69,9 +70,9 @@ def render(out: Path, data: dict) -> None:
              "|---|---|---|---|---|---|"]
     for tp, res in data["by_tp"].items():
         for sched, rc in MODES:
-            a, b = res[f"{sched}/{rc}/0"], res[f"{sched}/{rc}/1"]
-            lines.append(f"| {tp} | {sched} | {rc} | {a / 2**20:.2f} | {b / 2**20:.2f} "
-                         f"| {b / a:.3f} |")
+            a, b = res[f"{sched}/{rc}/0"], res.get(f"{sched}/{rc}/1")
+            lines.append(f"| {tp} | {sched} | {rc} | {a / 2**20:.2f} | " + (
+                f"{b / 2**20:.2f} | {b / a:.3f} |" if b else "- | - |"))
     lines += ["", "SP shrinks by tp the norms' inputs, the dropout masks, the residual "
               "stream and what `fine` keeps outside the region (the block input and the "
               "reduce-scattered output); the gathered input of each region (what the "

@@ -22,7 +22,7 @@ Writes ``benchmarks/results/tp1_overhead.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib import driver
-from benchmarks.lib.machine import machine_info
 from oases.config import load_config
-from oases.overlap.engines import OasesSchedule
+from oases.overlap.engines import OasesEngine
 from oases.parallel.groups import init_distributed
-from oases.runtime.build import model_for, seed_tracker, training_for
+from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
 from oases.runtime.data import TrainBatches
 from oases.runtime.step import train_step
 
@@ -57,10 +56,10 @@ def build(mode: str, ctx):
     cfg = load_config(None, SHAPE + [f"parallel.schedule={sched}", f"parallel.recompute={rc}"]
                       ).validate(1)
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, seed=cfg.seed)
-    state = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, seed=cfg.seed)
+    state = build_train_state(cfg, ctx, model, tracker)
     if split:  # what a run with dropout keeps at tp = 1: two sub-batches (run in turn)
-        state.engine = OasesSchedule(ctx.tp_group, 2, rc, tracker, params=state.engine.params)
+        state.engine = OasesEngine(ctx.tp_group, 2, rc, tracker, params=state.engine.params)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.train.micro_batch_size, 0, 1, cfg.seed)
     return state, batches, cfg
@@ -76,6 +75,26 @@ def timed_steps(state, batches, cfg, n: int) -> list[tuple[float, float]]:
         train_step(state, batches, cfg.train.lr)
         out.append((time.perf_counter() - t0, time.thread_time() - c0))
     return out
+
+
+def prepare(args) -> dict:
+    """Every mode's run state, built before any timing, and its untimed warm-up steps."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(1, "cpu")
+    built = {m: build(m, ctx) for m in args.modes}
+    for m in args.modes:
+        timed_steps(*built[m], args.warmup)
+    return built
+
+
+def measure(built: dict, mode: str, args) -> dict:
+    steps = timed_steps(*built[mode], args.steps)
+    return {"wall": statistics.median(w for w, _ in steps),
+            "cpu": statistics.median(c for _, c in steps)}
+
+
+def _vs(r: dict) -> str:
+    return f"{r['ratio_cpu']:.3f}x; {r['ratio_wall']:.3f}x (vs {r['vs']})" if "vs" in r else ""
 
 
 def render(prefix: Path, data: dict) -> None:
@@ -94,79 +113,43 @@ def render(prefix: Path, data: dict) -> None:
     for mode, r in per.items():
         cpu = ", ".join(f"{t:.3f}" for t in r["rounds"]["cpu"])
         wall = ", ".join(f"{t:.3f}" for t in r["rounds"]["wall"])
-        vs = (f"{r['ratio_cpu']:.3f}x; {r['ratio_wall']:.3f}x (vs {r['vs']})"
-              if "vs" in r else "")
-        lines.append(f"| {mode} | {r['cpu']:.3f} | {cpu} | {r['wall']:.3f} | {wall} | {vs} |")
+        lines.append(f"| {mode} | {r['cpu']:.3f} | {cpu} | {r['wall']:.3f} | {wall} | "
+                     f"{_vs(r)} |")
     num, den, need = TARGET
-    if num in per and den in per:
+    if "ratio_cpu" in per.get(num, {}):
         ratio = per[num]["ratio_cpu"]
         lines += ["", f"Target: {num} / {den} step time <= {need:.2f}: **{ratio:.3f}x "
                       f"{'PASS' if ratio <= need else 'FAIL'}** (CPU time; per round: "
                       f"{', '.join(f'{x:.3f}' for x in per[num]['ratio_cpu_rounds'])}; wall "
                       f"time {per[num]['ratio_wall']:.3f}x)."]
-    if "before" in data:
-        bm, bp = data["before"]["meta"], data["before"]["modes"]
+    before = data.get("before") or meta.get("before")  # older results kept it at the top
+    if before:
+        bm, bp = before["meta"], before["modes"]
         lines += ["", f"Before (`{bm['command']}` on oases {bm['machine']['git']}, "
                       f"{bm['machine']['date']}, the same shape and rounds):", "",
                   "| mode | CPU s/step | oases / megatron (CPU; wall) |", "|---|---|---|"]
-        for mode, r in bp.items():
-            vs = (f"{r['ratio_cpu']:.3f}x; {r['ratio_wall']:.3f}x (vs {r['vs']})"
-                  if "vs" in r else "")
-            lines.append(f"| {mode} | {r['cpu']:.3f} | {vs} |")
+        lines += [f"| {mode} | {r['cpu']:.3f} | {_vs(r)} |" for mode, r in bp.items()]
     lines += ["", "Raw numbers: `tp1_overhead.json`."]
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--out", default=str(driver.RESULTS / "tp1_overhead"))
-    ap.add_argument("--before", help="this benchmark's JSON from another tree (the one before "
-                    "a change): its figures are kept in the report, side by side")
-    args = ap.parse_args(argv)
-    if args.rounds < 3:
-        ap.error("--rounds must be >= 3 (medians of >= 3 interleaved rounds)")
-    torch.set_num_threads(1)
-    t_start = time.monotonic()
-    ctx = init_distributed(1, "cpu")
-    built = {m: build(m, ctx) for m in args.modes}
-    for m in args.modes:
-        timed_steps(*built[m], args.warmup)
-    rounds: dict[str, dict[str, list[float]]] = {m: {"cpu": [], "wall": []} for m in args.modes}
-    for rnd in range(args.rounds):
-        for m in args.modes:
-            steps = timed_steps(*built[m], args.steps)
-            rounds[m]["wall"].append(statistics.median(w for w, _ in steps))
-            rounds[m]["cpu"].append(statistics.median(c for _, c in steps))
-            print(f"round {rnd} {m:14s} {rounds[m]['cpu'][-1]:.3f} s/step CPU, "
-                  f"{rounds[m]['wall'][-1]:.3f} s wall", flush=True)
-    per = {m: {k: statistics.median(v[k]) for k in ("cpu", "wall")} | {"rounds": v}
-           for m, v in rounds.items()}
-    for num, den in PAIRS:
-        if num in per and den in per:
-            per[num]["vs"] = den
-            for k in ("cpu", "wall"):
-                per[num][f"ratio_{k}"] = per[num][k] / per[den][k]
-                per[num][f"ratio_{k}_rounds"] = [a / b for a, b in
-                                                 zip(rounds[num][k], rounds[den][k])]
-    shape = ", ".join(s.split(".", 1)[1] for s in SHAPE if s.startswith(("model.", "train.")))
-    meta = {"machine": machine_info(), "command": driver.command("benchmarks.tp1_overhead", argv),
-            "elapsed_min": (time.monotonic() - t_start) / 60, "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup, "shape": shape, "threads": 1}
-    data = {"meta": meta, "modes": per}
-    if args.before:
-        data["before"] = json.loads(Path(args.before).read_text())
-    prefix = Path(args.out)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    render(prefix, data)
-    print(prefix.with_suffix(".md").read_text())
-    os._exit(0)  # skip the slow process-group teardown
+def _flags(p) -> None:
+    p.add_argument("--steps", type=int, default=4, help="timed steps per mode and round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode, once")
+    p.add_argument("--before", help="this benchmark's JSON from another tree (the one before "
+                   "a change): its figures are kept in the report, side by side")
+
+
+SUITE = driver.Suite(
+    "tp1_overhead", "benchmarks.tp1_overhead", dict.fromkeys(MODES), measure, render,
+    metrics=("cpu", "wall"), pairs=tuple(PAIRS), flags=_flags,
+    setup=lambda args: contextlib.nullcontext(prepare(args)),
+    meta=lambda args, built: {"threads": 1, "before": (
+        json.loads(Path(args.before).read_text()) if args.before else None),
+        "shape": ", ".join(s.split(".", 1)[1] for s in SHAPE
+                           if s.startswith(("model.", "train.")))})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    rc = driver.run_suite(SUITE, __doc__)
+    os._exit(rc)  # skip the slow process-group teardown

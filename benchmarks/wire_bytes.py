@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, store: str, overrides: list, stages, steps: i
     from oases.parallel.comm import CommCounter
     from oases.parallel.groups import build_pipeline_context, build_context
     from oases.parallel.layout import stages_layout, uniform_layout
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
@@ -85,8 +85,8 @@ def _worker(rank: int, world: int, store: str, overrides: list, stages, steps: i
         else:
             ctx = build_context(par.tp, torch.device("cpu"))
         tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, cfg.seed)
-        ts = training_for(cfg, ctx, model, tracker)
+        model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
+        ts = build_train_state(cfg, ctx, model, tracker)
         batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                                cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
         with (_plain_wire() if precision == "bf16 before" else contextlib.nullcontext()), \

@@ -5,7 +5,7 @@
 
 Four CPU processes (gloo, one FileStore) train GPT (d 512, 12 layers, vocab 50257: 63.5M
 parameters; 16 bytes of state per parameter, 1.0 GB in all, 254 MB per rank at dp 4)
-with ``parallel.zero=3`` through the trainer's own pieces (``training_for``,
+with ``parallel.zero=3`` through the trainer's own pieces (``build_train_state``,
 ``train_step``, :func:`oases.runtime.checkpoint.save` / ``load``). Each rank reads its
 peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) in three phases:
 
@@ -59,15 +59,15 @@ def start_rank(rank: int, world: int, store: str, out_dir: str, overrides: list[
     import torch  # deferred: the parent process only spawns
 
     from oases.parallel.groups import build_context  # deferred: as torch
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
 
     init_gloo(rank, world, store)
     ctx = build_context(1, torch.device("cpu"))
     cfg = _config(out_dir, overrides, world)
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
+    ts = build_train_state(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
     return ctx, cfg, tracker, model, ts, batches
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str, phase: str, overrid
     from oases.runtime.step import train_step
 
     ctx, cfg, tracker, model, ts, batches = start_rank(rank, world, store, out_dir, overrides)
-    shards = ts.reducer.shards
+    shards = ts.reducer.ownership
     out: dict[str, float] = {}
     if phase == "train" and rank == 0:  # export reads the run's config next to checkpoints/
         from oases.config import save_config  # deferred: as torch

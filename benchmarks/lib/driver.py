@@ -1,5 +1,9 @@
 """The benchmarks' shared driver: modes measured in rounds, medians, the report.
 
+* :class:`Suite` and :func:`run_suite`: a benchmark declared as data (modes, how one run
+  of a mode is measured, which figures, the results name), run in interleaved rounds
+  with the standard options, its medians saved and rendered; the pieces below serve
+  the benchmarks that run several clusters in one go.
 * :func:`run_rounds`: for each group (a cluster, brought up once), ``repeats`` rounds,
   each round running every mode once in the same order (modes interleaved
   round-robin, so machine noise hits all modes alike); a mode that fails is not
@@ -18,6 +22,9 @@ One timed run of train.py (or a peer) on the cluster: :mod:`benchmarks.lib.train
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -27,6 +34,8 @@ import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+from benchmarks.lib.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
@@ -84,12 +93,122 @@ def run_line(prefix: str, rec: dict, minutes: float, width: int, extra: str = ""
 
 
 # ---------------------------------------------------------------------------
+# A suite: a benchmark declared as modes x rounds, run by :func:`run_suite`
+
+
+@dataclasses.dataclass
+class Suite:
+    """A benchmark as data. ``modes``: mode -> its declaration (config overrides, a
+    tuple, ...), run in every round in this order; ``measure(state, mode, args)`` runs
+    one mode once and returns its figures (``{"error": why}`` when it failed);
+    ``metrics``: the figures whose median over the rounds is the mode's figure.
+    ``setup(args)`` is entered once around all rounds and yields ``state`` (models
+    built up front, a cluster, a work folder). ``flags(parser)`` adds the suite's own
+    options; ``meta(args, state)`` what the report states beyond them; ``pairs``:
+    (numerator, denominator) modes whose ratio of each metric is kept, per round too."""
+    name: str                                   # benchmarks/results/<name>.{json,md,png}
+    module: str                                 # ``python -m <module>`` reruns it
+    modes: dict
+    measure: Callable[..., dict]
+    render: Callable[[Path, dict], Optional[str]]
+    metrics: tuple = ("step_time_s",)
+    setup: Callable[..., AbstractContextManager] = lambda args: contextlib.nullcontext()
+    flags: Callable = lambda parser: None
+    meta: Callable[..., dict] = lambda args, state: {}
+    pairs: tuple = ()
+    rounds: int = 3
+    min_rounds: int = 3                         # medians of >= 3 interleaved rounds
+    fatal: tuple = ()                           # exceptions that end the run with status 2
+    exit_code: Callable[[dict], int] = lambda data: 0   # e.g. 1 where a check failed
+
+
+def suite_medians(suite: Suite, runs: list[dict], modes: list[str]) -> dict:
+    """Per mode: each metric's median over its rounds and the rounds' values
+    (``rounds``), or ``ok`` False and its first error; then the ``pairs``' ratios."""
+    per: dict = {}
+    for m in modes:
+        ok = [r for r in runs if r["mode"] == m and r["ok"]]
+        if not ok:
+            per[m] = {"ok": False, "error": next((r["error"] for r in runs if r["mode"] == m),
+                                                 "not run")}
+            continue
+        rounds = {k: [r.get(k) for r in ok] for k in suite.metrics}
+        per[m] = {"ok": True, "rounds": rounds, **{  # a figure some runs lack: None
+            k: statistics.median(v) if None not in v else None for k, v in rounds.items()}}
+    for num, den in suite.pairs:
+        if per.get(num, {}).get("ok") and per.get(den, {}).get("ok"):
+            a, b = per[num], per[den]
+            a["vs"] = den
+            by = {m: {r["round"]: r for r in runs if r["mode"] == m and r["ok"]}
+                  for m in (num, den)}
+            for k in (k for k in suite.metrics if a[k] and b[k]):
+                a[f"ratio_{k}"] = a[k] / b[k]
+                a[f"ratio_{k}_rounds"] = [by[num][i][k] / by[den][i][k] for i in sorted(by[num])
+                                          if i in by[den]]
+    return per
+
+
+def run_suite(suite: Suite, doc: str, argv: Optional[list[str]] = None) -> int:
+    """Parse the standard options (``--modes``, ``--rounds``, ``--out``,
+    ``--from-json``) and the suite's, run the rounds (modes interleaved), write
+    ``{"meta", "modes", "runs"}`` to ``<out>.json`` and render it."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=list(suite.modes), choices=list(suite.modes))
+    p.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=suite.rounds,
+                   help=f"rounds, every mode once each, interleaved (default {suite.rounds})")
+    p.add_argument("--out", default=str(RESULTS / suite.name), help="output prefix")
+    p.add_argument("--from-json", help="re-write the report from a saved .json; run nothing")
+    suite.flags(p)
+    args = p.parse_args(argv)
+    if args.from_json:
+        return rerender(Path(args.from_json), suite.render)
+    if args.rounds < suite.min_rounds:
+        p.error(f"--rounds {args.rounds}: at least {suite.min_rounds} "
+                "(medians of interleaved rounds)")
+
+    def one(state, mode, rnd):
+        rec = {"mode": mode, "loadavg_1min_before": round(os.getloadavg()[0], 2),
+               **suite.measure(state, mode, args)}
+        rec["ok"] = not rec.get("error")
+        return rec
+
+    def line(rec, minutes):
+        figs = (", ".join(f"{k} {rec[k]:.4g}" for k in suite.metrics
+                          if rec.get(k) is not None) if rec["ok"]
+                else f"FAILED: {str(rec['error'])[-300:]}")
+        return f"[{minutes:5.1f} min] round {rec['round']} {rec['mode']:16s} {figs}"
+
+    try:
+        with suite.setup(args) as state:
+            runs, interrupted, minutes = run_rounds(
+                [(lambda: contextlib.nullcontext(state), args.modes)], args.rounds, one, line,
+                skip_failed=False)
+            skip = {"modes", "rounds", "out", "from_json"}
+            meta = {"machine": machine_info(), "command": command(suite.module, argv),
+                    "elapsed_min": minutes, "interrupted": interrupted, "rounds": args.rounds,
+                    "modes": args.modes,
+                    **{k: v for k, v in vars(args).items() if k not in skip},
+                    **suite.meta(args, state)}
+    except suite.fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    data = {"meta": meta, "modes": suite_medians(suite, runs, args.modes), "runs": runs}
+    save(Path(args.out), data, suite.render)
+    return 130 if interrupted else suite.exit_code(data)
+
+
+# ---------------------------------------------------------------------------
 # Arguments
+
+
+class SuiteError(Exception):
+    """A benchmark's options do not make a run (a suite's ``fatal``: status 2)."""
 
 
 def parse_shape(p, kvs: list[str], default: dict, flag: str) -> dict:
     """``default`` with ``--model KEY=VALUE`` overrides (positive integers; ``mbs`` =
-    micro_batch_size); ``p.error`` on an unknown key."""
+    micro_batch_size); ``p.error`` on an unknown key (SuiteError without ``p``)."""
     model = dict(default)
     for kv in kvs:
         k, _, v = kv.partition("=")
@@ -97,7 +216,10 @@ def parse_shape(p, kvs: list[str], default: dict, flag: str) -> dict:
         if k == "mbs":
             k = "micro_batch_size"
         if k not in model or not v.isdigit():
-            p.error(f"{flag} {kv}: expected one of {', '.join(model)} = a positive integer")
+            msg = f"{flag} {kv}: expected one of {', '.join(model)} = a positive integer"
+            if p is None:
+                raise SuiteError(msg)
+            p.error(msg)
         model[k] = int(v)
     return model
 

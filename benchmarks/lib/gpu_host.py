@@ -59,18 +59,18 @@ def _measure(ctx, model_name: str, mode: str, tp: int, mbs: int, steps: int, war
 
     from oases.parallel.timing import IntervalTimer
 
-    from oases.overlap.engines import build_schedule
+    from oases.overlap.engines import build_engine
     from oases.parallel.comm import NoopCollectives
-    from oases.runtime.build import fast_init, model_for, seed_tracker
+    from oases.runtime.build import fast_init, build_rank_model, seed_tracker
     from oases.runtime.step import amp_factory
 
     cfg = _config(model_name, mode, tp, mbs, ctx.device.type)
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, None)
+    model = build_rank_model(cfg, ctx, tracker, None, None)
     fast_init(model)
     model.train()
     n = cfg.sub_batches if cfg.parallel.schedule == "oases" else 1
-    engine = build_schedule(cfg.parallel.schedule, ctx.tp_group, n, cfg.parallel.recompute,
+    engine = build_engine(cfg.parallel.schedule, ctx.tp_group, n, cfg.parallel.recompute,
                             tracker)
     ids = torch.randint(0, cfg.model.vocab_size, (mbs, cfg.model.seq_len + 1), device=ctx.device)
     x, y = ids[:, :-1], ids[:, 1:]

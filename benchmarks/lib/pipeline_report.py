@@ -41,7 +41,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
     (d0, t0), (d1, t1) = RESHARD_ORDERS[meta["reshard_order"]]
     L = [*driver.report_head(f"# Pipeline parallelism across a slow link ({meta['tag']})", meta),
          "## Set-up", "",
-         "4 emulated nodes (network namespaces, benchmarks/cluster.py) x 1 CPU process, two "
+         "4 emulated nodes (network namespaces, benchmarks/emucluster) x 1 CPU process, two "
          "pairs {0,1} and {2,3} with a fast link inside a pair and a slow one between the pairs "
          "(tc htb per destination), gloo, OMP_NUM_THREADS=1"
          + (f"; every node limited to **{q:g} core** (cgroup v1 cpu quota, period "
@@ -123,7 +123,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
     if tl:
         L += ["## Timelines", "",
               "One traced step (step 3 of round 0; left out of the timing) per mode, drawn by "
-              "benchmarks/timeline.py: per rank a pipeline row (F/B actions; red = waiting for a "
+              "benchmarks.timeline: per rank a pipeline row (F/B actions; red = waiting for a "
               "transfer, purple = waiting for the step's sends), the engine's compute row (blue "
               "/ orange: the oases engine's two sub-batches) and its collectives (green).", ""]
         for key, png in tl.items():

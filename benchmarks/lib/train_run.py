@@ -10,16 +10,64 @@ records the most telling line of its nodes' output.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import re
 import shlex
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.lib.cluster import EmulatedCluster, free_port
+from benchmarks.emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
+                                   check_prerequisites, free_port)
+from benchmarks.lib import driver
+
+FATAL = (ClusterError, driver.SuiteError)   # a cluster suite's ``fatal``
+
+
+def cluster_flags(cluster: str, model: dict, tp: int, steps: int = 10, warmup: int = 3):
+    """A Suite's ``flags`` for train.py modes on one emulated cluster."""
+    def flags(p) -> None:
+        p.add_argument("--cluster", default=cluster, help="cluster file")
+        p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run")
+        p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the median")
+        p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="shape overrides (default "
+                            f"{' '.join(f'{k}={v}' for k, v in model.items())})")
+        p.add_argument("--vocab-size", type=int, default=256, help="train.py vocabulary")
+        p.add_argument("--tp", type=int, default=tp)
+        p.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+        p.add_argument("--workdir", help="run directories (default runs/bench-<name>/<time>)")
+    return flags
+
+
+def cluster_setup(name: str, model: dict):
+    """A Suite's ``setup``: the shape (``args.model_shape``) and the work folder decided,
+    the cluster brought up for all rounds."""
+    @contextlib.contextmanager
+    def setup(args):
+        args.model_shape = driver.parse_shape(None, args.model, model, "--model")
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        args.workdir = args.workdir or str(driver.REPO / "runs" / f"bench-{name}" / stamp)
+        check_prerequisites()
+        with EmulatedCluster(ClusterSpec.load(args.cluster)) as cluster:
+            yield cluster
+    return setup
+
+
+def cluster_measure(modes: dict, fields: tuple = ()):
+    """A Suite's ``measure``: one :func:`timed_run` of ``modes[mode]`` (train.py
+    overrides) in a fresh run directory."""
+    def measure(cluster: EmulatedCluster, mode: str, args) -> dict:
+        rdir = Path(args.workdir) / mode.replace("+", "-")
+        rdir.mkdir(parents=True, exist_ok=True)
+        return timed_run(cluster, mode, modes[mode], args.model_shape, args,
+                         Path(tempfile.mkdtemp(dir=rdir, prefix="r")), fields=fields)
+    return measure
 
 
 def error_summary(outputs: list[str], limit: int = 300) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.lib import driver
-from benchmarks.lib.cluster import ClusterError, EmulatedCluster, check_prerequisites, free_port
+from benchmarks.emucluster import ClusterError, EmulatedCluster, check_prerequisites, free_port
 
 
 def train_steps(c: EmulatedCluster, ov: list[str], out_dir: Path, timeout: float, warmup: int,
@@ -105,3 +105,45 @@ def measure_plans(c: EmulatedCluster, cluster_name: str, names: list[str], repea
     runs = driver.run_rounds([(lambda: contextlib.nullcontext(c), names)], repeats, one, line,
                              catch_interrupt=False)[0]
     return {k: [r["measured_s"] for r in runs if r["mode"] == k] for k in names}
+
+
+def add_flags(ap, model: dict) -> None:
+    """The planner benchmarks' options; ``model``: the GPT's defaults (``--d-model`` ...)."""
+    ap.add_argument("--clusters", nargs="+", help="cluster files")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, plans round-robin")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--random", type=int, default=5, help="random plans per cluster")
+    ap.add_argument("--seed", type=int, default=0)
+    for k, v in model.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=v)
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--work", help="run directories (default /tmp/<benchmark>/<time>)")
+    ap.add_argument("--out", help="output prefix")
+
+
+def plot(results: list[dict], png: Path, picks: Callable[[str], bool]) -> None:
+    """Predicted against measured per cluster, one panel each: ``picks`` in red, the
+    uniform plans in blue."""
+    plt = driver.matplotlib_pyplot()
+    if plt is None:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for p in r["plans"]:
+            col = ("tab:red" if picks(p["name"]) else
+                   "tab:blue" if p["name"].startswith("uniform") else "tab:gray")
+            x, y = 1e3 * p["predicted_s"], 1e3 * p["measured_s"]
+            ax.scatter(x, y, color=col)
+            ax.annotate(p["name"].replace("uniform-", "u-"), (x, y), fontsize=6)
+        vals = [v for p in r["plans"] for v in (p["predicted_s"], p["measured_s"])]
+        lo, hi = 1e3 * min(vals) * 0.9, 1e3 * max(vals) * 1.1
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
+        ax.set_xlabel("predicted step (ms)")
+        ax.set_ylabel("measured step (ms)")
+        ax.set_title(f"{r['cluster']}: rho {r['spearman']:.2f}, err "
+                     f"{100 * r['mean_rel_error']:.0f}%", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

@@ -35,7 +35,7 @@ def _worker(rank: int, port: int) -> None:
 
     from oases.models import build_model
     from oases.config import load_config
-    from oases.overlap.engines import build_schedule
+    from oases.overlap.engines import build_engine
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.dropout=0", "model.seq_len=32",
                              "data.kind=synthetic", "data.val_path="]).validate(2)
@@ -63,7 +63,7 @@ def _worker(rank: int, port: int) -> None:
                     model.unshard()
                     for blk in model.blocks():
                         blk.unshard()
-                eng = build_schedule("oases", None, 2, "fine")
+                eng = build_engine("oases", None, 2, "fine")
                 eng.forward_backward(model, x, y)
             from torch.distributed.tensor import DTensor
 

@@ -7,7 +7,7 @@
 The same stage model as ``train.py parallel.pp=2 parallel.tp=2 parallel.schedule=megatron``:
 the layout comes from ``oases.parallel.layout.uniform_layout`` (stage s = ranks s*tp .. s*tp+tp-1,
 TP inside a stage), the groups from ``oases.parallel.groups.build_pipeline_context`` and
-the stage's model from ``oases.runtime.build.model_for`` (``oases.models.build_model(...,
+the stage's model from ``oases.runtime.build.build_rank_model`` (``oases.models.build_model(...,
 stage=(a, b))``; blocking Megatron TP all-reduces inside autograd, ``--recompute``
 full by default, as the ``megatron+full`` baseline). Only the pipeline driver differs:
 each stage is a ``torch.distributed.pipelining.PipelineStage`` (static shapes) on a
@@ -88,7 +88,7 @@ def main() -> int:
     from oases.config import load_config
     from oases.parallel.groups import build_pipeline_context
     from oases.parallel.layout import uniform_layout
-    from oases.runtime.build import model_for, seed_tracker
+    from oases.runtime.build import build_rank_model, seed_tracker
     from oases.runtime.data import TrainBatches
     from oases.runtime.optim import build_optimizer, clip_grads, lr_at
 
@@ -114,7 +114,7 @@ def main() -> int:
         if rank in ranks:
             pp_group = g
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
+    model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
     model.train()
     mbs, T = a.micro_batch_size, a.seq_len
     first, last = ctx.is_first_stage, ctx.is_last_stage

@@ -6,8 +6,8 @@
 
 starts a command in every node at once (``torchrun --nnodes N --node-rank i
 --nproc-per-node D`` in each node, gloo over the emulated link). The network is
-:mod:`benchmarks.lib.netns`, the shaping :mod:`benchmarks.lib.shaping`, the per-node
-cpu quota :mod:`benchmarks.lib.cpu_cgroup`; this module launches and tears down.
+:mod:`.netns`, the shaping :mod:`.shaping`, the per-node cpu quota :mod:`.cpu_cgroup`;
+this module launches and tears down.
 Needs root and iproute2 (``ip``, ``tc``).
 
 Topology (nothing is created in the host's own network namespace)::
@@ -25,10 +25,10 @@ Topology (nothing is created in the host's own network namespace)::
   subnet (a private /24, ``emulation.subnet``) exists only inside the cluster,
   and deleting the namespaces removes every veth and the bridge with them.
 * Links: a ``tbf`` NIC model on a uniform cluster, per-peer ``htb`` classes on a
-  ``bandwidth_matrix_gbps`` one (:mod:`benchmarks.lib.shaping` says how).
+  ``bandwidth_matrix_gbps`` one (:mod:`benchmarks.emucluster.shaping` says how).
 * ``node_speed`` (some node != 1.0): every node's processes run in a cgroup v1
   cpu cgroup whose quota is its speed times its fair share of the host's cores
-  (:mod:`benchmarks.lib.cpu_cgroup`); without it, no cgroup is made.
+  (:mod:`benchmarks.emucluster.cpu_cgroup`); without it, no cgroup is made.
 
 Names: namespaces are ``oases<pid>-n<i>`` and ``oases<pid>-sw`` (``<pid>`` = the
 launcher's process id, so concurrent clusters never clash); at start-up the
@@ -54,12 +54,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.lib import netns
-from benchmarks.lib.cpu_cgroup import (CgroupError, NodeCgroups, cgroup_problem,
-                                       cleanup_stale_cgroups, cluster_quotas)
-from benchmarks.lib.netns import (NS_RE, PREFIX, ClusterError, check_prerequisites,  # noqa: F401
-                                  list_namespaces)
-from benchmarks.lib.shaping import shape_node
+from benchmarks.emucluster import netns
+from benchmarks.emucluster.cpu_cgroup import (CgroupError, NodeCgroups, cgroup_problem,
+                                              cleanup_stale_cgroups, cluster_quotas)
+from benchmarks.emucluster.netns import (NS_RE, PREFIX, ClusterError,  # noqa: F401
+                                         check_prerequisites, list_namespaces)
+from benchmarks.emucluster.shaping import shape_node
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster
 
