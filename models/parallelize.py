@@ -129,11 +129,13 @@ def build(cls: type, cfg, padded_vocab: int, par: Parallelism, seed: Optional[in
     """The model of class ``cls`` for ``cfg``, parallelised by ``par`` on the meta device,
     made on ``device`` and initialised from ``seed`` (None: left uninitialised, e.g.
     before loading a checkpoint). Only this rank's shard of this rank's stage is ever
-    allocated."""
+    allocated; a seeded one on the host first, as the draws are the host's."""
     with torch.device("meta"):
         model = cls(cfg, padded_vocab)
     parallelize(model, par)
-    materialize(model, device)
-    if seed is not None:
-        init_parameters(model, seed, group_rank(par.tp_group), group_size(par.tp_group))
-    return model
+    if seed is None:
+        return materialize(model, device)
+    # drawn on the host (in place, its fast path), then moved in one copy per tensor
+    materialize(model, "cpu")
+    init_parameters(model, seed, group_rank(par.tp_group), group_size(par.tp_group))
+    return model.to(device)
