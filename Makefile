@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train   create .venv, install oases, prepare the demo data, run the default job
 #   make test    install oases with its test extra and run the test suite
+#   make test-fast   the suite without the end-to-end training runs (the inner loop)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,7 @@ NPROC  ?= 2
 CONFIG ?= configs/gpt-tiny.yaml
 ARGS   ?=
 
-.PHONY: train test gpu-check gpu-wheels install install-test clean
+.PHONY: train test test-fast gpu-check gpu-wheels install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,10 @@ train: $(VENV)/.installed data/pydoc/train.bin
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
+
+# Within 3 minutes on 2 cores: leaves out `slow` (trainings through torchrun or train.py, compiles).
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" tests
 
 # On a machine with CUDA GPUs: waits, host against GPU, the cuda tests, speed and overlap,
 # within 9 minutes (docs/gpu-check.md). Offline, with a python3 that has CUDA torch:

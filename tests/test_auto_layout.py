@@ -70,7 +70,7 @@ def test_plan_search_allows_a_pipelined_config():
 
 
 def test_a_searched_plan_with_sequence_parallelism_runs_it(tmp_path):
-    from oases.planner.auto_layout import _pointed_at
+    from oases.planner.auto_layout import pointed_at
 
     cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
                              "train.grad_accum=2"]).validate(4)
@@ -80,6 +80,6 @@ def test_a_searched_plan_with_sequence_parallelism_runs_it(tmp_path):
         path.write_text(yaml.safe_dump({
             "tp": 2, "pp": 2, "micro_batch_size": 4, "micro_batches": 2,
             "sequence_parallel": True, "stages": [stage, dict(stage, degrees=degrees)]}))
-        run = _pointed_at(cfg, path, 4)
+        run = pointed_at(cfg, path, 4)
         assert run.parallel.sequence_parallel and run.sub_batches == n
     assert not cfg.parallel.sequence_parallel  # the config itself is left as it is

@@ -35,10 +35,11 @@ import pytest
 import torch.distributed as dist
 
 from oases.runtime import trainer
-from tests.conftest import REPO, subprocess_env
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
+from tests.support.runs import REPO, subprocess_env
 
-import torch._inductor.config  # noqa: E402,F401  isort: skip  (see test_reshard.py)
+# every case starts ``python train.py`` (one under torchrun)
+pytestmark = pytest.mark.slow
 
 CONFIG = str(REPO / "configs" / "gpt-tiny.yaml")
 
@@ -77,7 +78,7 @@ def _train(ctx, args):
     cfg = load_config(args[1], args[2:]).validate(ctx.world_size)
     trainer.check_out_dir(cfg)
     dist.barrier()
-    trainer._run(cfg, ctx)
+    trainer.train(cfg, ctx)
 
 
 @pytest.fixture(scope="module")

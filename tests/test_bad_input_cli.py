@@ -33,8 +33,8 @@ from oases.cli import prepare as prepare_cli
 from oases.cli import train as train_cli
 from oases.errors import ConfigError
 from oases.runtime import sinks
-from tests.conftest import REPO, subprocess_env
-from tests.distributed import run_distributed
+from tests.support.runs import REPO, subprocess_env
+from tests.support.distributed import run_distributed
 
 CONFIG = str(REPO / "configs" / "gpt-tiny.yaml")
 COMMANDS = {"train": train_cli.main, "prepare": prepare_cli.main, "export": export_cli.main}

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oases.models import build_model
 from oases.config import load_config
-from oases.overlap.engines import OasesSchedule
+from oases.overlap.engines import OasesEngine
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import init_parameters
@@ -34,8 +34,8 @@ from oases.planner.api import run_shape
 from oases.planner.cluster import load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile
 from oases.parallel.wire import compute_dtype, to_wire, wire_dtype
-from oases.planner.profile import _block
-from tests.distributed import run_distributed
+from oases.planner.profile import make_block
+from tests.support.distributed import run_distributed
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def _casts_body(ctx):
 
     for rc in ("none", "fine"):
         model, tracker = _model(ctx, cfg)
-        sched = OasesSchedule(ctx.tp_group, 2, rc, tracker)
+        sched = OasesEngine(ctx.tp_group, 2, rc, tracker)
         torch.manual_seed(5)  # the sub-batches' RNG streams derive from it
         with _Casts(model) as casts:
             sched.forward_backward(model, ids, ids, amp=BF16)
@@ -114,7 +114,7 @@ def _measured(ctx, precision, rc, n_layer):
     model, tracker = _model(ctx, cfg)
     amp = BF16 if precision == "bf16" else contextlib.nullcontext
     with SavedTensorMeter() as meter:
-        OasesSchedule(ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids, amp=amp)
+        OasesEngine(ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids, amp=amp)
     return cfg, meter.forward_bytes
 
 
@@ -124,7 +124,7 @@ def _profiled_saved(cfg, run, t: int) -> dict:
     rows = run.micro_batch_size // run.sub_batches * t // run.tp
     out = {}
     for kind in ("attn", "mlp"):
-        blk = _block(kind, cfg.model, t)
+        blk = make_block(kind, cfg.model, t)
         init_parameters(blk, 0, 0, 1)
         x = torch.randn(rows, cfg.model.seq_len, cfg.model.d_model, requires_grad=True)
         with SavedTensorMeter() as meter, \

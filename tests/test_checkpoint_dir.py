@@ -1,8 +1,8 @@
 """The checkpoint directory: pruning, which checkpoint a resume takes, the saves in flight
 on every way out of the loop, one run per out_dir, an out_dir every rank sees.
 
-In-process (a world of one, :mod:`tests.single_world`), through the trainer's own loop
-(``trainer._run``) where the behaviour is the loop's:
+In-process (a world of one, :mod:`tests.support.single_world`), through the trainer's own loop
+(``trainer.train``) where the behaviour is the loop's:
 
 * pruning orders steps as integers (``step_1000000`` after ``step_999999``) and removes
   only checkpoints older than the one just published (``keep=1`` with a stray newer
@@ -33,11 +33,12 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 from oases.config import load_config
 from oases.errors import CheckpointError, CheckpointWriteError, ConfigError, NonFiniteError
 from oases.runtime import checkpoint as ckpt
+from oases.runtime import run as run_module
 from oases.runtime import trainer
 from oases.runtime.ckpt_files import ckpt_root, step_name
 from oases.runtime.run_dir import RunLock
-from tests.single_world import world_of_one
-from tests.torchrun_procs import metrics
+from tests.support.single_world import world_of_one
+from tests.support.torchrun_procs import metrics
 
 TINY = ["model.name=gpt-tiny", "model.seq_len=16", "model.n_layer=1", "data.kind=synthetic",
         "eval.interval=0", "wandb.mode=disabled", "train.log_interval=1",
@@ -57,7 +58,7 @@ def _cfg(out: Path, *extra: str):
 def _train(out: Path, ctx, *extra: str) -> None:
     cfg = _cfg(out, *extra)
     trainer.check_out_dir(cfg)
-    trainer._run(cfg, ctx)
+    trainer.train(cfg, ctx)
 
 
 def _tiny_save(out: Path, step: int, ctx, keep: int) -> Path:
@@ -179,7 +180,7 @@ class _SlowWrite:
 @pytest.mark.parametrize("exit_by", ["nonfinite", "ctrl-c", "oserror"])
 def test_the_save_in_flight_is_published_on_the_way_out(exit_by, ctx, tmp_path, monkeypatch):
     slow = _SlowWrite(monkeypatch)
-    real_step, calls = trainer.train_step, []
+    real_step, calls = run_module.train_step, []
 
     def step(state, batches, lr):
         calls.append(lr)
@@ -192,7 +193,7 @@ def test_the_save_in_flight_is_published_on_the_way_out(exit_by, ctx, tmp_path, 
                 raise OSError(5, "Input/output error", "metrics.jsonl")
             return float("nan"), norm
         return loss, norm
-    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(run_module, "train_step", step)  # the step Run.step takes
     want = {"nonfinite": NonFiniteError, "ctrl-c": KeyboardInterrupt, "oserror": OSError}
     with pytest.raises(want[exit_by]) as e:
         _train(tmp_path, ctx, "train.steps=4", "checkpoint.interval=1",

@@ -1,7 +1,7 @@
 """Faults in the checkpoint path: nothing complete is ever lost.
 
 In-process, every file operation of a save is made to fail in turn
-(:mod:`tests.ckpt_faults`): the save of step 6 into a run that holds step 2 and step 4
+(:mod:`tests.support.ckpt_faults`): the save of step 6 into a run that holds step 2 and step 4
 (``checkpoint.keep=2``), which writes the RNG file, the DCP files, meta.json, renames
 the directory, replaces ``latest`` and prunes step 2. At each of its 34 operations:
 
@@ -49,10 +49,10 @@ from oases.runtime import trainer
 from oases.runtime.ckpt_files import ckpt_root, find_checkpoint, step_name
 from oases.runtime.resume import chosen_checkpoint
 from oases.runtime.run_dir import RunLock, check_shared
-from tests.ckpt_faults import FileFaults
-from tests.conftest import REPO, subprocess_env
-from tests.distributed import run_distributed
-from tests.torchrun_procs import metrics
+from tests.support.ckpt_faults import FileFaults
+from tests.support.runs import REPO, subprocess_env
+from tests.support.distributed import run_distributed
+from tests.support.torchrun_procs import metrics
 
 CTX = ParallelContext.single("cpu")
 SPACE_OPS = ("mkdir", "open", "write")  # the operations that take space fail with ENOSPC
@@ -311,7 +311,7 @@ def _torchrun(out: Path, fault: dict | None = None) -> subprocess.CompletedProce
     if fault is not None:
         env["OASES_TEST_FAULT"] = json.dumps({**fault, "root": str(ckpt_root(out))})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=0", "--monitor-interval=0.1", "tests/fault_train.py", *ARGS,
+           "--max-restarts=0", "--monitor-interval=0.1", "tests/support/fault_train.py", *ARGS,
            f"out_dir={out}"]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
 

@@ -1,7 +1,7 @@
 """What a checkpoint is trusted with: no code runs when it is loaded, its own model is the
 one rebuilt, and a resume refuses another architecture or another corpus.
 
-In-process (a world of one, :mod:`tests.single_world`), through the trainer's loop:
+In-process (a world of one, :mod:`tests.support.single_world`), through the trainer's loop:
 
 * an ``rng/rank0.pt`` that would create a marker file when unpickled creates nothing
   through a resume (refused: it is not plain tensors), ``generate`` (which reads no RNG
@@ -33,8 +33,8 @@ from oases.runtime import trainer
 from oases.runtime.ckpt_files import ckpt_root, step_name
 from oases.runtime.generate import checkpoint_model_config, generate, model_from_checkpoint
 from oases.runtime.resume import model_section, model_shape
-from tests.single_world import world_of_one
-from tests.torchrun_procs import metrics
+from tests.support.single_world import world_of_one
+from tests.support.torchrun_procs import metrics
 
 BASE = ["model.seq_len=16", "model.n_layer=1", "eval.interval=0", "wandb.mode=disabled",
         "train.log_interval=1", "train.micro_batch_size=1", "checkpoint.interval=2"]
@@ -50,7 +50,7 @@ def ctx(tmp_path_factory):
 def _train(out: Path, ctx, *args: str) -> None:
     cfg = load_config(None, [*args, f"out_dir={out}"]).validate(1).freeze()
     trainer.check_out_dir(cfg)
-    trainer._run(cfg, ctx)
+    trainer.train(cfg, ctx)
 
 
 @pytest.fixture(scope="module")

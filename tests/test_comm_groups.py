@@ -40,7 +40,7 @@ from oases.parallel.ranks import (GroupTable, destroy_groups, new_group,
                                   recording_groups)
 from oases.pipeline.runner import PipelineRunner
 from oases.planner.comm_memory import CommLayout, communicators
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 CPU = torch.device("cpu")
 

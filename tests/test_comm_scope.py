@@ -20,19 +20,18 @@ import torch
 import torch.distributed as dist
 
 from oases.models import build_model
-from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.parallel.comm import (CommCounter, NoopCollectives, all_gather_to_tp, column_linear,
                                  copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_tp,
                                  scatter_to_tp)
 from oases.runtime.build import seed_tracker
-from tests.distributed import run_distributed
-from tests.test_threading import _on_thread, _Seen
+from tests.support.configs import tiny_config
+from tests.support.distributed import run_distributed
+from tests.support.threads import SeenCollectives, on_thread
 
 
 def _cfg(tp: int):
-    return load_config(None, ["model.name=gpt-tiny", "model.seq_len=16", "data.kind=synthetic",
-                              f"parallel.tp={tp}"]).validate(2)
+    return tiny_config(world=2, seq_len=16, tp=tp)
 
 
 def _ids(cfg):
@@ -61,10 +60,10 @@ def _buckets_body(ctx):
     n = len(reducer.buckets)
     assert n >= 8, n
     reducer.zero_grad()
-    with CommCounter() as c, _Seen() as seen:
+    with CommCounter() as c, SeenCollectives() as seen:
         loss = model(ids, ids)
         reducer.arm()
-        _on_thread(loss.backward)
+        on_thread(loss.backward)
         from_hooks = sum(b.work is not None for b in reducer.buckets)
         reducer.finish()
     assert from_hooks == n, f"{from_hooks} of {n} buckets launched during the backward"
@@ -93,7 +92,7 @@ def _zero3_body(ctx):
         return dict(fwd.counts), dict(c.counts)
 
     fwd, here = step(lambda loss: loss.backward())
-    fwd_t, there = step(lambda loss: _on_thread(loss.backward))
+    fwd_t, there = step(lambda loss: on_thread(loss.backward))
     assert fwd_t == fwd and set(fwd) == {"all_gather"}
     assert there == here, (there, here)
     assert there["reduce_scatter"] == len(reducer.buckets)
@@ -125,7 +124,7 @@ def _ops_body(ctx):
         with CommCounter() as c:
             y = op(x)
             assert dict(c.counts) == fwd, (k, dict(c.counts))
-            _on_thread(lambda: y.sum().backward())
+            on_thread(lambda: y.sum().backward())
         assert dict(c.counts) == dict(fwd, **bwd), (k, dict(c.counts))
         assert x.grad is not None and x.grad.shape == x.shape
 
@@ -152,7 +151,7 @@ def _counts(ctx, recompute: str, elsewhere: bool, noop: bool = False):
         loss = model(ids, ids)
         fwd = dict(c.counts)
         if elsewhere:
-            _on_thread(loss.backward)
+            on_thread(loss.backward)
         else:
             loss.backward()
     return fwd, dict(c.counts), [p.grad for p in model.parameters()]

@@ -21,9 +21,9 @@ from torch._dynamo.exc import BackendCompilerFailed
 from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
-from oases.overlap.engines import MegatronSchedule, OasesSchedule
+from oases.overlap.engines import MegatronEngine, OasesEngine
 from oases.parallel.compile import CompiledSegment, CompileError, compile_blocks
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 TOL = 1e-5
 
@@ -69,7 +69,7 @@ def _step(engine, recompute, compiled, tp_group=None, tracker=None, tp_rank=0):
     if compiled:
         compile_blocks(model, strict=True)
         seen = Replays(model)
-    eng = MegatronSchedule() if engine == "megatron" else OasesSchedule(tp_group, 2, recompute,
+    eng = MegatronEngine() if engine == "megatron" else OasesEngine(tp_group, 2, recompute,
                                                                         tracker)
     # megatron's batch is oases' sub-batch: the same shapes, so the compiled graphs are
     # shared and each kind compiles once (suite time)
@@ -94,6 +94,7 @@ def _compare(a, b) -> float:
     return max((a[1][k] - b[1][k]).abs().max().item() for k in b[1])
 
 
+@pytest.mark.slow  # inductor compiles (~6 s each on 2 cores)
 @pytest.mark.parametrize("engine, recompute", [("megatron", "full"), ("megatron", "selective"),
                                                ("oases", "fine"), ("oases", "full")])
 def test_compiled_recompute_replays_the_forward(engine, recompute):
@@ -120,6 +121,7 @@ def _tp2_body(ctx):
     assert _compare(got, want) <= TOL
 
 
+@pytest.mark.slow  # inductor compiles
 def test_compiled_tp2_equals_eager_with_dropout():
     """At tp=2 the TP region's dropout (the tracker's stream) and the collectives run
     between compiled segments: oases+fine equals eager and replays exactly (megatron's
@@ -127,6 +129,7 @@ def test_compiled_tp2_equals_eager_with_dropout():
     run_distributed(_tp2_body, world=2, tp=2)
 
 
+@pytest.mark.slow  # inductor compiles
 def test_a_user_block_compiles_with_no_code_of_its_own():
     """The block of docs/custom-blocks.md, built from the parallel layers: compiled as it
     is, it gives eager's output and gradients."""
@@ -134,7 +137,7 @@ def test_a_user_block_compiles_with_no_code_of_its_own():
 
     from oases.parallel.compile import graphs_compiled
     from oases.parallel.sharding import init_parameters
-    from tests.test_custom_block import _example_namespace
+    from tests.support.doc_examples import custom_block_example
 
     class Holder(torch.nn.Module):
         def __init__(self, blk):
@@ -144,7 +147,7 @@ def test_a_user_block_compiles_with_no_code_of_its_own():
         def blocks(self):
             return [self.blk]
 
-    eager = _example_namespace()["ParallelReluMLP"](16, 32, None)
+    eager = custom_block_example()["ParallelReluMLP"](16, 32, None)
     init_parameters(eager, seed=7, tp_rank=0, tp=1)
     comp = copy.deepcopy(eager)
     before = graphs_compiled()

@@ -249,7 +249,7 @@ def test_save_config_round_trip(tmp_path, yaml_file):
                                       "parallel.timeout_s=1e10"])
 def test_nan_and_negative_values_refused(override):
     # NaN passes `value < 0 or value == 0` (every comparison with NaN is False), so
-    # _positive() must reject it explicitly; a NaN learning rate silently ruins a run.
+    # positive() must reject it explicitly; a NaN learning rate silently ruins a run.
     # model.init_std is not checked at all: a negative one fails later, inside
     # torch.normal_, with a RuntimeError instead of a ConfigError naming the key.
     cfg = load_config(None, [override])

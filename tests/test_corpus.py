@@ -155,9 +155,10 @@ def test_attention_stays_inside_documents():
 def test_training_on_a_sharded_and_a_megatron_corpus(tmp_path):
     """train.py's path on a blend of a prepared sharded corpus and a Megatron corpus,
     attention reset at each EOS: the loss is finite and the blend's counts advance."""
-    from tests.distributed import run_distributed
-    from tests.test_data_blend import _train
-    from tests.torchrun_procs import metrics
+    from tests.support.distributed import run_distributed
+    from tests.support.loop import train_worker
+    from tests.support.runs import REPO
+    from tests.support.torchrun_procs import metrics
 
     rng = np.random.default_rng(2)
     sharded = shards(tmp_path / "sh", rng.integers(1, 256, 3000), 3)
@@ -165,11 +166,11 @@ def test_training_on_a_sharded_and_a_megatron_corpus(tmp_path):
     megatron_write(tmp_path / "mg", docs)
     out = tmp_path / "run"
     blend = f"[{{path: {sharded}, weight: 1}}, {{path: {tmp_path / 'mg'}, weight: 1}}]"
-    run_distributed(_train, world=1, tp=1, args=([
+    run_distributed(train_worker, world=1, tp=None, args=([
         f"out_dir={out}", "parallel.tp=1", "train.steps=3", "train.micro_batch_size=2",
         "model.seq_len=32", "eval.interval=0", "wandb.mode=disabled", "data.train_path=",
         f"data.train_paths={blend}", "data.val_path=", "data.eos_id=0",
-        "data.reset_attention_at_eos=true"],))
+        "data.reset_attention_at_eos=true"], str(REPO / "configs" / "gpt-tiny.yaml")))
     losses = [r["loss"] for r in metrics(out) if "loss" in r]
     assert losses and np.isfinite(losses).all()
     state = json.loads((out / "checkpoints/step_000003/meta.json").read_text())["data"]

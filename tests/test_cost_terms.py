@@ -13,8 +13,8 @@ import pytest
 from oases.planner.cluster import CommModel, grad_groups, load_cluster, reshard_groups, tp_groups
 from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile
-from oases.planner.stages import Job, StageLinks, _at_rows, build, enumerate_choices, profile_run
-from tests.distributed import run_distributed
+from oases.planner.stages import Job, StageLinks, at_rows, build, enumerate_choices, profile_run
+from tests.support.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 HETERO = load_cluster(str(ROOT / "configs/cluster/hetero-4.yaml"))  # {0,1} and {2,3} fast
@@ -96,24 +96,24 @@ def test_pipeline_transfers_pay_two_calls():
 
 def test_block_compute_is_affine_in_the_rows():
     e = {"fwd": 2.0, "fwd2": 3.0, "rows": 1, "rows2": 2}  # a = 1, b = 1 per row
-    assert _at_rows(e, "fwd", 4.0) == pytest.approx(5.0)
-    assert _at_rows(e, "fwd", 0.5) == pytest.approx(1.5)
-    assert _at_rows({"fwd": 2.0, "rows": 1}, "fwd", 4.0) == 8.0  # one point: proportional
+    assert at_rows(e, "fwd", 4.0) == pytest.approx(5.0)
+    assert at_rows(e, "fwd", 0.5) == pytest.approx(1.5)
+    assert at_rows({"fwd": 2.0, "rows": 1}, "fwd", 4.0) == 8.0  # one point: proportional
     # a second point below the first (noise) is no negative slope: the time stays put
-    assert _at_rows({"fwd": 2.0, "fwd2": 1.5, "rows": 1, "rows2": 2}, "fwd", 4.0) == 2.0
+    assert at_rows({"fwd": 2.0, "fwd2": 1.5, "rows": 1, "rows2": 2}, "fwd", 4.0) == 2.0
     # more than proportional (a negative intercept): proportional through the first point
-    assert _at_rows({"fwd": 1.0, "fwd2": 3.0, "rows": 1, "rows2": 2}, "fwd", 2.0) == 2.0
+    assert at_rows({"fwd": 1.0, "fwd2": 3.0, "rows": 1, "rows2": 2}, "fwd", 2.0) == 2.0
 
 
 def _mean_at_speed(ctx):
-    from oases.planner.online import _rank_mean
+    from oases.planner.online import rank_mean
 
     speed = [1.0, 0.5][ctx.rank]
     t = 0.01 / speed  # the half-speed node measures twice the time
     prof = Profile({"attn": {"1": {"fwd": t, "bwd": 2 * t, "fwd2": 3 * t, "bwd2": 4 * t,
                                    "saved": 1, "rows": 1, "rows2": 2}}},
                    {"fwd": t, "bwd": t, "step": t, "head_fwd": t})
-    out = _rank_mean(prof, ctx, speed)
+    out = rank_mean(prof, ctx, speed)
     e = out.blocks["attn"]["1"]
     assert e["fwd"] == pytest.approx(0.01) and e["bwd2"] == pytest.approx(0.04)
     assert out.constant["step"] == pytest.approx(0.01)
@@ -124,13 +124,13 @@ def test_rank_mean_takes_each_node_to_speed_one():
 
 
 def test_own_speed_reads_the_cluster_file():
-    from oases.planner.online import _own_speed
+    from oases.planner.online import own_speed
 
     cfg = SimpleNamespace(parallel=SimpleNamespace(
         cluster=str(ROOT / "configs/cluster/four-nodes-halfspeed.yaml")))
-    assert [_own_speed(cfg, r) for r in range(4)] == [1.0, 1.0, 0.5, 0.5]
-    assert _own_speed(cfg, 7) == 1.0  # beyond the file: the run's check reports that
-    assert _own_speed(SimpleNamespace(parallel=SimpleNamespace(cluster=None)), 0) == 1.0
+    assert [own_speed(cfg, r) for r in range(4)] == [1.0, 1.0, 0.5, 0.5]
+    assert own_speed(cfg, 7) == 1.0  # beyond the file: the run's check reports that
+    assert own_speed(SimpleNamespace(parallel=SimpleNamespace(cluster=None)), 0) == 1.0
 
 
 def test_sequence_parallel_terms():
@@ -172,7 +172,7 @@ def test_sequence_parallel_layouts():
     cost models price SP, and the plan a search writes runs SP at sub-batches its
     degrees can split (auto: four, else two)."""
     from oases.config import load_config
-    from oases.planner.auto_layout import _plan_divisor
+    from oases.planner.auto_layout import plan_divisor
     from oases.planner.online import fit_sub_batches
 
     shape = ModelShape("gpt", 2, 64, 4, 4, 256, 128, 6)  # seq 6: tp 4 cannot split it
@@ -184,8 +184,8 @@ def test_sequence_parallel_layouts():
     prob = build(sp, ch, HETERO, analytic_profile(shape, profile_run(sp, 2, 4), [1, 2]),
                  profile_run(sp, 2, 4))
     assert all(m.run.sequence_parallel for m in prob.models)
-    assert _plan_divisor({"tp": 2, "degrees": [2, 1]}) == 2
-    assert _plan_divisor({"tp": 2, "stages": [{"degrees": [2, 2]}]}) == 1
+    assert plan_divisor({"tp": 2, "degrees": [2, 1]}) == 2
+    assert plan_divisor({"tp": 2, "stages": [{"degrees": [2, 2]}]}) == 1
 
     def fitted(mbs: int, k: int) -> int:  # auto's four sub-batches, where k parts fit
         cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
@@ -227,7 +227,7 @@ def test_plan_auto_prices_each_sub_batch_count():
     far more than it can hide (a host-bound step)."""
     from oases.config import load_config
     from oases.planner.api import make_plan, run_shape
-    from oases.planner.online import _sub_batches
+    from oases.planner.online import planned_sub_batches
 
     cfg = load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
                              "parallel.recompute=fine", "parallel.tp=2",
@@ -235,10 +235,10 @@ def test_plan_auto_prices_each_sub_batch_count():
     run = run_shape(cfg)
     prof = analytic_profile(ModelShape.from_config(cfg.model), run, [1, 2])
     quiet = lambda *a, **k: None  # noqa: E731
-    plan, n = _sub_batches(make_plan(cfg, HETERO, prof, None, quiet), cfg, HETERO, prof, 1e6,
+    plan, n = planned_sub_batches(make_plan(cfg, HETERO, prof, None, quiet), cfg, HETERO, prof, 1e6,
                            quiet)
     assert n == 2 and plan[0].sub_batches == 2
     costly = Profile(prof.blocks, prof.constant, {"call_s": 1.0})
-    plan, n = _sub_batches(make_plan(cfg, HETERO, costly, None, quiet), cfg, HETERO, costly,
+    plan, n = planned_sub_batches(make_plan(cfg, HETERO, costly, None, quiet), cfg, HETERO, costly,
                            1e6, quiet)
     assert n == 1 and plan[0].sub_batches == 1

@@ -19,7 +19,7 @@ import torch
 
 from oases.parallel.comm import CommCounter
 from oases.pipeline.cross_mesh import METHODS, CrossMeshTransfer, Mesh, Pending, plan_tasks
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 # --------------------------------------------------------------------------- plan_tasks
 
@@ -217,7 +217,7 @@ def test_transfers_all_layouts_and_methods():
 def _early_receives_body(ctx):
     """pp=2 1f1b's first ops through the two directions' transfers: stage 0 sends F0,
     posts the receive of B0, sends F1; stage 1 posts both receives, then sends B0. On
-    one group for both directions NCCL (and tests/nccl_semantics.py) would hang."""
+    one group for both directions NCCL (and tests/support/nccl_semantics.py) would hang."""
     a, b = Mesh(0, 1, 1), Mesh(1, 1, 1)
     fwd, bwd = CrossMeshTransfer(a, b, 2, 3), CrossMeshTransfer(b, a, 2, 3)
     dev = ctx.device

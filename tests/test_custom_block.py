@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from oases.parallel import init_parameters, unshard
-from tests.distributed import run_distributed
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "custom-blocks.md"
-
-
-def _example_namespace() -> dict:
-    text = DOC.read_text()
-    m = re.search(r"<!-- example:custom-block -->\s*```python\n(.*?)```", text, re.S)
-    assert m, "docs/custom-blocks.md lost its custom-block example"
-    ns: dict = {}
-    exec(compile(m.group(1), "docs/custom-blocks.md:custom-block", "exec"), ns)
-    return ns
+from tests.support.distributed import run_distributed
+from tests.support.doc_examples import custom_block_example
 
 
 def _body(ctx):
-    Block = _example_namespace()["ParallelReluMLP"]
+    Block = custom_block_example()["ParallelReluMLP"]
     torch.manual_seed(0)
     x = torch.randn(3, 5, 16)
     out = {}

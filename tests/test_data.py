@@ -350,7 +350,7 @@ def test_error_token_id_out_of_vocab(tmp_path):
     make(path, vocab=301)                                 # fits: fine
     # the chunked scan finds an id in a late chunk
     with pytest.raises(DataError, match="token id 300"):
-        TK._check_token_ids(np.fromfile(path, dtype=np.uint16), 256, path, chunk_tokens=7)
+        TK.check_token_ids(np.fromfile(path, dtype=np.uint16), 256, path, chunk_tokens=7)
 
 
 def test_error_odd_size_for_uint32(tmp_path):
@@ -394,10 +394,10 @@ def test_recorded_max_id_is_trusted_with_a_bounded_sample(tmp_path, monkeypatch)
     never the whole file; without it, the whole file is scanned."""
     path, meta = _prepared(tmp_path, 4_000_000)
     scanned, sampled = [], []
-    real_scan, real_sample = TK._check_token_ids, TK._sample_max
-    monkeypatch.setattr(TK, "_check_token_ids", lambda t, *a, **k: (scanned.append(len(t)),
+    real_scan, real_sample = TK.check_token_ids, TK.sample_max
+    monkeypatch.setattr(TK, "check_token_ids", lambda t, *a, **k: (scanned.append(len(t)),
                                                                     real_scan(t, *a, **k)))
-    monkeypatch.setattr(TK, "_sample_max", lambda t, *a, **k: (sampled.append(len(t)),
+    monkeypatch.setattr(TK, "sample_max", lambda t, *a, **k: (sampled.append(len(t)),
                                                               real_sample(t, *a, **k))[1])
     TK.open_tokens(path, "uint16", 256)
     assert scanned == [] and sampled == [4_000_000]
@@ -406,7 +406,7 @@ def test_recorded_max_id_is_trusted_with_a_bounded_sample(tmp_path, monkeypatch)
     TK.open_tokens(path, "uint16", 256)
     assert scanned == [4_000_000]
     assert real_sample(np.arange(4_000_000) % 200) == 199
-    assert TK._SAMPLE_CHUNKS * TK._SAMPLE_CHUNK_TOKENS <= 1 << 20
+    assert TK.SAMPLE_CHUNKS * TK.SAMPLE_CHUNK_TOKENS <= 1 << 20
 
 
 def test_recorded_max_id_outside_the_vocabulary(tmp_path):

@@ -24,8 +24,8 @@ from oases.errors import CheckpointError, ConfigError
 from oases.runtime import data as D
 from oases.runtime.blend import Blend
 
-# trainer._run imports torch._inductor (~2 s of CPU); imported here once, the forked
-# workers of the trainer test inherit it (as in test_reshard.py).
+# A training run imports torch._inductor (~2 s of CPU); imported here once, the forked
+# workers of the trainer test inherit it.
 import torch._inductor.config  # noqa: E402,F401  isort: skip
 
 T = 8
@@ -338,19 +338,14 @@ def test_yaml_and_override_forms(three, tmp_path):
 # through the trainer: the blend's state in a real checkpoint
 
 
-def _train(ctx, overrides):
-    from oases.runtime import trainer
-
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gpt-tiny.yaml"),
-                      overrides).validate(ctx.world_size)
-    trainer.check_out_dir(cfg)
-    trainer._run(cfg, ctx)
+GPT_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "gpt-tiny.yaml")
 
 
 def test_trainer_checkpoints_and_resumes_the_blend(tmp_path):
     """train.py's path (config overrides, TrainBatches, checkpoint meta.json, resume=auto):
     the blend's counts are saved, a resume continues them, another blend is refused."""
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
+    from tests.support.loop import train_worker
 
     rng = np.random.default_rng(0)
     files = []
@@ -376,12 +371,12 @@ def test_trainer_checkpoints_and_resumes_the_blend(tmp_path):
         meta = json.loads((out / "checkpoints" / f"step_{step:06d}" / "meta.json").read_text())
         return meta["data"]
 
-    run_distributed(_train, world=1, tp=1, args=(args(2),))
+    run_distributed(train_worker, world=1, tp=None, args=(args(2), GPT_TINY))
     state = data_state(2)
     assert state["consumed"] == 4 and [e["consumed"] for e in state["blend"]] == [3, 1]
     assert [e["path"] for e in state["blend"]] == [str(f.resolve()) for f in files]
-    run_distributed(_train, world=1, tp=1, args=(args(4),))  # resumes from step 2
+    run_distributed(train_worker, world=1, tp=None, args=(args(4), GPT_TINY))  # resumes from step 2
     assert [e["consumed"] for e in data_state(4)["blend"]] == [6, 2]
     with pytest.raises(AssertionError, match=r"CheckpointError: the checkpoint's data blend is "
                                              r".*but data.train_paths is .*weight 0\.4"):
-        run_distributed(_train, world=1, tp=1, args=(args(6, wb=0.5),))
+        run_distributed(train_worker, world=1, tp=None, args=(args(6, wb=0.5), GPT_TINY))

@@ -2,7 +2,7 @@
 
 * A run whose collectives are all over one rank (tp = 1) and whose model draws no
   random numbers takes its micro-batch as one sub-batch (the engines of
-  ``build_schedule``), under every recompute mode, with the memory of the mode asked
+  ``build_engine``), under every recompute mode, with the memory of the mode asked
   for: ``full`` < ``fine`` < ``none`` in saved activations.
 * With dropout the split stays (each sub-batch's masks come from its own stream),
   but a sub-batch does not yield at a collective over one rank: the sub-batches run
@@ -11,7 +11,7 @@
 
 Gradients against the megatron engine (plain autograd; with dropout, on each
 sub-batch from its own stream). Tolerance: fp32, the same terms summed in another
-order (atol 1e-6, rtol 1e-5, as tests/test_schedule.py).
+order (atol 1e-6, rtol 1e-5, as tests/test_tp_engine_parity.py).
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ import pytest
 import torch
 
 from oases.models import build_model
-from oases.config import load_config
-from oases.overlap.engines import MegatronSchedule, OasesSchedule, build_schedule
+from oases.overlap.engines import MegatronEngine, OasesEngine, build_engine
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.random import TPRNGTracker
-from tests.distributed import run_distributed
-from tests.test_engine_protocol import _Model, _Recorded
-from tests.test_schedule import _full_grads, _reference
+from tests.support.configs import tiny_config
+from tests.support.distributed import run_distributed
+from tests.support.parity import full_grads, sub_batch_reference
+from tests.support.toy_models import RecordedParams, ToyModel
 
 CPU = torch.device("cpu")
 
 
 def _cfg(dropout, tp=1, world=1):
-    return load_config(None, ["model.name=gpt-tiny", f"parallel.tp={tp}", "model.n_layer=2",
-                              f"model.dropout={dropout}"]).validate(world)
+    return tiny_config(world=world, synthetic=False, tp=tp, n_layer=2, dropout=dropout)
 
 
 def _model(cfg, sched, rc, group=None, tp_rank=0):
@@ -62,16 +61,16 @@ def test_tp1_without_dropout_runs_whole(rc):
     cfg = _cfg(0.0)
     ids, y = _batch(cfg)
     ref, _ = _model(cfg, "megatron", "none")
-    ref_loss = MegatronSchedule().forward_backward(ref, ids, y)
+    ref_loss = MegatronEngine().forward_backward(ref, ids, y)
     model, tracker = _model(cfg, "oases", rc)
-    eng = build_schedule("oases", None, 2, rc, tracker)
+    eng = build_engine("oases", None, 2, rc, tracker)
     run = eng.forward(model, ids, y)
     assert len(run.state.subs) == 1  # the engine's run: one sub-batch, the whole batch
     eng.backward(run, None, 1.0)
     _check(model, ref, run.loss, ref_loss, rc)
     # forward_backward and a backward paired with the next forward take the same path
     model, tracker = _model(cfg, "oases", rc)
-    eng = build_schedule("oases", None, 2, rc, tracker)
+    eng = build_engine("oases", None, 2, rc, tracker)
     first = eng.forward(model, ids, y)
     _, nxt = eng.backward_forward(first, None, 0.5, model, ids, y)
     assert len(nxt.state.subs) == 1
@@ -88,7 +87,7 @@ def test_tp1_keeps_the_memory_of_the_recompute_mode():
     for rc in ("none", "fine", "full"):
         model, tracker = _model(cfg, "oases", rc)
         with SavedTensorMeter() as meter:
-            build_schedule("oases", None, 2, rc, tracker).forward_backward(model, ids, y)
+            build_engine("oases", None, 2, rc, tracker).forward_backward(model, ids, y)
         kept[rc] = meter.forward_bytes
     assert kept["full"] < kept["fine"] < 0.5 * kept["none"], kept
 
@@ -97,10 +96,10 @@ def test_tp1_with_dropout_keeps_the_split_and_its_masks():
     cfg = _cfg(0.1)
     ids, y = _batch(cfg)
     ref, tracker = _model(cfg, "megatron", "none")
-    ref_loss = _reference(ref, tracker, ids, y, 2)
+    ref_loss = sub_batch_reference(ref, tracker, ids, y, 2)
     for rc in ("none", "fine", "full"):
         model, tracker = _model(cfg, "oases", rc)
-        eng = build_schedule("oases", None, 2, rc, tracker)
+        eng = build_engine("oases", None, 2, rc, tracker)
         run = eng.forward(model, ids, y)
         assert len(run.state.subs) == 2
         eng.backward(run, None, 1.0)
@@ -112,8 +111,8 @@ def test_no_switch_at_a_degree1_collective():
     run before b starts; at a real collective a would yield after its first block."""
     torch.manual_seed(0)
     x, t = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
-    hook = _Recorded()
-    OasesSchedule(None, 2, "none", params=hook).forward_backward(_Model(), x, t)
+    hook = RecordedParams()
+    OasesEngine(None, 2, "none", params=hook).forward_backward(ToyModel(), x, t)
     first_b = [i for i, c in enumerate(hook.calls) if c == (0, 1)][1]  # b enters block 0
     assert hook.calls[:first_b].count((-1, None)) == 1  # a's loss backward came before
     assert hook.calls[:first_b].count((0, None)) == 2   # a's block 0: forward and backward
@@ -123,14 +122,14 @@ def _tp2_body(ctx):
     cfg = _cfg(0.0, tp=2, world=2)
     ids, y = _batch(cfg)
     ref, _ = _model(cfg, "megatron", "none", ctx.tp_group, ctx.tp_rank)
-    ref_loss = MegatronSchedule().forward_backward(ref, ids, y)
+    ref_loss = MegatronEngine().forward_backward(ref, ids, y)
     model, tracker = _model(cfg, "oases", "fine", ctx.tp_group, ctx.tp_rank)
-    eng = build_schedule("oases", ctx.tp_group, 2, "fine", tracker)
+    eng = build_engine("oases", ctx.tp_group, 2, "fine", tracker)
     run = eng.forward(model, ids, y)
     assert len(run.state.subs) == 2  # something to hide: the split stays
     eng.backward(run, None, 1.0)
     torch.testing.assert_close(run.loss, ref_loss, rtol=1e-6, atol=1e-6)
-    got, want = _full_grads(model, ctx), _full_grads(ref, ctx)
+    got, want = full_grads(model, ctx), full_grads(ref, ctx)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 

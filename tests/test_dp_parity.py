@@ -57,12 +57,12 @@ from torch.testing import assert_close
 from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
-from oases.overlap.engines import build_schedule
+from oases.overlap.engines import build_engine
 from oases.parallel.sharding import unshard
 from oases.runtime.data import TrainBatches
 from oases.runtime.optim import build_optimizer, lr_at
 from oases.runtime.step import TrainState, train_step
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 SEED = 7
 STEPS = 3
@@ -96,7 +96,7 @@ def _train_body(ctx, runs: list[tuple], schedule: tuple = ("megatron", "none")):
     parameters (rank 0)."""
     for mbs, grad_accum, path in runs:
         cfg = _cfg(ctx.tp, ctx.world_size, mbs, grad_accum, *schedule)
-        engine = build_schedule(schedule[0], ctx.tp_group, cfg.sub_batches, schedule[1])
+        engine = build_engine(schedule[0], ctx.tp_group, cfg.sub_batches, schedule[1])
         assert (cfg.dp, cfg.parallel.tp) == (ctx.dp, ctx.tp)
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=SEED,
                             recompute=schedule[1] if schedule[0] == "megatron" else "none")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 
 def _setup(ctx):
@@ -46,14 +46,14 @@ def _repaired(ctx):
 
 
 def _detected(ctx):
-    from oases.overlap.engines import MegatronSchedule
+    from oases.overlap.engines import MegatronEngine
 
     cfg, model, opt, reducer, batches = _setup(ctx)
     reducer.zero_grad()
     opt.zero_grad(set_to_none=True)
     x, y = batches.next_batch()
     reducer.arm()
-    MegatronSchedule().forward_backward(model, x, y)
+    MegatronEngine().forward_backward(model, x, y)
     with pytest.raises(RuntimeError, match=r"no longer the DP reducer's bucket view "
                                            r"\(optimizer.zero_grad\(\)"):
         reducer.finish()

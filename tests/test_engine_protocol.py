@@ -19,19 +19,18 @@ import weakref
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.dp.store import ParamStore
-from oases.overlap.engines import MegatronSchedule, OasesSchedule
-from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters, layers
-from oases.parallel.block import TPBlock
+from oases.overlap.engines import MegatronEngine, OasesEngine
+from oases.parallel import ColumnParallelLinear, layers
 from oases.parallel.comm import copy_to_tp
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine, StageRun
 from oases.parallel.region import CutRecorder, entered_region, entering
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
+from tests.support.toy_models import RecordedParams, ToyModel
 
-ENGINES = [MegatronSchedule(), OasesSchedule(None, 2, "fine")]
+ENGINES = [MegatronEngine(), OasesEngine(None, 2, "fine")]
 
 
 def _protocol_members(proto) -> tuple[list[str], list[str]]:
@@ -54,37 +53,6 @@ def test_engines_have_the_protocol(engine):
     assert engine.pairs is (engine.name == "oases")
 
 
-class _Block(TPBlock):
-    def __init__(self, d, tp_group=None):
-        super().__init__(tp_group)
-        self.up = ColumnParallelLinear(d, 2 * d, tp_group)
-        self.down = RowParallelLinear(2 * d, d, tp_group, reduce_output=False)
-
-    def partial(self, x):
-        return self.down.partial(F.gelu(self.up(x)))
-
-    def combine(self, x, reduced):
-        return x + self.down.add_bias(reduced)
-
-
-class _Model(nn.Module):
-    def __init__(self, d=8, n=3, tp_group=None, tp_rank=0, tp=1):
-        super().__init__()
-        self.stack = nn.ModuleList([_Block(d, tp_group) for _ in range(n)])
-        init_parameters(self, seed=5, tp_rank=tp_rank, tp=tp)
-
-    def blocks(self):
-        return list(self.stack)
-
-    def loss_from_hidden(self, x, target):
-        return F.mse_loss(x, target)
-
-    def forward(self, x, target=None):
-        for b in self.stack:
-            x = b(x)
-        return x if target is None else self.loss_from_hidden(x, target)
-
-
 def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
@@ -92,10 +60,10 @@ def _grads(model):
 def test_megatron_backward_forward_is_backward_then_forward():
     torch.manual_seed(0)
     x0, x1, y = torch.randn(4, 5, 8), torch.randn(4, 5, 8), torch.randn(4, 5, 8)
-    eng = MegatronSchedule()
+    eng = MegatronEngine()
     runs = {}
     for fused in (False, True):
-        model = _Model()
+        model = ToyModel()
         run = eng.forward(model, x0, y)
         if fused:
             gin, nxt = eng.backward_forward(run, None, 0.5, model, x1, y)
@@ -107,29 +75,14 @@ def test_megatron_backward_forward_is_backward_then_forward():
         assert torch.equal(a, b)
 
 
-class _Recorded:
-    """A BlockParams hook that records what the engine asks of it."""
-
-    def __init__(self):
-        self.calls: list[tuple[int, object]] = []
-        self.passes = 0
-
-    def use(self, block, prefetch=None):
-        self.calls.append((block, prefetch))
-
-    def two_passes(self):
-        self.passes += 1
-        return WHOLE.two_passes()
-
-
 def test_oases_engine_reaches_parameters_through_its_hook():
     torch.manual_seed(0)
     x, y = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
-    ref = _Model()
-    want = MegatronSchedule().forward_backward(ref, x, y)
-    hook = _Recorded()
-    model = _Model()
-    got = OasesSchedule(None, 2, "fine", params=hook).forward_backward(model, x, y)
+    ref = ToyModel()
+    want = MegatronEngine().forward_backward(ref, x, y)
+    hook = RecordedParams()
+    model = ToyModel()
+    got = OasesEngine(None, 2, "fine", params=hook).forward_backward(model, x, y)
     torch.testing.assert_close(got, want)
     for a, b in zip(_grads(model), _grads(ref)):
         torch.testing.assert_close(a, b)
@@ -142,7 +95,7 @@ def test_oases_engine_reaches_parameters_through_its_hook():
     assert hook.calls.count((HEAD, None)) == 2
     first_back = hook.calls.index((n - 1, n - 2))
     assert (HEAD, None) in hook.calls[:first_back]  # the loss's backward comes first
-    eng = OasesSchedule(None, 2, "fine", params=hook)
+    eng = OasesEngine(None, 2, "fine", params=hook)
     eng.backward_forward(eng.forward(model, x, y), None, 1.0, model, x, y)
     assert hook.passes == 1  # the paired passes are announced to the hook
 
@@ -152,7 +105,7 @@ def test_param_store_and_nothing_are_block_params():
         for name in ("use", "two_passes"):
             want = list(inspect.signature(getattr(BlockParams, name)).parameters)[1:]
             assert list(inspect.signature(getattr(hook, name)).parameters) == want
-    assert OasesSchedule(None).params is WHOLE
+    assert OasesEngine(None).params is WHOLE
 
 
 class _Entry:
@@ -201,7 +154,7 @@ def _close_body(ctx):
     model = build_model(cfg.model, cfg.padded_vocab_size, None, seed=3)
     reducer = GradReducer(model, ctx.dp_group, bucket_mb=0.05, level_of=lambda p: 3,
                           tied_head=bool(cfg.model.tie_embeddings), zero=True)
-    assert reducer.shards.store is not None and reducer._handles
+    assert reducer.ownership.store is not None and reducer._handles
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     reducer.zero_grad()
     reducer.arm()

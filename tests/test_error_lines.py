@@ -19,8 +19,8 @@ import pytest
 
 from oases.cli import train as cli
 from oases.errors import ConfigError
-from tests.conftest import REPO
-from tests.torchrun_procs import paused, start_torchrun, wait_for, worker_pid
+from tests.support.runs import REPO
+from tests.support.torchrun_procs import paused, start_torchrun, wait_for, worker_pid
 
 PAUSE_S = 8.0
 BASE = ["--config", "configs/gpt-tiny.yaml", "data.kind=synthetic", "wandb.mode=disabled",

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from oases.config import load_config  # noqa: E402
 from oases.errors import ConfigError  # noqa: E402
-from tests.test_hf import VOCAB, make_hf_model, save_hf  # noqa: E402
+from tests.support.hf_models import VOCAB, make_hf_model, save_hf  # noqa: E402
 
 T, MBS, MAX_BATCHES = 32, 2, 3
 N_WINDOWS = MBS * MAX_BATCHES  # dp = 1

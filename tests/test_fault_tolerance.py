@@ -11,7 +11,7 @@
   the step out (no update, zeroed gradients, counted in ``skipped_steps``), with
   every rank agreeing even when only one rank's gradient shard is NaN.
 
-The worker processes are found through /proc (:mod:`tests.torchrun_procs`).
+The worker processes are found through /proc (:mod:`tests.support.torchrun_procs`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import signal
 import pytest
 import torch
 
-from tests.conftest import run_single
-from tests.distributed import run_distributed
-from tests.torchrun_procs import metrics, run_with_hung_rank, start_torchrun, wait_for, worker_pid
+from tests.support.configs import TINY_RUN
+from tests.support.runs import run_single
+from tests.support.distributed import run_distributed
+from tests.support.torchrun_procs import (metrics, run_with_hung_rank, start_torchrun, wait_for,
+                                          worker_pid)
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.name=gpt-tiny", "model.seq_len=64", "data.kind=synthetic", "eval.interval=0",
-        "wandb.mode=disabled", "train.log_interval=1", "train.micro_batch_size=2"]
+TINY = TINY_RUN
 
 
 # ---------------------------------------------------------------------------

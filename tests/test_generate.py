@@ -37,10 +37,10 @@ from oases.cli.generate import main as generate_main  # noqa: E402
 from oases.errors import UserError  # noqa: E402
 from oases.parallel.groups import ParallelContext  # noqa: E402
 from oases.runtime.generate import Sampling, generate, model_from_hf  # noqa: E402
-from tests.conftest import REPO, subprocess_env  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from tests.test_hf import HF_KINDS, VOCAB, make_hf_model, save_hf  # noqa: E402
-from tests.test_hf_archs import ARCH_KINDS  # noqa: E402
+from tests.support.runs import REPO, subprocess_env  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
+from tests.support.hf_models import (ARCH_KINDS, HF_KINDS, VOCAB, make_hf_model,  # noqa: E402
+                                     save_hf)
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41]]
 NEW = 10

@@ -15,7 +15,7 @@ from benchmarks.gpu_check import largest_fitting, main
 from benchmarks.lib.gpu_env import environment, slug
 from benchmarks.lib.gpu_report import lines
 from benchmarks.lib.kernel_overlap import hidden_fraction, trace_hidden_fraction
-from tests.conftest import REPO, subprocess_env
+from tests.support.runs import REPO, subprocess_env
 
 
 def _k(name, ts, dur, dev=0):

@@ -27,9 +27,9 @@ from oases.planner.profile import run_precision
 from oases.planner.stages import job_from_config
 from oases.runtime import metrics
 from oases.runtime.metrics import MetricsLogger, peak_flops, peak_for
-from oases.runtime.optim import _weighted_squares, clip_grads, clip_grads_norm
+from oases.runtime.optim import weighted_squares, clip_grads, clip_grads_norm
 from oases.runtime.step import autocast
-from oases.runtime.trainer import for_device, use_tf32
+from oases.runtime.trainer import with_device_precision, use_tf32
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -57,19 +57,19 @@ def test_auto_is_the_default_and_fp16_is_refused():
 
 def test_the_run_config_carries_the_resolved_precision():
     cfg = _cfg().freeze()
-    on_gpu, on_cpu = for_device(cfg, CUDA), for_device(cfg, CPU)
+    on_gpu, on_cpu = with_device_precision(cfg, CUDA), with_device_precision(cfg, CPU)
     assert (on_gpu.train.precision, on_cpu.train.precision) == ("bf16", "fp32")
     assert on_gpu.frozen and cfg.train.precision == "auto"  # the original is left alone
     assert on_gpu.to_dict()["train"]["precision"] == "bf16"  # what config.yaml and W&B get
     explicit = _cfg("train.precision=fp32").freeze()
-    assert for_device(explicit, CUDA) is explicit
+    assert with_device_precision(explicit, CUDA) is explicit
 
 
 def test_planner_and_autocast_read_the_resolved_precision():
     cpu_cfg = _cfg("parallel.device=cpu")
     assert run_precision(cpu_cfg) == "fp32" and run_precision(cpu_cfg, CUDA) == "bf16"
     assert run_shape(cpu_cfg).act_bytes == 4 and job_from_config(cpu_cfg).act_bytes == 4
-    gpu_cfg = for_device(cpu_cfg, CUDA)  # what a CUDA run plans with
+    gpu_cfg = with_device_precision(cpu_cfg, CUDA)  # what a CUDA run plans with
     assert run_shape(gpu_cfg).act_bytes == 2 and job_from_config(gpu_cfg).act_bytes == 2
     ctx = SimpleNamespace(device=CPU)
     assert isinstance(autocast(cpu_cfg, ctx), contextlib.nullcontext)
@@ -155,10 +155,10 @@ def test_weighted_squares_match_the_plain_sum():
     a, b, c = (torch.randn(n, generator=g) for n in (7, 5, 3))
     parts = [(a, 0.5), (b, 1.0), (c.view(1, 3).t(), 0.5)]  # strided views are measured too
     want = 0.5 * a.pow(2).sum() + b.pow(2).sum() + 0.5 * c.pow(2).sum()
-    assert_close(_weighted_squares(parts, CPU, torch.float32), want, rtol=1e-6, atol=0)
-    got64 = _weighted_squares(parts, CPU, torch.float64)
+    assert_close(weighted_squares(parts, CPU, torch.float32), want, rtol=1e-6, atol=0)
+    got64 = weighted_squares(parts, CPU, torch.float64)
     assert got64.dtype == torch.float64 and math.isclose(got64, want.double(), rel_tol=1e-6)
-    assert _weighted_squares([], CPU, torch.float32) == 0
+    assert weighted_squares([], CPU, torch.float32) == 0
 
 
 def _grads(seed=0):
@@ -237,7 +237,7 @@ def test_gqa_on_cuda_runs_in_a_fused_kernel(dtype, strict_fp32):
 
 @pytest.mark.cuda
 def test_cuda_run_defaults(strict_fp32):
-    cfg = for_device(_cfg().freeze(), torch.device("cuda", 0))
+    cfg = with_device_precision(_cfg().freeze(), torch.device("cuda", 0))
     assert cfg.train.precision == "bf16"
     use_tf32(torch.device("cuda", 0))
     assert torch.backends.cuda.matmul.allow_tf32

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ = 32
@@ -61,13 +61,13 @@ def _cfg(tp: int, world: int, schedule: str = "megatron", extra=()):
 def _train(cfg, ctx, degrees=None, steps: int = 2):
     """``steps`` train_steps of the trainer's own pieces; returns (model, opt, losses,
     norm and gradients of step 1)."""
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, degrees, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, degrees, cfg.seed)
+    ts = build_train_state(cfg, ctx, model, tracker)
     opt = ts.opt
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.train.micro_batch_size,
                            0, 1, cfg.seed)
@@ -136,7 +136,7 @@ def _parity(ctx, schedule: str, degrees, extra, ref: tuple, what: str) -> None:
 def _uniform_body(rank: int, refs: dict) -> None:
     from oases.parallel.groups import build_context
     from oases.planner.cost import ModelShape
-    from oases.planner.profile import _block
+    from oases.planner.profile import make_block
 
     ctx = build_context(4, torch.device("cpu"), kv_heads=2)
     for schedule, ref in refs.items():
@@ -145,7 +145,7 @@ def _uniform_body(rank: int, refs: dict) -> None:
     cfg = _cfg(4, 4)
     attn = _train(cfg, ctx, steps=0)[0].layers[0].attn
     assert attn.qkv.weight.shape == ((4 // 4 + 2 * 1) * 32, 128)
-    assert _block("attn", cfg.model, 4).qkv.weight.shape == attn.qkv.weight.shape  # profile
+    assert make_block("attn", cfg.model, 4).qkv.weight.shape == attn.qkv.weight.shape  # profile
     n = sum(p.numel() for name, p in attn.named_parameters() if not name.startswith("norm"))
     assert ModelShape.from_config(cfg.model).rank_params("attn", 4) == n + 128 / 4  # norm / t
 
@@ -189,13 +189,13 @@ def _pipeline_body(rank: int, ref: tuple) -> None:
     ctx = build_pipeline_context(uniform_layout(4, 2, 2, cfg.model.n_layer), torch.device("cpu"),
                                  False, kv_heads=1)
     assert dist.get_world_size(ctx.kv_group) == 2
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
+    ts = build_train_state(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, SEQ, cfg.model.vocab_size, cfg.pipeline_batch, 0, 1,
                            cfg.seed)
     ref_losses, ref_norm, ref_grads = ref
@@ -208,9 +208,9 @@ def _pipeline_body(rank: int, ref: tuple) -> None:
 
 
 def test_pipeline_stages_replicate_with_their_own_groups():
-    from tests.test_pipeline_parity import _reference as pipeline_reference
+    from tests.support.parity import unsharded_reference
 
-    ref = pipeline_reference(_cfg(2, 4, extra=PIPELINE), 1)  # one process, the same batches
+    ref = unsharded_reference(_cfg(2, 4, extra=PIPELINE), 1)  # one process, the same batches
     run_distributed(_pipeline_body, world=4, tp=None, args=(ref,))
 
 
@@ -246,7 +246,7 @@ def _checkpoint_body(rank: int, root: str) -> None:
 
     from oases.parallel.groups import build_context
     from oases.runtime import checkpoint as ckpt
-    from oases.runtime.build import model_for, seed_tracker
+    from oases.runtime.build import build_rank_model, seed_tracker
     from oases.runtime.optim import build_optimizer
     from oases.runtime.resume import model_shape
 
@@ -261,7 +261,7 @@ def _checkpoint_body(rank: int, root: str) -> None:
     def load(tp: int, path):
         ctx = build_context(tp, torch.device("cpu"), kv_heads=2)
         cfg = _cfg(tp, 4)
-        model = model_for(cfg, ctx, seed_tracker(cfg, ctx), None, None)
+        model = build_rank_model(cfg, ctx, seed_tracker(cfg, ctx), None, None)
         opt = build_optimizer(model, cfg.train, ctx.device)
         ckpt.load(path, model, opt, ctx, model_shape(cfg))
         return _full_state(model, opt, ctx), _batch_loss(model, cfg)
@@ -301,7 +301,7 @@ def _hf_body(rank: int, hf_dir: str, ids, ref_logits, out: str) -> None:
     from oases.parallel.groups import build_context
     from oases.parallel.sharding import shard
     from oases.runtime import checkpoint as ckpt
-    from oases.runtime.build import model_for, seed_tracker
+    from oases.runtime.build import build_rank_model, seed_tracker
     from oases.runtime.optim import build_optimizer
     from oases.runtime.resume import model_shape
 
@@ -309,7 +309,7 @@ def _hf_body(rank: int, hf_dir: str, ids, ref_logits, out: str) -> None:
     cfg = load_config(None, [f"model.init_from=hf:{hf_dir}", "parallel.tp=4",
                              "model.dropout=0"]).validate(4)
     assert (cfg.model.n_head, cfg.model.n_kv_heads) == (4, 2)
-    model = model_for(cfg, ctx, seed_tracker(cfg, ctx), None, None)
+    model = build_rank_model(cfg, ctx, seed_tracker(cfg, ctx), None, None)
     load_hf_weights(model, hf_dir, ctx.tp_rank, ctx.tp)
     model.eval()
     assert_close(model.full_logits(ids), ref_logits, rtol=0, atol=1e-4)
@@ -336,7 +336,7 @@ def _hf_body(rank: int, hf_dir: str, ids, ref_logits, out: str) -> None:
 def test_hf_roundtrip_at_tp4(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from tests.test_hf import make_hf_model, save_hf
+    from tests.support.hf_models import make_hf_model, save_hf
 
     hf = make_hf_model("llama-untied")
     d = save_hf(hf, tmp_path / "hf")
@@ -347,12 +347,12 @@ def test_hf_roundtrip_at_tp4(tmp_path):
 
 
 def _no_kv_groups_body(ctx) -> None:
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
 
     cfg = _cfg(2, 2, extra=["model.n_kv_heads=1"])
-    model = model_for(cfg, ctx, seed_tracker(cfg, ctx), None, cfg.seed)
+    model = build_rank_model(cfg, ctx, seed_tracker(cfg, ctx), None, cfg.seed)
     with pytest.raises(ValueError, match="replicated on 2 ranks but the kv replica group has 1"):
-        training_for(cfg, ctx, model, seed_tracker(cfg, ctx))
+        build_train_state(cfg, ctx, model, seed_tracker(cfg, ctx))
 
 
 def test_context_without_kv_replica_groups_is_refused():

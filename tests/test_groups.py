@@ -38,10 +38,10 @@ from oases.planner.cluster import RESERVED_BYTES, Cluster, usable_bytes
 from oases.planner.cost import ModelShape
 from oases.planner.fit import analytic_profile
 from oases.runtime.build import throwaway_step
-from tests.conftest import REPO, subprocess_env
-from tests.distributed import TIMEOUT_S, run_distributed
-from tests.test_fault_tolerance import TINY
-from tests.torchrun_procs import run_with_hung_rank
+from tests.support.configs import TINY_RUN as TINY
+from tests.support.runs import REPO, subprocess_env
+from tests.support.distributed import TIMEOUT_S, run_distributed
+from tests.support.torchrun_procs import run_with_hung_rank
 
 CPU = torch.device("cpu")
 GIB = 2**30
@@ -207,7 +207,7 @@ _HANG = textwrap.dedent("""
     import torch.distributed as dist
 
     from oases.parallel.groups import join_world
-    from oases.runtime.trainer import _collective_failure
+    from oases.runtime.trainer import collective_failure
     join_world("cuda", "auto", timeout_s=2)
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
@@ -223,7 +223,7 @@ _HANG = textwrap.dedent("""
             time.sleep(0.2)
             dist.all_reduce(x)
     except Exception as e:
-        assert _collective_failure(e), repr(e)
+        assert collective_failure(e), repr(e)
         print(f"raised after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
         os._exit(0)
     print("no error", flush=True)

@@ -19,83 +19,29 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
-from transformers import (AutoModelForCausalLM, BertConfig, GPT2Config,  # noqa: E402
-                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
+from transformers import BertConfig, GPT2LMHeadModel  # noqa: E402
 
 from oases.models import build_model  # noqa: E402
 from oases.models.hf import load_hf_weights  # noqa: E402
 from oases.config import load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import CheckpointError, ConfigError  # noqa: E402
-from oases.parallel.loss import IGNORE_INDEX  # noqa: E402
-from oases.parallel.sharding import shard  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-
-VOCAB = 250          # not a multiple of 64: padded to 256
-ATOL = 1e-4
-B, T = 2, 32
-
-
-_LLAMA_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
-# kind -> (config class, model class, changes to the LLaMA shape); tests/test_hf_archs.py
-# adds Llama 3 RoPE, Qwen2 and Mistral
-HF_KINDS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "llama-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
-}
-
-
-def make_hf_model(kind: str, seed: int = 0, kinds: dict = HF_KINDS):
-    """A tiny, randomly initialised HF model: ``gpt2``, or one of ``kinds``
-    (``llama``: GQA, tied; ``llama-untied``: GQA, separate lm_head)."""
-    torch.manual_seed(seed)
-    if kind == "gpt2":
-        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                         bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-    else:
-        config_cls, model_cls, changes = kinds[kind]
-        model = model_cls(config_cls(**{**_LLAMA_SHAPE, **changes}))
-        with torch.no_grad():  # norms are ones at init: make them count
-            for n, p in model.named_parameters():
-                if "norm" in n:
-                    p.normal_(1.0, 0.1)
-    with torch.no_grad():  # biases are zeros at init: make them count too
-        for n, p in model.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_(0.0, 0.05)
-    return model.eval()
-
-
-def save_hf(model, out: Path, fmt: str = "safetensors") -> Path:
-    """``save_pretrained`` (safetensors; ``sharded``: several files + index), or a torch
-    pickle ``pytorch_model.bin`` with old-style GPT-2 names (no ``transformer.`` prefix)."""
-    if fmt == "safetensors":
-        model.save_pretrained(out)
-    elif fmt == "sharded":
-        model.save_pretrained(out, max_shard_size="40KB")
-        assert (out / "model.safetensors.index.json").is_file()
-    else:
-        model.config.save_pretrained(out)
-        sd = {k.removeprefix("transformer."): v.clone() for k, v in model.state_dict().items()}
-        torch.save(sd, out / "pytorch_model.bin")
-    return out
+from tests.support.distributed import run_distributed  # noqa: E402
+from tests.support.hf_models import (ATOL, VOCAB, B, T, export_and_compare,  # noqa: E402
+                                     make_hf_model, save_hf, train_from_hf)
+from tests.support.hf_models import (NO_GROUP_WARNING as _SINGLE,  # noqa: E402
+                                     edited_hf_dir as _edited, hf_import_body as _import_body,
+                                     oases_from_checkpoint as _oases_from_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -152,19 +98,6 @@ def test_disagreeing_override_is_an_error(hf_dirs, override, msg):
         load_config(None, [f"model.init_from=hf:{hf_dirs['gpt2'][0]}", override]).validate(1)
 
 
-def _edited(src: Path, dst: Path, **changes) -> Path:
-    """A copy of HF dir ``src`` whose config.json has ``changes`` (None deletes a key)."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("kind, changes, msg", [
     ("gpt2", {"activation_function": "relu"}, "activation_function='relu' is not supported"),
     ("llama", {"attention_bias": True}, "attention_bias=true is not supported"),
@@ -204,34 +137,6 @@ def test_llama_with_two_kv_heads_at_tp4_and_tp8(hf_dirs):
 
 # ---------------------------------------------------------------------------
 # Import: logits at tp = 1, 2, 4
-
-def _import_body(ctx, hf_dir, ids, ref):
-    cfg = load_config(None, [f"model.init_from=hf:{hf_dir}", f"parallel.tp={ctx.tp}",
-                             "model.dropout=0"]).validate(ctx.world_size)
-    model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, seed=None)
-    load_hf_weights(model, hf_dir, ctx.tp_rank, ctx.tp)
-    model.eval()
-    assert_close(model.full_logits(ids), ref, rtol=0, atol=ATOL)
-    # the loss HF computes with labels=ids (next-token, shifted)
-    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
-    hf_loss = F.cross_entropy(ref[:, :-1].reshape(-1, ref.shape[-1]), ids[:, 1:].reshape(-1))
-    with torch.no_grad():
-        assert_close(model(ids, targets), hf_loss, rtol=0, atol=ATOL)
-        if ctx.tp > 1 and ids.shape[1] % ctx.tp == 0:  # the same import under SP
-            model.set_sequence_parallel(True)
-            assert_close(model(ids, targets), hf_loss, rtol=0, atol=ATOL)
-            model.set_sequence_parallel(False)
-    # every shard is exactly shard(full) of the unsharded import
-    full = build_model(cfg.model, cfg.padded_vocab_size, None, seed=None)
-    load_hf_weights(full, hf_dir, 0, 1)
-    fp = dict(full.named_parameters())
-    for name, p in model.named_parameters():
-        want = shard(fp[name].detach(), p.tp_spec, ctx.tp_rank, ctx.tp)
-        assert torch.equal(p.detach(), want), name
-    # the padded vocabulary rows are zero
-    wte = fp["embed.wte.weight"]
-    assert wte.shape[0] == cfg.padded_vocab_size > VOCAB and not wte[VOCAB:].any()
-
 
 @pytest.mark.parametrize("kind, tp", [("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("gpt2-bin", 2),
                                       ("llama", 1), ("llama", 2), ("llama-untied", 2),
@@ -317,55 +222,9 @@ def test_bad_hf_input_is_one_line_exit_2(hf_dirs, tmp_path, run_single):
 # ---------------------------------------------------------------------------
 # Export: train from HF under TP, export the checkpoint, load it with HF
 
-def train_from_hf(run_train, hf_dir: Path, out: Path, *extra: str) -> Path:
-    """3 steps from ``hf_dir`` under torchrun at tp=2 (and ``extra``); checkpoints at
-    steps 2 and 3."""
-    run_train([f"model.init_from=hf:{hf_dir}", "parallel.tp=2", f"out_dir={out}",
-               "model.seq_len=32", "train.steps=3", "train.micro_batch_size=2",
-               "train.warmup_steps=0", "train.lr=1e-2", "checkpoint.interval=2",
-               "wandb.mode=disabled", "data.kind=synthetic", *extra])
-    return out
-
-
 @pytest.fixture(scope="module")
 def trained_gpt2(hf_dirs, tmp_path_factory, run_train):
     return train_from_hf(run_train, hf_dirs["gpt2"][0], tmp_path_factory.mktemp("run") / "gpt2")
-
-
-def _oases_from_checkpoint(run_dir: Path, ck: Path):
-    """The checkpoint loaded into an oases model at tp=1 (the trainer's own loader)."""
-    from oases.parallel.groups import ParallelContext
-    from oases.runtime import checkpoint as ckpt
-    from oases.runtime.optim import build_optimizer
-    from oases.runtime.trainer import model_shape
-
-    cfg = load_config(str(run_dir / "config.yaml"), ["parallel.tp=1"]).validate(1)
-    model = build_model(cfg.model, cfg.padded_vocab_size, seed=None)
-    ctx = ParallelContext.single()
-    meta, _ = ckpt.load(ck, model, build_optimizer(model, cfg.train, ctx.device), ctx,
-                        model_shape(cfg))
-    return model.eval(), meta
-
-
-_SINGLE = "ignore:torch.distributed is disabled:UserWarning"  # ckpt.load without a group
-
-
-def export_and_compare(run_dir: Path, out: Path, ids: torch.Tensor, before: torch.Tensor):
-    """``python -m oases.export`` of ``run_dir``'s latest (step 3) checkpoint: HF loads it
-    with the logits of the checkpoint loaded into oases, moved by training."""
-    proc = subprocess.run([sys.executable, "-m", "oases.export", str(run_dir), "--to-hf",
-                           str(out)], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "step_000003" in proc.stdout  # a run dir exports its latest checkpoint
-    hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    ours, meta = _oases_from_checkpoint(run_dir, run_dir / "checkpoints" / "step_000003")
-    assert meta["step"] == 3
-    with torch.no_grad():
-        theirs = hf(ids).logits
-    assert_close(theirs, ours.full_logits(ids), rtol=0, atol=ATOL)
-    assert (theirs - before).abs().max() > 1e-2  # training moved the weights
-    return hf
 
 
 @pytest.mark.filterwarnings(_SINGLE)

@@ -21,8 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from torch.testing import assert_close  # noqa: E402
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2ForCausalLM  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
@@ -33,21 +32,11 @@ from oases.config import ModelConfig, load_config  # noqa: E402
 from oases.config.hf import hf_model_fields  # noqa: E402
 from oases.errors import ConfigError  # noqa: E402
 from oases.parallel.loss import IGNORE_INDEX  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from tests.test_hf import (_SINGLE, ATOL, VOCAB, B, T, _edited, _import_body,  # noqa: E402
-                           export_and_compare, make_hf_model, save_hf, train_from_hf)
-
-LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=16)
-ARCH_KINDS = {
-    "llama3": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True,
-                                                   rope_scaling=LLAMA3)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6,
-                                                  num_key_value_heads=1)),
-    "qwen2-untied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
-    "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False,
-                                                        sliding_window=8)),
-}
+from tests.support.distributed import run_distributed  # noqa: E402
+from tests.support.hf_models import (ARCH_KINDS, ATOL, LLAMA3, VOCAB, B, T,  # noqa: E402
+                                     export_and_compare, make_hf_model, save_hf, train_from_hf)
+from tests.support.hf_models import (NO_GROUP_WARNING as _SINGLE,  # noqa: E402
+                                     edited_hf_dir as _edited, hf_import_body as _import_body)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = (str(REPO / "oases"), str(REPO / "models"))
@@ -74,7 +74,7 @@ class _Masked:
 
 def _body(ctx, engine: str) -> None:
     from oases.config import load_config
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
@@ -84,7 +84,7 @@ def _body(ctx, engine: str) -> None:
                              "parallel.recompute=fine" if engine == "oases" else
                              "parallel.recompute=full"]).validate(ctx.world_size)
     tracker = seed_tracker(cfg, ctx)
-    state = training_for(cfg, ctx, model_for(cfg, ctx, tracker, None, cfg.seed), tracker)
+    state = build_train_state(cfg, ctx, build_rank_model(cfg, ctx, tracker, None, cfg.seed), tracker)
     plain = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                          cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
     assert plain.masked is False

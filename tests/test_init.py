@@ -20,7 +20,7 @@ import torch.nn as nn
 from oases.models import build_model
 from oases.config import load_config
 from oases.parallel.sharding import TPSpec, init_parameters, shard, unshard
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 SPECS = {
     "column": TPSpec(0, (24, 6)),

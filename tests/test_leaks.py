@@ -18,7 +18,7 @@ import torch
 from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 
 def _trained(ctx, level: int):
@@ -31,7 +31,7 @@ def _trained(ctx, level: int):
                           tied_head=tied, zero=level > 0)
     assert reducer._handles, "the reducer must hook the parameters for this test to mean much"
     if level >= 3:
-        assert reducer.shards.store is not None and reducer.shards.handles
+        assert reducer.ownership.store is not None and reducer.ownership.handles
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     reducer.zero_grad()
     reducer.arm()

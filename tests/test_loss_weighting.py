@@ -33,7 +33,7 @@ import torch
 import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 SEQ = 16
 SEED = 5
@@ -122,7 +122,7 @@ def _step_body(ctx, ref: tuple) -> None:
     engine cuts each into 2 sub-batches)."""
     from oases.models import build_model
     from oases.dp.reducer import GradReducer
-    from oases.overlap.engines import build_schedule
+    from oases.overlap.engines import build_engine
     from oases.runtime.optim import build_optimizer
     from oases.runtime.step import TrainState, train_step
 
@@ -133,7 +133,7 @@ def _step_body(ctx, ref: tuple) -> None:
         model.train()
         opt = build_optimizer(model, cfg.train, ctx.device)
         reducer = GradReducer(model, ctx.dp_group, cfg.parallel.dp_bucket_mb)
-        schedule = build_schedule(engine, ctx.tp_group, cfg.sub_batches,
+        schedule = build_engine(engine, ctx.tp_group, cfg.sub_batches,
                                   cfg.parallel.recompute)
         batches = _Rows(x, y, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp)
         loss, _ = train_step(TrainState(cfg, ctx, model, opt, reducer, schedule), batches, 0.0)
@@ -168,7 +168,7 @@ PIPE_CASES = [
 def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
     from oases.parallel.groups import build_pipeline_context
     from oases.parallel.layout import stages_layout, uniform_layout
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import ValBatches
     from oases.runtime.step import evaluate, train_step
 
@@ -179,8 +179,8 @@ def _pipe_body(rank: int, cases: list, val: str, refs: dict) -> None:
                   else stages_layout(stages, PIPE_WORLD, n, "test", cfg.pipeline_batch))
         ctx = build_pipeline_context(layout, torch.device("cpu"), True)
         tracker = seed_tracker(cfg, ctx)
-        model = model_for(cfg, ctx, tracker, None, SEED)
-        ts = training_for(cfg, ctx, model, tracker)
+        model = build_rank_model(cfg, ctx, tracker, None, SEED)
+        ts = build_train_state(cfg, ctx, model, tracker)
         pipe = ts.pipe
         rows = cfg.pipeline_batch // ctx.dp  # this replica's share of a micro-batch
         # evaluation first (the weights are still the reference's)

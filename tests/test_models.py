@@ -33,7 +33,8 @@ from oases.config import load_config
 from oases.errors import ConfigError
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import unshard
-from tests.distributed import run_distributed
+from tests.support.configs import tiny_config
+from tests.support.distributed import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 SEED = 7
@@ -41,8 +42,7 @@ B, T = 2, 32
 
 
 def _cfg(name: str, tp: int, world: int, extra=()):
-    return load_config(None, [f"model.name={name}", "model.dropout=0", f"parallel.tp={tp}",
-                              *extra]).validate(world)
+    return tiny_config(*extra, world=world, synthetic=False, name=name, dropout=0, tp=tp)
 
 
 def _gather(t: torch.Tensor, ctx) -> list[torch.Tensor]:

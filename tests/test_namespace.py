@@ -14,6 +14,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,6 +39,7 @@ def test_the_source_tree_link_points_at_the_zoo():
     assert (REPO / "models" / "__init__.py").is_file()
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_a_users_models_package_and_ours_live_side_by_side(tmp_path):
     """From a project directory with its own ``models`` package (first on sys.path, as
     ``python -m`` puts the current directory): the config command, a one-process training

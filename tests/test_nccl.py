@@ -2,7 +2,7 @@
 
 On CPU every test here skips with a reason (the ``cuda`` marker, tests/conftest.py);
 the CPU suite checks the same orderings under NCCL's rules emulated on gloo
-(tests/distributed.py). Here each layout trains 3 steps through ``torchrun
+(tests/support/distributed.py). Here each layout trains 3 steps through ``torchrun
 train.py`` on 2 GPUs and its losses must equal those of the same global batch on
 one GPU. fp32 with TF32 off (``NVIDIA_TF32_OVERRIDE=0``), dropout 0: the sharded
 runs differ from the reference by float32 rounding in another summation order
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun_procs import metrics
+from tests.support.torchrun_procs import metrics
 
 pytestmark = pytest.mark.slow
 

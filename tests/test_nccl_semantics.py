@@ -1,6 +1,6 @@
 """The CPU suite's NCCL tier checks itself: the point-to-point emulation hangs (as a
 clear error) where NCCL would, and the collective-order recorder catches ranks that
-disagree. Every ``run_distributed`` body runs under both (tests/distributed.py)."""
+disagree. Every ``run_distributed`` body runs under both (tests/support/distributed.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.collective_order import compare
-from tests.distributed import run_distributed
+from tests.support.collective_order import compare
+from tests.support.distributed import run_distributed
 
 
 def _issue_example(rank: int, groups: int, batched: bool) -> None:
@@ -74,7 +74,7 @@ def test_tags_are_ignored():
 
 
 def _order_body(rank: int) -> None:
-    from tests import collective_order
+    from tests.support import collective_order
 
     t = torch.ones(4)
     g = dist.new_group([0, 1])
@@ -83,10 +83,10 @@ def _order_body(rank: int) -> None:
     th.start()
     th.join()
     dist.broadcast(t, src=0, group=g)
-    assert collective_order._LOG[g.group_name] == [
+    assert collective_order.LOG[g.group_name] == [
         ["all_reduce", [[4], "float32"]], ["all_reduce", [[2], "float32"]],
-        ["broadcast", [[4], "float32"]]], collective_order._LOG
-    assert collective_order._LOG["world"][-1] == ["new_group", [0, 1]]
+        ["broadcast", [[4], "float32"]]], collective_order.LOG
+    assert collective_order.LOG["world"][-1] == ["new_group", [0, 1]]
 
 
 def test_recorder_sees_every_thread():

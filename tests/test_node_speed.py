@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.lib.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem, cleanup_stale_cgroups,
-                                       cluster_quotas, cpu_quotas)
+from benchmarks.emucluster.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
+                                              cleanup_stale_cgroups, cluster_quotas, cpu_quotas)
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape, RunShape

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
-from oases.overlap.megatron import MegatronSchedule
+from oases.overlap.megatron import MegatronEngine
 from oases.runtime import metrics
 from oases.runtime.metric_keys import GROUPED, STEP_KEYS
-from tests import torchrun_procs
-from tests.distributed import run_distributed
-from tests.test_pipeline_checkpoint import _train as train_run
+from tests.support import torchrun_procs
+from tests.support.distributed import run_distributed
+from tests.support.loop import train_worker
 
 STEPS = 4
 BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"train.steps={STEPS}",
@@ -81,13 +81,13 @@ class _StepTimes:
 
 
 def _train(rank: int, overrides: list[str], calls: str) -> None:
-    """tests/test_pipeline_checkpoint.py's run, with the recording ``wandb`` and the
-    1 s / 3 s step times."""
-    from oases.runtime import trainer
+    """The trainer's loop in a gloo worker (:func:`train_worker`), with the recording
+    ``wandb`` and the 1 s / 3 s step times."""
+    from oases.runtime import run
 
     sys.modules["wandb"] = fake_wandb(Path(calls))
-    trainer.IntervalTimer = _StepTimes
-    train_run(rank, overrides)
+    run.IntervalTimer = _StepTimes  # the step clock Run builds
+    train_worker(rank, overrides)
 
 
 def _calls(path: Path) -> list[dict]:
@@ -152,7 +152,7 @@ def test_megatron_labels_each_block_under_a_profiler():
     cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layer=2", "model.seq_len=16",
                              "parallel.recompute=full"]).validate()
     model = build_model(cfg.model, cfg.padded_vocab_size, recompute="full").train()
-    engine = MegatronSchedule()
+    engine = MegatronEngine()
     ids = torch.randint(0, 256, (2, 16))
     engine.forward_backward(model, ids, ids)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -3,7 +3,7 @@ forward gives the losses and gradients of the unpaired schedule, and of plain
 autograd.
 
 The reference is plain autograd run on each sub-batch of each micro-batch alone,
-from that sub-batch's RNG streams (the replay rule of tests/test_schedule.py), so
+from that sub-batch's RNG streams (the replay rule of tests/test_tp_engine_parity.py), so
 dropout 0.1 is checked mask for mask. Pairing changes only when the programs run,
 not what they compute: against the unpaired engine, losses and gradients agree to
 fp32 rounding of the accumulation (atol 1e-6 / rtol 1e-5, as the engine parity
@@ -20,13 +20,13 @@ import torch
 from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
-from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
-                                   sub_batch_rng_streams)
+from oases.overlap.engines import MegatronEngine, OasesEngine
+from oases.overlap.rng_streams import rng_restore, sub_batch_rng_streams
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
 from oases.runtime.step import paired_forward_backward
-from tests.distributed import run_distributed
-from tests.test_schedule import _full_grads
+from tests.support.distributed import run_distributed
+from tests.support.parity import full_grads, run_case
 
 CPU = torch.device("cpu")
 
@@ -46,8 +46,8 @@ def _plain(model, tracker, micro, n_sub):
         parts = []
         for s, (a, b) in enumerate(zip(ids.chunk(n_sub), y.chunk(n_sub))):
             live[0] = tracker.get_states()
-            _rng_restore(tracker, CPU, streams[s])
-            parts.append(MegatronSchedule().forward_backward(model, a, b, 1.0 / (n_sub * len(micro))))
+            rng_restore(tracker, CPU, streams[s])
+            parts.append(MegatronEngine().forward_backward(model, a, b, 1.0 / (n_sub * len(micro))))
             tracker.set_states(live[0])
         losses.append(torch.stack(parts).mean())
     return losses
@@ -64,7 +64,7 @@ def _engine_body(ctx, name, grad_accum, n_sub):
     results = {}
     for mode in ("plain", "unpaired", "paired"):
         model, tracker = _model(ctx, cfg)
-        eng = OasesSchedule(ctx.tp_group, n_sub, "fine", tracker)
+        eng = OasesEngine(ctx.tp_group, n_sub, "fine", tracker)
         with CommCounter() as counter:
             if mode == "plain":
                 losses = _plain(model, tracker, micro, n_sub)
@@ -72,7 +72,7 @@ def _engine_body(ctx, name, grad_accum, n_sub):
                 losses = [eng.forward_backward(model, x, y, w) for (x, y), w in zip(micro, seeds)]
             else:
                 losses = paired_forward_backward(eng, model, micro, seeds, _null, lambda: None)
-        results[mode] = (torch.stack(losses), _full_grads(model, ctx), dict(counter.counts))
+        results[mode] = (torch.stack(losses), full_grads(model, ctx), dict(counter.counts))
     ref_losses, ref_grads, _ = results["plain"]
     for mode in ("unpaired", "paired"):
         losses, grads, _ = results[mode]
@@ -109,13 +109,13 @@ def _cfg(name, fb, grad_accum, dropout, pp=1, tp=2, kind="eager-1f1b", world=4, 
 def _train(ctx, cfg, steps=2):
     """Losses of ``steps`` train_step calls, the first step's gradients (under ZeRO the
     weights it produced) and collectives."""
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
+    ts = build_train_state(cfg, ctx, model, tracker)
     schedule, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
@@ -135,8 +135,8 @@ def _train(ctx, cfg, steps=2):
         losses.append(loss)
         if s == 0:
             counts = dict(counter.counts)
-            if reducer.shards.sharded:  # ZeRO-2/3 keep only owned gradient ranges: compare weights
-                with reducer.shards.unsharded(opt, model):
+            if reducer.ownership.sharded:  # ZeRO-2/3 keep only owned gradient ranges: compare weights
+                with reducer.ownership.unsharded(opt, model):
                     grads = {k: p.detach().clone() for k, p in model.named_parameters()}
             else:
                 grads = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -178,14 +178,13 @@ def _pp_body(rank, name, grad_accum):
     B, F pairs; then dropout 0 against one unsharded process (test_pipeline_parity)."""
     from oases.parallel.groups import build_pipeline_context
     from oases.parallel.layout import uniform_layout
-    from tests.test_pipeline_parity import _run_case
 
     cfgs = [_cfg(name, fb, grad_accum, 0.1, pp=2) for fb in (False, True)]
     layout = uniform_layout(4, 2, 2, cfgs[0].model.n_layer)
     ctx = build_pipeline_context(layout, CPU, bool(cfgs[0].model.tie_embeddings))
     _compare(ctx, cfgs, f"pp2xtp2 {name} ga={grad_accum}")
     cfg = _cfg(name, True, grad_accum, 0.0, pp=2)
-    _run_case(rank, cfg, layout, 2, f"pp2xtp2 {name} ga={grad_accum} vs unsharded")
+    run_case(rank, cfg, layout, 2, f"pp2xtp2 {name} ga={grad_accum} vs unsharded")
 
 
 @pytest.mark.parametrize("name,grad_accum", [("gpt-tiny", 2), ("llama-tiny", 4)])

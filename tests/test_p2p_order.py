@@ -7,7 +7,7 @@ schedule. With one group for both directions of a stage pair (the transfers as
 they were built before: plain isend/irecv on one group) the same lists hang:
 gpipe and 1f1b at every pp and micro-batch count, every overlap_fb case, and
 eager-1f1b below 2pp-1 micro-batches. The multi-process side (the same rules on
-gloo, :mod:`tests.nccl_semantics`) runs every pipeline parity test.
+gloo, :mod:`tests.support.nccl_semantics`) runs every pipeline parity test.
 """
 
 from __future__ import annotations

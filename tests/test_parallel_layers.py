@@ -6,7 +6,7 @@ locally, and compares this rank's sharded result with the matching shard of the
 reference (and, for weights, the gathered + unsharded gradient with the full one).
 
 tp=1 runs in-process with ``tp_group=None`` (the layers must then be plain
-layers); tp=2/4 run in gloo worker processes (tests/distributed.py).
+layers); tp=2/4 run in gloo worker processes (tests/support/distributed.py).
 
 Tolerances: fp32 throughout. A sharded matmul sums the same products as the
 unsharded one but in a different order (partial sums over in/tp, then the
@@ -31,7 +31,7 @@ from oases.parallel.comm import (CommCounter, all_gather_to_tp, all_reduce, copy
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oases.parallel.loss import vocab_parallel_cross_entropy
 from oases.parallel.sharding import TPSpec, init_parameters, shard, unshard
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 # ---------------------------------------------------------------------------
 # helpers usable both in-process (group=None) and in a worker

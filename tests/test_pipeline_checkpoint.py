@@ -21,14 +21,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from oases.runtime import trainer
-from tests.conftest import resume_copy
-from tests.distributed import run_distributed
-
-import torch._inductor.config  # noqa: E402,F401  isort: skip  (see test_reshard.py)
+from tests.support.configs import MIXED_STAGES
+from tests.support.loop import records, train_workers
+from tests.support.runs import resume_copy
 
 STEPS = 4
 BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"train.steps={STEPS}",
@@ -37,31 +33,8 @@ BASE = ["model.name=gpt-tiny", "model.seq_len=32", "data.kind=synthetic", f"trai
         "eval.interval=0", "wandb.mode=disabled", "seed=11"]
 
 
-def _train(rank: int, overrides: list[str]) -> None:
-    from oases.config import load_config
-    from oases.parallel.groups import build_context, build_pipeline_context
-    from oases.planner.online import resolve_layout
-
-    world = dist.get_world_size()
-    cfg = load_config(None, overrides).validate(world)
-    if cfg.parallel.pp > 1:
-        ctx = build_pipeline_context(resolve_layout(cfg, world), torch.device("cpu"),
-                                     bool(cfg.model.tie_embeddings))
-    else:
-        ctx = build_context(cfg.parallel.tp, torch.device("cpu"))
-    if ctx.is_main:
-        trainer.check_out_dir(cfg)
-    dist.barrier()
-    trainer._run(cfg, ctx)
-
-
 def train(out: Path, world: int, *extra: str) -> None:
-    run_distributed(_train, world=world, tp=None, args=([*BASE, f"out_dir={out}", *extra],))
-
-
-def records(out: Path) -> dict[int, dict]:
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in recs if "loss" in r}
+    train_workers(out, world, [*BASE, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +63,7 @@ LAYOUTS = {  # name: (world, overrides)
     # its own way; the checkpoint holds it once
     "tp1xdp2|tp2": (4, ["parallel.pp=2", "train.grad_accum=2"]),  # 2 x 2 sequences
 }
-STAGES = {"tp1xdp2|tp2": [{"layers": [0, 2], "dp": 2, "tp": 1},
-                          {"layers": [2, 4], "dp": 1, "tp": 2}]}
+STAGES = {"tp1xdp2|tp2": MIXED_STAGES}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -26,11 +26,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-
-WORLD = 4
-SEQ = 16
-MBS = 4         # per DP rank of the default layout
+from tests.support.distributed import run_distributed
+from tests.support.parity import MBS, SEQ, WORLD, run_case, stage, unsharded_reference
 
 
 def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, grad_accum: int, *extra: str):
@@ -45,74 +42,6 @@ def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, grad_accum: int,
                              "train.lr=1e-3", "data.kind=synthetic", "wandb.mode=disabled",
                              *extra])
     return cfg.validate(WORLD)
-
-
-def _reference(cfg, steps: int):
-    """Losses, norm and gradients (after step 1) of one unsharded process."""
-    from oases.models import build_model
-    from oases.dp.reducer import GradReducer
-    from oases.parallel.groups import ParallelContext
-    from oases.runtime.data import TrainBatches
-    from oases.runtime.optim import build_optimizer
-    from oases.runtime.step import TrainState, train_step
-
-    ctx = ParallelContext.single()
-    model = build_model(cfg.model, cfg.padded_vocab(1), None, seed=cfg.seed)
-    opt = build_optimizer(model, cfg.train, ctx.device)
-    reducer = GradReducer(model, None)
-    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                           cfg.pipeline_batch, 0, 1, cfg.seed)
-    losses, grads, norm = [], None, None
-    for s in range(steps):
-        loss, n = train_step(TrainState(cfg, ctx, model, opt, reducer), batches, cfg.train.lr)
-        losses.append(loss)
-        if s == 0:
-            norm = n
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    return losses, norm, grads
-
-
-def _check_grads(model, ctx, ref_grads: dict, what: str) -> None:
-    from oases.parallel.sharding import shard
-
-    for name, p in model.named_parameters():
-        spec = getattr(p, "tp_spec", None)
-        rank, size = getattr(p, "tp_coords", (ctx.tp_rank, ctx.tp))
-        want = shard(ref_grads[name], spec, rank, size)
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{what}: {name}: {m}")
-
-
-def _stage(cfg, layout):
-    """(ctx, model, training state, this rank's batches) of this rank's stage."""
-    from oases.parallel.groups import build_pipeline_context
-    from oases.runtime.build import model_for, seed_tracker, training_for
-    from oases.runtime.data import TrainBatches
-
-    ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
-    tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
-    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                           cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
-    return ctx, model, ts, batches
-
-
-def _run_case(rank: int, cfg, layout, steps: int, what: str) -> None:
-    from oases.runtime.step import train_step
-
-    ctx, model, ts, batches = _stage(cfg, layout)
-    st = layout.stages[ctx.stage]
-    degrees = [b.degree for layer in model.layers for b in (layer.attn, layer.mlp)]
-    assert degrees == list(st.degrees or [st.tp] * len(degrees)), (what, degrees)
-    ref_losses, ref_norm, ref_grads = _reference(cfg, steps)
-    for s in range(steps):
-        loss, norm = train_step(ts, batches, cfg.train.lr)
-        assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), \
-            f"{what}: step {s + 1} loss {loss} vs {ref_losses[s]}"
-        if s == 0:
-            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, f"{what}: norm {norm} vs {ref_norm}"
-            _check_grads(model, ctx, ref_grads, what)
 
 
 # (name, pp, tp of the config, plan stages or None). world 4.
@@ -138,7 +67,7 @@ def _body(rank: int, layout_name: str, cases: list) -> None:
             layout = uniform_layout(WORLD, pp, tp, cfg.model.n_layer)
         else:
             layout = stages_layout(stages, WORLD, cfg.model.n_layer, "test", cfg.pipeline_batch)
-        _run_case(rank, cfg, layout, 2, f"{layout_name} {arch} {engine} {kind}")
+        run_case(rank, cfg, layout, 2, f"{layout_name} {arch} {engine} {kind}")
 
 
 ENGINES = [("megatron", "none"), ("oases", "fine")]
@@ -167,7 +96,7 @@ def _nonfinite_body(rank: int) -> None:
 
     from oases.parallel.groups import build_pipeline_context
     from oases.parallel.layout import uniform_layout
-    from oases.runtime.build import model_for, seed_tracker, training_for
+    from oases.runtime.build import build_rank_model, seed_tracker, build_train_state
     from oases.runtime.data import TrainBatches
     from oases.runtime.step import train_step
 
@@ -175,8 +104,8 @@ def _nonfinite_body(rank: int) -> None:
     ctx = build_pipeline_context(uniform_layout(WORLD, 2, 2, cfg.model.n_layer),
                                  torch.device("cpu"), True)
     tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
+    model = build_rank_model(cfg, ctx, tracker, None, cfg.seed)
+    ts = build_train_state(cfg, ctx, model, tracker)
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
                            cfg.pipeline_batch // ctx.dp, ctx.dp_rank, ctx.dp, cfg.seed)
     if rank == 0:
@@ -216,7 +145,7 @@ def _bf16_body(rank: int, cases: list) -> None:
             cfg = _cfg(arch, engine, "1f1b", pp, tp, 3, f"train.precision={precision}", *extra)
             layout = (uniform_layout(WORLD, pp, tp, cfg.model.n_layer) if stages is None else
                       stages_layout(stages, WORLD, cfg.model.n_layer, "test", cfg.pipeline_batch))
-            ctx, model, ts, batches = _stage(cfg, layout)
+            ctx, model, ts, batches = stage(cfg, layout)
             with CommCounter() as counter:
                 loss, norm = train_step(ts, batches, cfg.train.lr)
             moved[precision] = {k: counter.bytes[k] for k in LINK}
@@ -228,7 +157,7 @@ def _bf16_body(rank: int, cases: list) -> None:
         assert total[:2].tolist() == [crossing, crossing], (what, total, crossing)
         assert (total[2] > 0) == (stages is not None), (what, total)  # tp2 replica: fan-out
         assert {k: 2 * v for k, v in moved["bf16"].items()} == moved["fp32"], (what, moved)
-        ref_losses, ref_norm, ref_grads = _reference(cfg, 1)
+        ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 1)
         if ctx.is_last_stage:
             assert abs(loss - ref_losses[0]) <= BF16_LOSS_RTOL * ref_losses[0], (what, loss)
         assert abs(norm - ref_norm) <= BF16_NORM_RTOL * ref_norm, (what, norm, ref_norm)

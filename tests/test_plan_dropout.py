@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 DEGREES = [2, 1, 1, 2, 2, 1, 1, 2]  # attn, mlp of 4 layers at T = 2
 
@@ -28,7 +28,7 @@ def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
     from oases.models import build_model
     from oases.config import load_config
     from oases.dp.reducer import GradReducer
-    from oases.overlap.engines import build_schedule
+    from oases.overlap.engines import build_engine
     from oases.parallel.random import TPRNGTracker
     from oases.parallel.reshard import grad_group_of
     from oases.runtime.data import TrainBatches
@@ -53,7 +53,7 @@ def _step(ctx, schedule: str, degrees, shared_masks: bool = False):
     opt = build_optimizer(model, cfg.train, ctx.device)
     reducer = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
     batches = TrainBatches(cfg.data, 16, cfg.model.vocab_size, 8, 0, 1, cfg.seed)
-    engine = build_schedule(schedule, ctx.tp_group, 4, cfg.parallel.recompute, tracker)
+    engine = build_engine(schedule, ctx.tp_group, 4, cfg.parallel.recompute, tracker)
     state = TrainState(cfg, ctx, model, opt, reducer, engine)
     loss, _ = train_step(state, batches, 0.0)  # lr 0
     grads = {}

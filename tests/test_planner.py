@@ -18,7 +18,7 @@ from oases.models import build_model
 from oases.config import load_config
 from oases.dp.reducer import GradReducer
 from oases.errors import UserError
-from oases.overlap.engines import build_schedule
+from oases.overlap.engines import build_engine
 from oases.parallel.reshard import grad_group_of
 from oases.parallel.sharding import unshard
 from oases.planner import ilp
@@ -26,7 +26,7 @@ from oases.planner.cluster import Cluster, load_cluster
 from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile, calibrate_host_cost
 from oases.planner.plan_file import Plan, check_plan, load_plan
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -336,7 +336,7 @@ def _mixed_body(ctx, degrees, name):
         red = GradReducer(model, ctx.dp_group, group_of=grad_group_of(ctx, ctx.tp))
         red.zero_grad()
         red.arm()
-        loss = build_schedule(sched, ctx.tp_group, 2, rc).forward_backward(model, ids[mine], y[mine])
+        loss = build_engine(sched, ctx.tp_group, 2, rc).forward_backward(model, ids[mine], y[mine])
         red.finish()
         mean = loss.clone()
         if ctx.dp > 1:

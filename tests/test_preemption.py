@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_single, subprocess_env
+from tests.support.runs import REPO, run_single, subprocess_env
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ vocab_size=300 makes the padded vocabulary differ with tp (vocab_pad_to=64:
 320 rows at tp=1, 384 at tp=2, 512 at tp=4), so the embedding and its Adam
 moments change shape between layouts.
 
-Everything runs in forked gloo workers (tests/distributed.py), so no process
+Everything runs in forked gloo workers (tests/support/distributed.py), so no process
 re-imports torch: the whole module takes ~15 s on 2 cores.
 """
 
@@ -36,44 +36,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from oases.runtime import trainer
-from tests.conftest import REPO, resume_copy, subprocess_env
-from tests.distributed import run_distributed
+from tests.support.configs import CKPT_RUN, CKPT_STEPS
+from tests.support.loop import records, train_workers
+from tests.support.runs import REPO, resume_copy, subprocess_env
 
-# trainer._run calls torch.use_deterministic_algorithms, which imports torch._inductor
-# (~2 s of CPU); imported here once, every forked worker inherits it.
+# A training run imports torch._inductor (~2 s of CPU): imported here once, every forked
+# worker inherits it.
 import torch._inductor.config  # noqa: E402,F401  isort: skip
 
-STEPS = 4
-BASE = ["model.name=gpt-tiny", "model.vocab_size=300", "model.seq_len=64", "data.kind=synthetic",
-        f"train.steps={STEPS}", "train.lr=3e-3", "train.warmup_steps=2", "train.log_interval=1",
-        "checkpoint.interval=2", "checkpoint.keep=2", "eval.interval=0", "wandb.mode=disabled",
-        "seed=7"]
-
-
-def _train(ctx, overrides):
-    """The real training loop (trainer._run) on the workers' process groups."""
-    from oases.config import load_config
-
-    cfg = load_config(None, overrides).validate(ctx.world_size)
-    if ctx.is_main:
-        trainer.check_out_dir(cfg)
-    dist.barrier()
-    trainer._run(cfg, ctx)
+STEPS = CKPT_STEPS
+BASE = CKPT_RUN
 
 
 def train(out: Path, world: int, tp: int, *extra: str) -> None:
-    run_distributed(_train, world=world, tp=tp,
-                    args=([*BASE, f"out_dir={out}", f"parallel.tp={tp}", *extra],))
-
-
-def records(out: Path) -> dict[int, dict]:
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in recs]
-    assert steps == sorted(set(steps)), steps
-    return {r["step"]: r for r in recs}
+    """The trainer's own loop on ``world`` gloo workers at ``tp``."""
+    train_workers(out, world, [*BASE, f"parallel.tp={tp}", *extra])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ streams of their own and recompute replays nothing); with dropout > 0 every swit
 between sub-batches swaps their streams and recompute replays the forward's masks.
 Both must give the gradients of the megatron engine (plain autograd): with dropout 0
 on the whole micro-batch, with dropout on each sub-batch alone from that sub-batch's
-stream (:func:`sub_batch_rng_streams`, as tests/test_schedule.py). Tolerance as
+stream (:func:`sub_batch_rng_streams`, as tests/test_tp_engine_parity.py). Tolerance as
 there: the engines sum the same fp32 terms in another order (atol 1e-6, rtol 1e-5).
 A block that draws behind the scan's back (``F.dropout`` with a literal rate) is
 refused after its run, not replayed with other masks; declaring it fixes that.
@@ -21,14 +21,14 @@ import torch.nn.functional as F
 import oases.overlap.runner as runner
 from oases.models import build_model
 from oases.config import load_config
-from oases.overlap.engines import MegatronSchedule, OasesSchedule
+from oases.overlap.engines import MegatronEngine, OasesEngine
 from oases.overlap.rng_streams import draws_random
 from oases.overlap.runner import UndeclaredRandomError
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
 from oases.parallel.random import TPRNGTracker
-from tests.distributed import run_distributed
-from tests.test_schedule import _full_grads, _reference
+from tests.support.distributed import run_distributed
+from tests.support.parity import full_grads, sub_batch_reference
 
 CPU = torch.device("cpu")
 
@@ -38,7 +38,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.snaps = self.restores = 0
-        snap, restore = runner._rng_snapshot, runner._rng_restore
+        snap, restore = runner.rng_snapshot, runner.rng_restore
 
         def counted_snap(*a):
             self.snaps += 1
@@ -47,8 +47,8 @@ class _Spy:
         def counted_restore(*a):
             self.restores += 1
             return restore(*a)
-        monkeypatch.setattr(runner, "_rng_snapshot", counted_snap)
-        monkeypatch.setattr(runner, "_rng_restore", counted_restore)
+        monkeypatch.setattr(runner, "rng_snapshot", counted_snap)
+        monkeypatch.setattr(runner, "rng_restore", counted_restore)
 
 
 def _model(ctx, cfg, recompute="none"):
@@ -68,19 +68,19 @@ def _body(ctx, dropout):
     y = torch.randint(0, cfg.model.vocab_size, (4, 32), generator=g)
     ref, tracker = _model(ctx, cfg)
     if dropout == 0:
-        ref_loss = MegatronSchedule().forward_backward(ref, ids, y)
+        ref_loss = MegatronEngine().forward_backward(ref, ids, y)
     else:  # plain autograd on each sub-batch from its own streams
-        ref_loss = _reference(ref, tracker, ids, y, 2)
-    ref_grads = _full_grads(ref, ctx)
+        ref_loss = sub_batch_reference(ref, tracker, ids, y, 2)
+    ref_grads = full_grads(ref, ctx)
     counts = {}
     for rc in ("none", "fine", "full"):
         model, tracker = _model(ctx, cfg)
         spy = _Spy(mp)
-        loss = OasesSchedule(ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, y)
+        loss = OasesEngine(ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, y)
         mp.undo()
         counts[rc] = (spy.snaps, spy.restores)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6, msg=rc)
-        grads = _full_grads(model, ctx)
+        grads = full_grads(model, ctx)
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6,
                                        msg=f"{rc} {k}")
@@ -157,19 +157,19 @@ def test_undeclared_draws_are_refused_declared_ones_replayed():
     torch.manual_seed(0)
     x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     with pytest.raises(UndeclaredRandomError, match="draws_random = True"):
-        OasesSchedule(None, 2, "fine").forward_backward(_Stack(False).train(), x, t)
+        OasesEngine(None, 2, "fine").forward_backward(_Stack(False).train(), x, t)
     # declared: the masks are each sub-batch's own stream's, replayed by recompute
     torch.manual_seed(1)
     model = _Stack(True).train()
-    loss = OasesSchedule(None, 2, "fine").forward_backward(model, x, t)
+    loss = OasesEngine(None, 2, "fine").forward_backward(model, x, t)
     torch.manual_seed(1)
     ref = _Stack(True).train()
-    torch.testing.assert_close(loss, _reference(ref, None, x, t, 2), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, sub_batch_reference(ref, None, x, t, 2), rtol=1e-6, atol=1e-7)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
     # and the masks matter: another stream gives other gradients
     torch.manual_seed(2)
     other = _Stack(True).train()
-    OasesSchedule(None, 2, "fine").forward_backward(other, x, t)
+    OasesEngine(None, 2, "fine").forward_backward(other, x, t)
     assert max((p.grad - q.grad).abs().max() for p, q in
                zip(other.parameters(), ref.parameters())) > 1e-4

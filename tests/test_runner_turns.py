@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from oases.models import build_model
 from oases.config import load_config
-from oases.overlap.engines import OasesSchedule
-from oases.overlap.runner import OasesRun, run_joint
+from oases.overlap.engines import OasesEngine
+from oases.overlap.runner import MicroBatchRun, run_joint
 
 
 def _turns(n: int, stagger: bool, segments: int = 3) -> list[str]:
@@ -20,7 +20,7 @@ def _turns(n: int, stagger: bool, segments: int = 3) -> list[str]:
             log.append(f"{name}{k}")
             yield [("ar", torch.zeros(1), None)]  # a one-rank collective: handed back as is
 
-    run = OasesRun(nn.Module(), [], [], [None] * n, [None] * n, None, torch.device("cpu"),
+    run = MicroBatchRun(nn.Module(), [], [], [None] * n, [None] * n, None, torch.device("cpu"),
                    rng=False, stagger=stagger)
     run_joint([(run, [program("abcd"[s]) for s in range(n)])])
     return log
@@ -46,7 +46,7 @@ def test_the_engine_staggers_sequence_parallel_runs_of_three_or_more():
     ids = torch.zeros(4, 8, dtype=torch.long)
     for sp, n, staggered in [(True, 4, True), (True, 2, False), (False, 4, False)]:
         model.set_sequence_parallel(sp)
-        run = OasesSchedule(None, n)._start(model, ids, ids, None)
+        run = OasesEngine(None, n)._start(model, ids, ids, None)
         assert run.stagger == staggered, (sp, n)
 
 

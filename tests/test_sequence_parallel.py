@@ -9,9 +9,9 @@
   attention dropout of each rank's heads comes from its own stream, which no unsharded
   run draws. Tolerances: that harness's (fp32 rounding of sharded sums).
 * With dropout on, against the same model without SP at the same tp (whose equality to
-  plain autograd tests/test_schedule.py checks): the residual and embedding masks of a
+  plain autograd tests/test_tp_engine_parity.py checks): the residual and embedding masks of a
   sequence chunk must be that chunk of the whole sequence's, or the gradients differ
-  by far more than the tolerance (tests/test_schedule.py's, atol 1e-6 / rtol 1e-5).
+  by far more than the tolerance (tests/test_tp_engine_parity.py's, atol 1e-6 / rtol 1e-5).
 * A block of a user's own, built from the parallel layers with its norm inside its
   ``partial``, gets SP with no code of its own.
 * Collectives: under SP no block all-reduces; ``fine`` re-issues no forward collective.
@@ -34,16 +34,16 @@ from oases.models import build_model
 from oases.config import load_config
 from oases.dp.replicas import SequenceGradSum
 from oases.errors import ConfigError
-from oases.overlap.engines import build_schedule
+from oases.overlap.engines import build_engine
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import set_spec
-from tests.distributed import run_distributed
-from tests.test_pipeline_parity import MBS, SEQ, WORLD, _run_case
-from tests.test_schedule import PAIRS, _full_grads, _reference
-from tests.test_zero import PARAM_ATOL, run_levels
+from tests.support.distributed import run_distributed
+from tests.support.parity import (MBS, PAIRS, SEQ, WORLD, full_grads, run_case,
+                                  sub_batch_reference)
+from tests.support.zero_levels import PARAM_ATOL, run_levels
 
 
 def _cfg(arch: str, schedule: str, recompute: str, pp: int, tp: int, *extra: str):
@@ -64,7 +64,7 @@ def _unsharded_body(rank: int, cases: list, steps: int = 2) -> None:
         cfg = _cfg(arch, schedule, recompute, pp, tp, *extra)
         layout = (stages_layout(stages[0], WORLD, cfg.model.n_layer, "test", cfg.pipeline_batch)
                   if stages else uniform_layout(WORLD, pp, tp, cfg.model.n_layer))
-        _run_case(rank, cfg, layout, steps,
+        run_case(rank, cfg, layout, steps,
                   f"SP {arch} {schedule}/{recompute} pp{pp} tp{tp} {extra}")
 
 
@@ -133,13 +133,13 @@ def _run(ctx, cfg, mode, ids, y, sp: bool, swap=None):
     n = mode[2] if len(mode) > 2 else 2  # sub-batches (their RNG streams); 4: staggered
     with CommCounter() as counter:
         if sched == "megatron":
-            loss = _reference(model, tr, ids, y, n)
+            loss = sub_batch_reference(model, tr, ids, y, n)
         else:
-            loss = build_schedule("oases", ctx.tp_group, n, rc, tr).forward_backward(model, ids, y)
+            loss = build_engine("oases", ctx.tp_group, n, rc, tr).forward_backward(model, ids, y)
     summed = SequenceGradSum.for_model(model, ctx.tp_group)
     if summed is not None:
         summed()
-    return loss, _full_grads(model, ctx), counter.counts
+    return loss, full_grads(model, ctx), counter.counts
 
 
 def _dropout_body(ctx, name: str, modes: list, swap=None) -> None:
@@ -176,9 +176,9 @@ def _dropout_body(ctx, name: str, modes: list, swap=None) -> None:
     for layer in model.layers:
         layer.mlp.batch_part = (ctx.tp_rank, 1)  # a wrong part: other rows' masks
         layer.mlp.combine = _own_mask(layer.mlp)
-    _reference(model, tr, ids, y, 2)
+    sub_batch_reference(model, tr, ids, y, 2)
     SequenceGradSum.for_model(model, ctx.tp_group)()
-    other = _full_grads(model, ctx)
+    other = full_grads(model, ctx)
     assert max((other[k] - ref[k]).abs().max() for k in ref) > 1e-4
 
 
@@ -284,11 +284,11 @@ def _bf16_run(ctx, cfg, mode, ids, y, amp, tp_group, fp32_wire=False, swap=None)
         if fp32_wire:
             for where in ("oases.parallel.sequence", "oases.overlap.sequence"):
                 stack.enter_context(mock.patch(f"{where}.to_wire", _same))
-        loss = build_schedule(sched, tp_group, 2, rc, tr).forward_backward(model, ids, y, amp=amp)
+        loss = build_engine(sched, tp_group, 2, rc, tr).forward_backward(model, ids, y, amp=amp)
     if tp_group is None:
         return loss, {n: p.grad for n, p in model.named_parameters()}, {}
     SequenceGradSum.for_model(model, tp_group)()
-    return loss, _full_grads(model, ctx), dict(counter.bytes)
+    return loss, full_grads(model, ctx), dict(counter.bytes)
 
 
 def _bf16_body(ctx, name: str) -> None:

@@ -9,16 +9,14 @@ import json
 import pytest
 import torch
 
-from oases.config import load_config
 from oases.parallel.groups import ParallelContext
 from oases.runtime import sub_batches as S
-from tests.distributed import run_distributed
+from tests.support.configs import tiny_config
+from tests.support.distributed import run_distributed
 
 
 def _cfg(*over, world=2):
-    return load_config(None, ["model.name=gpt-tiny", "parallel.schedule=oases",
-                              "parallel.recompute=fine", "data.kind=synthetic",
-                              *over]).validate(world)
+    return tiny_config(*over, world=world, schedule="oases", recompute="fine")
 
 
 def _ctx(tp: int) -> ParallelContext:
@@ -39,16 +37,16 @@ def test_candidates(over, degrees, want):
 
 
 def test_the_fastest_wins_only_by_a_margin():
-    assert S._fastest({1: 1.00, 2: 0.99}) == 1   # within 3%: fewer sub-batches
-    assert S._fastest({1: 1.00, 2: 0.90}) == 2
-    assert S._fastest({1: 1.00, 2: 0.90, 4: 0.89}) == 2
-    assert S._fastest({1: 1.00, 2: 0.90, 4: 0.80}) == 4
-    assert S._fastest({1: 0.50, 2: 0.90, 4: 0.80}) == 1
+    assert S.fastest_split({1: 1.00, 2: 0.99}) == 1   # within 3%: fewer sub-batches
+    assert S.fastest_split({1: 1.00, 2: 0.90}) == 2
+    assert S.fastest_split({1: 1.00, 2: 0.90, 4: 0.89}) == 2
+    assert S.fastest_split({1: 1.00, 2: 0.90, 4: 0.80}) == 4
+    assert S.fastest_split({1: 0.50, 2: 0.90, 4: 0.80}) == 1
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_what_needs_no_measuring(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "_measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(S, "measure_splits", lambda *a, **k: pytest.fail("measured"))
     cfg, words = S.resolve(_cfg("parallel.schedule=megatron", "parallel.recompute=full"),
                            _ctx(2), None)
     assert words == "" and cfg.parallel.sub_batches == "auto"
@@ -74,7 +72,7 @@ def test_what_needs_no_measuring(tmp_path, monkeypatch):
 
 
 def test_a_measured_choice_is_said(monkeypatch):
-    monkeypatch.setattr(S, "_measure", lambda *a, **k: {1: 0.020, 2: 0.015})
+    monkeypatch.setattr(S, "measure_splits", lambda *a, **k: {1: 0.020, 2: 0.015})
     cfg, words = S.resolve(_cfg("parallel.tp=2"), _ctx(2), None)
     assert cfg.sub_batches == 2 and cfg.parallel.sub_batches == 2
     assert words == "2 sub-batches (auto, measured: 1: 20.0 ms, 2: 15.0 ms per step)"
@@ -83,7 +81,7 @@ def test_a_measured_choice_is_said(monkeypatch):
 def _measure_body(ctx) -> None:
     cfg = _cfg("parallel.tp=2", "model.seq_len=32", "train.micro_batch_size=4")
     before = torch.get_rng_state()
-    times = S._measure(cfg, ctx, None, [1, 2], lambda *a, **k: None)
+    times = S.measure_splits(cfg, ctx, None, [1, 2], lambda *a, **k: None)
     assert torch.equal(before, torch.get_rng_state())  # the run's random state untouched
     assert set(times) == {1, 2} and all(t > 0 for t in times.values())
     got = torch.tensor([times[1], times[2]])

@@ -7,7 +7,7 @@ What is guaranteed (see ``oases.parallel.comm.CommScope``):
   thread autograd runs it (on CUDA a device worker thread; here a thread of our
   own calling ``backward``, which is where autograd runs a CPU graph);
 * a ``CutRecorder`` and a ``SavedTensorMeter`` are per thread;
-* an ``OasesSchedule`` keeps no per-call state: runs may interleave (a pipeline's
+* an ``OasesEngine`` keeps no per-call state: runs may interleave (a pipeline's
   forwards before its backwards) or run on two threads at once.
 """
 
@@ -21,38 +21,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.overlap.engines import OasesSchedule
+from oases.overlap.engines import OasesEngine
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
-from oases.parallel.comm import (CommCounter, CommObserver, CutRecorder, NoopCollectives,
+from oases.parallel.comm import (CommCounter, CutRecorder, NoopCollectives,
                                  all_reduce, copy_to_tp)
-from tests.distributed import run_distributed
-
-
-class _Seen(CommObserver):
-    def __init__(self):
-        self.names = []
-
-    def collective(self, name, lane, work, start=None):
-        self.names.append(name)
-
-
-def _on_thread(fn):
-    """Run ``fn`` on a new thread (as autograd's device thread would) and re-raise."""
-    err = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            err.append(e)
-
-    th = threading.Thread(target=run)
-    th.start()
-    th.join(60)
-    if err:
-        raise err[0]
+from tests.support.distributed import run_distributed
+from tests.support.threads import SeenCollectives, on_thread
 
 
 class _MLP(TPBlock):
@@ -103,7 +79,7 @@ def _scope_body(ctx):
     other = {}
 
     def bystander():  # a counter, an observer and a no-op on another thread, left open
-        with CommCounter() as c, _Seen() as o, NoopCollectives(g):
+        with CommCounter() as c, SeenCollectives() as o, NoopCollectives(g):
             other.update(c=c, o=o)
             entered.set()
             release.wait(30)
@@ -112,7 +88,7 @@ def _scope_body(ctx):
     th.start()
     assert entered.wait(30)
     x = torch.full((3,), float(ctx.tp_rank + 1))
-    with CommCounter() as mine, _Seen() as seen:
+    with CommCounter() as mine, SeenCollectives() as seen:
         all_reduce(x, g)
         assert CutRecorder.current() is None
     release.set()
@@ -125,7 +101,7 @@ def _scope_body(ctx):
     # a backward on another thread reports to its forward's scope, not the thread's
     gy = torch.full((2, 4), float(ctx.tp_rank + 1))
     x = torch.zeros(2, 4, requires_grad=True)
-    with CommCounter() as fwd, _Seen() as fwd_seen:
+    with CommCounter() as fwd, SeenCollectives() as fwd_seen:
         y = copy_to_tp(x, g)
         col = ColumnParallelLinear(4, 4, g)
         xa = torch.randn(2, 4, requires_grad=True)
@@ -136,7 +112,7 @@ def _scope_body(ctx):
                 y.backward(gy)
                 ya.sum().backward()
             assert sum(there.counts.values()) == 0
-        _on_thread(bwd)
+        on_thread(bwd)
     assert dict(fwd.counts) == {"all_reduce": 2} and fwd_seen.names == ["all-reduce"] * 2
     assert torch.equal(x.grad, torch.full((2, 4), 3.0))
 
@@ -144,13 +120,13 @@ def _scope_body(ctx):
     x = torch.zeros(2, 4, requires_grad=True)
     with NoopCollectives(g):
         y = copy_to_tp(x, g)
-        _on_thread(lambda: y.backward(gy))
+        on_thread(lambda: y.backward(gy))
     assert torch.equal(x.grad, gy)
 
     # a graph cut is recorded by the recorder of the forward's own thread only
     cut = {}
     with CutRecorder() as rec:
-        _on_thread(lambda: cut.update(y=copy_to_tp(torch.ones(2, requires_grad=True), g)))
+        on_thread(lambda: cut.update(y=copy_to_tp(torch.ones(2, requires_grad=True), g)))
         assert CutRecorder.current() is rec
     assert rec.cuts == [] and cut["y"].grad_fn is not None  # a plain _CopyToTP there
 
@@ -166,7 +142,7 @@ def _two_engines_body(ctx):
     x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     net = _net(8, groups[0], ctx.tp_rank, ctx.tp)
     with CommCounter() as c:
-        loss = OasesSchedule(groups[0], 2, "fine").forward_backward(net, x, t)
+        loss = OasesEngine(groups[0], 2, "fine").forward_backward(net, x, t)
     alone = (loss, _grads(net), dict(c.counts))  # the same on either group
     assert alone[2]["all_reduce"] > 0
     both, start = {}, threading.Barrier(2)
@@ -175,7 +151,7 @@ def _two_engines_body(ctx):
         net = _net(8, groups[k], ctx.tp_rank, ctx.tp)
         start.wait(30)
         with CommCounter() as c:
-            loss = OasesSchedule(groups[k], 2, "fine").forward_backward(net, x, t)
+            loss = OasesEngine(groups[k], 2, "fine").forward_backward(net, x, t)
         both[k] = (loss, _grads(net), dict(c.counts))
     ths = [threading.Thread(target=run, args=(k,)) for k in range(2)]
     for th in ths:
@@ -204,7 +180,7 @@ def _interleaved_body(ctx):
     ts = [torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     amps = [bf16, contextlib.nullcontext]
-    sched = OasesSchedule(g, 2, "fine")
+    sched = OasesEngine(g, 2, "fine")
     config = dict(vars(sched))
 
     seq = [_net(8, g, ctx.tp_rank, ctx.tp) for _ in range(2)]
@@ -237,7 +213,7 @@ def test_one_engine_on_two_threads_at_once():
     x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     amps = [bf16, contextlib.nullcontext]
-    sched = OasesSchedule(None, 2, "fine")
+    sched = OasesEngine(None, 2, "fine")
     alone = []
     for amp in amps:
         net = _net(8, None, 0, 1)
@@ -268,7 +244,7 @@ def test_saved_tensor_meter_is_per_thread():
             (w @ w).sum()                              # saves w: not for this meter
             SavedTensorMeter.track(torch.ones(1000))   # a stash there: not ours
             SavedTensorMeter.end_of_forward()
-        _on_thread(elsewhere)
+        on_thread(elsewhere)
         assert m.current == 0 and m.peak_bytes == 0 and m.forward_bytes == 0
         y = (w @ w).sum()
         SavedTensorMeter.end_of_forward()

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from oases.config import load_config
-from tests import wandb_records
-from tests.conftest import resume_copy
+from tests.support import wandb_records
+from tests.support.runs import resume_copy
 
 pytestmark = pytest.mark.slow
 

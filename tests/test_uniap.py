@@ -165,15 +165,15 @@ def test_time_limit_keeps_the_warm_start_and_reports_the_gap(monkeypatch):
                           e=pairs(), x=pairs())
     uni = amp.best_uniform(inst)
     start = (uni.partition.starts, [inst.strategies.index(uni.strategy)] * L)
-    prob, var, C, _ = uniap._model(inst)
-    uniap._warm(inst, var, C, *start)
+    prob, var, C, _ = uniap.lp_model(inst)
+    uniap.warm_start(inst, var, C, *start)
     assert prob.valid(1e-9)
     assert prob.objective.value() == pytest.approx(uni.partition.time)
     solvers = []
-    real = uniap._solver
-    monkeypatch.setattr(uniap, "_solver", lambda *a: solvers.append(real(*a)) or solvers[-1])
-    warmed, warm = [], uniap._warm
-    monkeypatch.setattr(uniap, "_warm", lambda *a: warmed.append(a[3:]) or warm(*a))
+    real = uniap.solver_for
+    monkeypatch.setattr(uniap, "solver_for", lambda *a: solvers.append(real(*a)) or solvers[-1])
+    warmed, warm = [], uniap.warm_start
+    monkeypatch.setattr(uniap, "warm_start", lambda *a: warmed.append(a[3:]) or warm(*a))
     got = uniap.solve(inst, time_limit=0.3, start=start)
     assert solvers[0].optionsDict.get("warmStart") and warmed == [start]
     assert all(v.varValue is not None for v in prob.variables())  # _warm left none unset

@@ -13,7 +13,7 @@ must refuse with an error naming the block (the recompute would be silently wron
 
 Tolerances: fp32, the same operations on the same shards; only the order of a few
 additions (residual gradients summed at cuts) differs: atol 1e-6 / rtol 1e-5, as
-in tests/test_schedule.py.
+in tests/test_tp_engine_parity.py.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore,
-                                   sub_batch_rng_streams)
+from oases.overlap.engines import OasesEngine
 from oases.overlap.runner import StashModifiedError
 from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
+from tests.support.parity import sub_batch_reference
 
-CPU = torch.device("cpu")
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
@@ -106,14 +105,9 @@ def _train(ctx, mode, x, t, **kw):
     init_parameters(model, 5, ctx.tp_rank, ctx.tp)
     torch.manual_seed(100)
     if mode == "megatron":  # plain autograd on each sub-batch, as the engine splits it
-        streams = sub_batch_rng_streams(None, CPU, 2)
-        losses = []
-        for s, (a, b) in enumerate(zip(x.chunk(2), t.chunk(2))):
-            _rng_restore(None, CPU, streams[s])
-            losses.append(MegatronSchedule().forward_backward(model, a, b, 0.5))
-        loss = torch.stack(losses).mean()
+        loss = sub_batch_reference(model, None, x, t, 2)
     else:
-        loss = OasesSchedule(ctx.tp_group, 2, mode).forward_backward(model, x, t)
+        loss = OasesEngine(ctx.tp_group, 2, mode).forward_backward(model, x, t)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -1,7 +1,8 @@
-"""ZeRO levels 1-3 against level 0 (replicated), through the real build and step.
+"""ZeRO levels 1-3 against level 0 (replicated), through the real build and step
+(tests/support/zero_levels.py).
 
 Each configuration trains 3 optimizer steps of ``train_step`` from the same seed with
-the objects ``training_for`` builds (reducer with sharded buckets, optimizer over the
+the objects ``build_train_state`` builds (reducer with sharded buckets, optimizer over the
 owned segments, ZeRO-3 parameter store wired into the engine), on synthetic data,
 and the per-step loss, gradient norm and final full parameters must equal level 0's.
 
@@ -26,72 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from oases.config import load_config
-from oases.parallel.sharding import unshard
-from oases.runtime.build import model_for, seed_tracker, training_for
-from oases.runtime.data import TrainBatches
 from oases.runtime.optim import lr_at
 from oases.runtime.step import train_step
-from tests.distributed import run_distributed
-
-STEPS = 3
-PARAM_ATOL = 1e-5  # see the module docstring
-
-
-def _cfg(world: int, tp: int, zero: int, schedule: str, recompute: str, extra=()):
-    return load_config(None, [
-        "model.name=gpt-tiny", "model.n_layer=2", "model.dropout=0", "model.seq_len=32",
-        f"parallel.tp={tp}",
-        f"parallel.schedule={schedule}", f"parallel.recompute={recompute}",
-        f"parallel.zero={zero}", "data.kind=synthetic", "data.val_path=",
-        "train.micro_batch_size=4", "train.grad_accum=2", f"train.steps={STEPS}",
-        "train.warmup_steps=0", "train.lr=1e-3", "train.min_lr=1e-4",
-        "parallel.dp_bucket_mb=0.05", *extra]).validate(world)
-
-
-def _full_params(model, ctx, tensor=lambda p: p.data) -> dict[str, torch.Tensor]:
-    """{name: ``tensor(p)`` gathered whole over TP} for each parameter ``p``."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = tensor(p)
-        parts = [t.clone()]  # tp 1: one part, and no TP group (None would be the world)
-        if ctx.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(ctx.tp)]
-            dist.all_gather(parts, t.contiguous(), group=ctx.tp_group)
-        out[name] = unshard(parts, getattr(p, "tp_spec", None))
-    return out
-
-
-def _build(cfg, ctx, rows=None):
-    """What the trainer builds for this rank: its TrainState (model, engine, optimizer,
-    reducer, pipeline runner: None at pp = 1), those parts, and the data (``rows`` per DP
-    rank and micro-batch)."""
-    tracker = seed_tracker(cfg, ctx)
-    model = model_for(cfg, ctx, tracker, None, cfg.seed)
-    ts = training_for(cfg, ctx, model, tracker)
-    engine, opt, reducer, pipe = ts.engine, ts.opt, ts.reducer, ts.pipe
-    batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size,
-                           rows or cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp, cfg.seed)
-    return ts, model, engine, opt, reducer, pipe, batches
-
-
-def run_levels(ctx, levels, schedule, recompute, extra=()):
-    """{level: (losses, norms, full params, store stats)} on every rank."""
-    res = {}
-    for zero in levels:
-        cfg = _cfg(ctx.world_size, ctx.tp, zero, schedule, recompute, extra)
-        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
-        losses, norms = [], []
-        for step in range(STEPS):
-            loss, norm = train_step(ts, batches, lr_at(step, cfg.train))
-            losses.append(loss)
-            norms.append(norm)
-        with reducer.shards.unsharded(opt, model):
-            params = _full_params(model, ctx)
-        store = reducer.shards.store
-        res[zero] = (losses, norms, params,
-                     None if store is None else (store.gathers, store.late))
-    return res
+from tests.support.distributed import run_distributed
+from tests.support.zero_levels import (PARAM_ATOL, STEPS, build_rank, run_levels,
+                                       zero_config)
 
 
 def _body(ctx, schedule, recompute):
@@ -121,9 +61,9 @@ def test_zero_levels_match_replicated(world, tp, schedule, recompute):
 def _memory_body(ctx, out):
     """Bytes held between steps at each level, dp = 4."""
     for zero in (0, 1, 2, 3):
-        cfg = _cfg(ctx.world_size, 1, zero, "megatron", "none",
+        cfg = zero_config(ctx.world_size, 1, zero, "megatron", "none",
                    ("train.grad_accum=1", "parallel.dp_bucket_mb=25"))
-        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
+        ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx)
         train_step(ts, batches, 1e-3)
         if ctx.rank == 0:
             out[zero] = reducer.memory(model, opt)
@@ -166,19 +106,23 @@ def test_checkpoint_across_zero_levels(tmp_path):
     the level-0 format) resumes at zero=0 dp=1 with the same step-3 loss (the same
     weights on the same global batch: tolerance as in test_reshard.py) and a step-4
     loss that needs the Adam moments; and at the same layout the resume is exact."""
-    from tests.conftest import resume_copy
-    from tests.test_reshard import records, train
+    from tests.support.configs import CKPT_RUN
+    from tests.support.loop import records, train_workers
+    from tests.support.runs import resume_copy
+
+    def train(out, world, *extra):
+        train_workers(out, world, [*CKPT_RUN, "parallel.tp=1", *extra])
 
     a = tmp_path / "a"
-    train(a, 2, 1, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1")
+    train(a, 2, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1")
     ra = records(a)
     b = resume_copy(a, tmp_path / "b")
-    train(b, 1, 1, "train.micro_batch_size=4", "parallel.zero=0", "resume=auto")
+    train(b, 1, "train.micro_batch_size=4", "parallel.zero=0", "resume=auto")
     rb = records(b)
     assert rb[3]["loss"] == pytest.approx(ra[3]["loss"], rel=1e-5, abs=0)
     assert rb[4]["loss"] == pytest.approx(ra[4]["loss"], rel=1e-4, abs=0)
     c = resume_copy(a, tmp_path / "c")
-    train(c, 2, 1, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1",
+    train(c, 2, "train.micro_batch_size=2", "parallel.zero=3", "parallel.dp_bucket_mb=0.1",
           "resume=auto")
     rc = records(c)
     for s in (3, 4):
@@ -227,14 +171,14 @@ def _pp_body(rank, schedule, recompute, plan=None):
     res = {}
     other = ("parallel.zero=3",) if plan is None else (f"parallel.plan={plan}",)
     for name, extra in (("0", ("parallel.zero=0",)), ("3", other)):
-        cfg = _cfg(4, 1, 0, schedule, recompute,
+        cfg = zero_config(4, 1, 0, schedule, recompute,
                    ("parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2", *extra))
         layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
         ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
-        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx,
+        ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx,
                                                                  cfg.pipeline_batch // ctx.dp)
         losses = [train_step(ts, batches, lr_at(s, cfg.train)) for s in range(STEPS)]
-        with reducer.shards.unsharded(opt, model):
+        with reducer.ownership.unsharded(opt, model):
             params = {k: p.detach().clone() for k, p in model.named_parameters()}
         res[name] = (losses, params)
     for name in ("3",):
@@ -285,17 +229,17 @@ def _nonfinite_body(ctx):
     import math
 
     for zero in (2, 3):
-        cfg = _cfg(ctx.world_size, 1, zero, "oases", "fine")
-        ts, model, engine, opt, reducer, pipe, batches = _build(cfg, ctx)
+        cfg = zero_config(ctx.world_size, 1, zero, "oases", "fine")
+        ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx)
         train_step(ts, batches, 1e-3)
-        with reducer.shards.unsharded(opt, model) as o:
+        with reducer.ownership.unsharded(opt, model) as o:
             before = {k: p.detach().clone() for k, p in model.named_parameters()}
             moments = {id(p): o.state[p]["exp_avg"].clone() for p in model.parameters()}
         h = (model.layers[1].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
              if ctx.rank == 0 else None)
         loss, norm = train_step(ts, batches, 1e-3)
         assert math.isfinite(loss) and math.isnan(norm), (ctx.rank, zero, loss, norm)
-        with reducer.shards.unsharded(opt, model) as o:
+        with reducer.ownership.unsharded(opt, model) as o:
             for k, p in model.named_parameters():
                 assert torch.equal(p, before[k]), f"zero={zero}: {k} moved in a skipped step"
                 assert torch.equal(o.state[p]["exp_avg"], moments[id(p)]), k

@@ -2,7 +2,7 @@
 
 Each case builds a layout (ZeRO level, dp, tp, pp, stages) through the trainer's own
 builders, loads a checkpoint that another layout wrote, and compares every parameter
-and both Adam moments, gathered whole (``reducer.shards.unsharded`` and the TP
+and both Adam moments, gathered whole (``reducer.ownership.unsharded`` and the TP
 shards), with the checkpoint's full tensors read by one process
 (``full_model_state``). Loading copies values, so they must be *equal*: no
 tolerance. The vocabulary rows past ``vocab_size`` must be zero. Then one training
@@ -35,9 +35,9 @@ from oases.runtime.checkpoint import full_model_state
 from oases.runtime.ckpt_format import state_pieces
 from oases.runtime.resume import layout_meta, model_shape
 from oases.runtime.step import train_step
-from tests.distributed import run_distributed
-from tests.test_pipeline_checkpoint import STAGES
-from tests.test_zero import _build, _full_params
+from tests.support.distributed import run_distributed
+from tests.support.configs import MIXED_STAGES
+from tests.support.zero_levels import build_rank, full_params
 
 VOCAB = 300  # padded to 320 rows at tp 1, 384 at tp 2: the table's shape changes
 
@@ -67,8 +67,8 @@ class _Run:
         else:
             self.ctx = build_context(tp, torch.device("cpu"))
             rows = None  # the micro-batch
-        self.ts, self.model, *_, self.batches = _build(cfg, self.ctx, rows)
-        self.shards = self.ts.reducer.shards
+        self.ts, self.model, *_, self.batches = build_rank(cfg, self.ctx, rows)
+        self.shards = self.ts.reducer.ownership
 
     def step(self) -> float:
         loss, _ = train_step(self.ts, self.batches, 1e-2)
@@ -92,7 +92,7 @@ class _Run:
             for key, tensor in (("model", lambda p: p.data),
                                 ("optim.exp_avg", lambda p: o.state[p]["exp_avg"]),
                                 ("optim.exp_avg_sq", lambda p: o.state[p]["exp_avg_sq"])):
-                for name, full in _full_params(self.model, self.ctx, tensor).items():
+                for name, full in full_params(self.model, self.ctx, tensor).items():
                     want = saved[key][name]
                     rows = want.shape[0]
                     assert torch.equal(full[:rows], want), f"{what}: {key}/{name}"
@@ -153,7 +153,7 @@ def _body4(rank: int, out: str) -> None:
     for what, run, back in (("dp 4 -> 2 (tp 1 -> 2) at level 2", _Run(2, tp=2), False),
                             ("tp 1 -> 2 at level 3", _Run(3, tp=2), False),
                             ("pp 1 -> 2 at level 3", _Run(3, pp=2), False),
-                            ("tied across tp 1 | tp 2", _Run(3, stages=STAGES["tp1xdp2|tp2"]),
+                            ("tied across tp 1 | tp 2", _Run(3, stages=MIXED_STAGES),
                              True)):
         src = ck2 if "level 2" in what else ck3
         run.load(src)

@@ -87,7 +87,7 @@ def choose_layout(cfg: Config, world: int, join, step_of: StepOf) -> Config:
         log(f"plan=auto: trial {best + 1} is the fastest ({1e3 * times[best]:.1f} ms per step)")
     path = Path(cfg.out_dir) / "plan.yaml"
     _write(path, texts[best])
-    chosen = _pointed_at(cfg, path, world)
+    chosen = pointed_at(cfg, path, world)
     log(f"plan=auto: wrote {path}; running it: " + " ".join(_overrides(chosen)))
     return chosen
 
@@ -172,7 +172,7 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
+def pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
     """A copy of ``cfg`` that runs the plan at ``path``: the layout and batch it was
     priced for."""
     d = yaml.safe_load(path.read_text())
@@ -183,13 +183,13 @@ def _pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
         **extra})
-    chosen = fit_sub_batches(chosen, _plan_divisor(d))
+    chosen = fit_sub_batches(chosen, plan_divisor(d))
     if chosen.parallel.sub_batches == "auto":  # the count the layout was priced at runs
         chosen = chosen.with_changes({"parallel.sub_batches": chosen.sub_batches})
     return chosen
 
 
-def _plan_divisor(d: dict) -> int:
+def plan_divisor(d: dict) -> int:
     """The parts the plan ``d``'s smallest degree splits each (sub-)batch into."""
     tp = int(d["tp"])
     degrees = [d.get("degrees") or []] + [s.get("degrees") or [] for s in d.get("stages") or []]
@@ -208,7 +208,7 @@ def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,
     builds the plan's groups and a throwaway model, and times the same steps)."""
     path = Path(cfg.out_dir) / f"plan-trial-{k + 1}.yaml"
     _write(path, text)
-    trial = _pointed_at(cfg, path, world, **{"parallel.plan_calibration_steps": 0})
+    trial = pointed_at(cfg, path, world, **{"parallel.plan_calibration_steps": 0})
     device = pick_device(cfg.parallel.device)
     fast_tp = trial.parallel.nccl_high_priority_tp
     if trial.parallel.pp > 1:

@@ -163,7 +163,7 @@ def measure_profile(cfg: Config, ctx: ParallelContext, run, cluster,
         prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
     else:  # every rank measures at once; the figures are averaged over the ranks
         prof = get_profile(cfg, run, ctx.device, None, log=log, force=True, barrier=dist.barrier)
-        prof = _rank_mean(prof, ctx, _own_speed(cfg, ctx.rank))
+        prof = rank_mean(prof, ctx, own_speed(cfg, ctx.rank))
         if ctx.is_main:
             save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
     n_cal = cfg.parallel.plan_calibration_steps if time_steps is not None else 0
@@ -236,7 +236,7 @@ def _auto(cfg: Config, ctx: ParallelContext,
                 solved[0].predicted["overlap_fb"] = fb
             n = cfg.sub_batches
             if cfg.parallel.sub_batches == "auto" and cfg.parallel.schedule == "oases":
-                solved, n = _sub_batches(solved, cfg.with_changes({
+                solved, n = planned_sub_batches(solved, cfg.with_changes({
                     "parallel.sequence_parallel": sp, "parallel.overlap_fb": fb}),
                     cluster, profile, limit_gib, log)
                 solved[0].predicted["overlap_fb"] = fb
@@ -260,7 +260,7 @@ def _auto(cfg: Config, ctx: ParallelContext,
     return cfg, degrees
 
 
-def _sub_batches(solved: tuple, cfg: Config, cluster, profile, limit_gib: float, log
+def planned_sub_batches(solved: tuple, cfg: Config, cluster, profile, limit_gib: float, log
                  ) -> tuple[tuple, int]:
     """``parallel.sub_batches=auto`` under plan=auto: ``solved`` (priced at
     ``cfg.sub_batches``, the profile's) or the plan solved at another count the micro-batch
@@ -321,7 +321,7 @@ def stage_logger(log: Callable[[str], None], n: int) -> Callable[[str], None]:
     return stage
 
 
-def _own_speed(cfg: Config, rank: int) -> float:
+def own_speed(cfg: Config, rank: int) -> float:
     """This rank's node speed in ``parallel.cluster`` (1.0 without a cluster file)."""
     if not cfg.parallel.cluster:
         return 1.0
@@ -329,7 +329,7 @@ def _own_speed(cfg: Config, rank: int) -> float:
     return cluster.speed_of([rank]) if rank < cluster.world else 1.0
 
 
-def _rank_mean(prof, ctx: ParallelContext, speed: float = 1.0):
+def rank_mean(prof, ctx: ParallelContext, speed: float = 1.0):
     """The profile with every timing averaged over all ranks (same keys everywhere),
     each rank's first taken to a speed-1.0 device (times ``speed``, its node's): the
     cost model divides by the speed of the nodes a plan runs on, so a profile that

@@ -147,7 +147,7 @@ def _time_phases(step: Callable[[], tuple], device: torch.device, reps: int,
     return [statistics.median(p) for p in per_phase]
 
 
-def _block(kind: str, cfg: ModelConfig, t: int):
+def make_block(kind: str, cfg: ModelConfig, t: int):
     sc = _ShardShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)},
                      fixed_head_dim=cfg.head_dim)
     # one rank's share; above n_kv_heads ranks it holds one (replicated) kv head
@@ -195,7 +195,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
         if rows < 1 or rows != int(rows):
             continue  # this degree cannot split the sub-batch: not a candidate
         rows = int(rows)
-        blk = _block(kind, m, t).to(device)
+        blk = make_block(kind, m, t).to(device)
         if kind == "attn":  # its backward then recomputes the core, and it saves less
             blk.selective = run.recompute == "selective"
         init_parameters(blk, 0, 0, 1)

@@ -157,7 +157,7 @@ def lower_bound(prob: Problem) -> float:
     return total + (inst.micro_batches - 1) * peak + prob.constant
 
 
-def _milp(prob: Problem, start: Optional[Candidate], limit: float, gap: float
+def solve_milp(prob: Problem, start: Optional[Candidate], limit: float, gap: float
           ) -> Optional[Candidate]:
     warm = (start.starts, start.strat) if start is not None else None
     try:
@@ -221,7 +221,7 @@ def _uniap(problems, amps, res: SearchResult, budget_s, gap, min_limit_s, log) -
         log(f"solving {ch.label()} ({prob.inst.L} layers x {prob.inst.S} strategies, "
             f"limit {limit:.1f} s) ...")
         t = time.perf_counter()
-        got = _milp(prob, amps[id(prob)], limit, gap)
+        got = solve_milp(prob, amps[id(prob)], limit, gap)
         res.solve_s += time.perf_counter() - t
         res.milps += 1
         if got is not None:

@@ -200,7 +200,7 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
     """``profile`` (taken at ``base``) for ``run``'s rows per degree. A block at degree
     t runs ``mbs / sub * t / tp`` rows (``sub`` sub-batches): the ratio to the base is
     the same at every degree, and the block's fixed part (launches, Python) is paid per
-    sub-batch whatever its rows (:func:`_at_rows`). Saved bytes: the weights' part
+    sub-batch whatever its rows (:func:`at_rows`). Saved bytes: the weights' part
     (:meth:`CostModel.weight_bytes`) is fixed, the rest scales with the rows."""
     rows = (run.micro_batch_size / run.sub_batches / run.tp) / \
         (base.micro_batch_size / base.sub_batches / base.tp)
@@ -211,7 +211,7 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
         for t, e in per_degree.items():
             w = run.act_bytes * shape.matrix_params(kind) / int(t) + \
                 PARAM_BYTES * shape.norm_params(kind)
-            blocks[kind][t] = dict(e, fwd=_at_rows(e, "fwd", rows), bwd=_at_rows(e, "bwd", rows),
+            blocks[kind][t] = dict(e, fwd=at_rows(e, "fwd", rows), bwd=at_rows(e, "bwd", rows),
                                    saved=w + max(0.0, e["saved"] - w) * rows)
     const = dict(profile.constant)
     for k in ("fwd", "bwd", "head_fwd", "embed_bwd"):
@@ -224,7 +224,7 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
     return Profile(blocks, const, profile.comm)
 
 
-def _at_rows(e: dict, phase: str, ratio: float) -> float:
+def at_rows(e: dict, phase: str, ratio: float) -> float:
     """A block's ``phase`` time at ``ratio`` x its profiled rows: ``a + b * rows``
     through the profile's two measurements (``rows``, and ``rows2`` where the profiler
     took it), else proportional. Both coefficients are kept >= 0 (noise can put the

@@ -226,7 +226,7 @@ class NoPlan(RuntimeError):
     """The solver returned no plan: none fits, or none was found in the time limit."""
 
 
-def _solver(time_limit: float, gap: float, log_path: str, warm: bool = False):
+def solver_for(time_limit: float, gap: float, log_path: str, warm: bool = False):
     opts = dict(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm)
     for name in ("HiGHS", "HiGHS_CMD"):
         cls = getattr(pulp, name, None)
@@ -235,7 +235,7 @@ def _solver(time_limit: float, gap: float, log_path: str, warm: bool = False):
     return pulp.PULP_CBC_CMD(logPath=log_path, **opts)
 
 
-def _warm(inst: Instance, var, C, starts, strat):
+def warm_start(inst: Instance, var, C, starts, strat):
     """Set every variable to its value under one contiguous plan."""
     place = [sum(lo <= l for lo in starts[1:]) for l in range(inst.L)]
     pair = lambda l, r, s: l > 0 and (strat[l - 1], strat[l]) == (r, s)  # noqa: E731
@@ -372,7 +372,7 @@ def solve(inst: Instance, time_limit: float = 10.0, gap: float = 1e-3,
                       start, explain)
 
 
-def _model(inst: Instance, order_preserving: bool = True):
+def lp_model(inst: Instance, order_preserving: bool = True):
     """The full MILP: objective, max rows and memory rows on top of :func:`_lp`."""
     prob, var, T, O, mem = _lp(inst, order_preserving)
     C = pulp.LpVariable("C_max", 0)
@@ -396,11 +396,11 @@ def _memory_unit(inst: Instance) -> float:
 def _solve(inst, time_limit, gap, order_preserving, log_path, start, explain) -> Result:
     t0 = time.perf_counter()
     P = inst.stages
-    prob, var, C, mem = _model(inst, order_preserving)
+    prob, var, C, mem = lp_model(inst, order_preserving)
     z, y = var["z"], var["y"]
     if start is not None:
-        _warm(inst, var, C, *start)
-    solver = _solver(time_limit, gap, log_path, start is not None)
+        warm_start(inst, var, C, *start)
+    solver = solver_for(time_limit, gap, log_path, start is not None)
     try:
         prob.solve(solver)
     except pulp.PulpSolverError as err:  # CBC killed by a very short limit writes no solution

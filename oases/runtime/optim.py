@@ -56,7 +56,7 @@ def _tp_parts(g: torch.Tensor, p: nn.Parameter, tp: int):
     return [(v, t / tp / r) for v, r in part_views(g, spec, t)]
 
 
-def _weighted_squares(parts: list[tuple[torch.Tensor, float]], device: torch.device,
+def weighted_squares(parts: list[tuple[torch.Tensor, float]], device: torch.device,
                       dtype: torch.dtype) -> torch.Tensor:
     """The sum of ``w * |g|^2`` over ``parts`` (0-d, ``dtype``): one foreach norm kernel per
     distinct weight (few: the TP degrees' shares), not two kernels per tensor. The weights
@@ -94,8 +94,8 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
             else:
                 sharded += parts
     dev = next(model.parameters()).device
-    sq_sharded = _weighted_squares(sharded, dev, torch.float32)
-    sq_repl = _weighted_squares([(g, 1.0) for g in replicated], dev, torch.float32)
+    sq_sharded = weighted_squares(sharded, dev, torch.float32)
+    sq_repl = weighted_squares([(g, 1.0) for g in replicated], dev, torch.float32)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         all_reduce(sq_sharded, tp_group)
     sq = sq_sharded + sq_repl
@@ -119,7 +119,7 @@ def sharded_grad_norm(terms: list[tuple[torch.Tensor, nn.Parameter, int]], tp: i
     dev = terms[0][0].device if terms else torch.device("cpu")
     parts = [(v, w * G) for g, p, G in terms if not (pp and getattr(p, "shared_copy", False))
              for v, w in _tp_parts(g, p, tp) or [(g, 1.0 / tp)]]
-    sq = _weighted_squares(parts, dev, torch.float64)
+    sq = weighted_squares(parts, dev, torch.float64)
     sq /= dp
     dist.all_reduce(sq)
     return sq.sqrt().float()

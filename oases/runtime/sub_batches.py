@@ -86,8 +86,8 @@ def resolve(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]],
                          f"({cfg.train.micro_batch_size} sequences)")
     n, why = _known(cfg, ctx, degrees, cands)
     if n is None:
-        times = _measure(cfg, ctx, degrees, cands, log)
-        n = _fastest(times)
+        times = measure_splits(cfg, ctx, degrees, cands, log)
+        n = fastest_split(times)
         why = "measured: " + ", ".join(f"{k}: {1e3 * t:.1f} ms" for k, t in times.items()) + \
             " per step"
     return cfg.with_changes({"parallel.sub_batches": n}), f"{plural(n)} (auto, {why})"
@@ -121,7 +121,7 @@ def _resumed(cfg: Config) -> Optional[int]:
         return None
 
 
-def _measure(cfg: Config, ctx: ParallelContext, degrees, cands: list[int], log) -> dict:
+def measure_splits(cfg: Config, ctx: ParallelContext, degrees, cands: list[int], log) -> dict:
     """Median step seconds per candidate on the slowest rank: a throwaway model's real
     steps, the candidates in interleaved rounds. The run's random state is left as it
     was (the throwaway draws its weights and batch)."""
@@ -151,7 +151,7 @@ def _measure(cfg: Config, ctx: ParallelContext, degrees, cands: list[int], log) 
     return dict(zip(cands, med.tolist()))
 
 
-def _fastest(times: dict[int, float]) -> int:
+def fastest_split(times: dict[int, float]) -> int:
     """The fastest count; a larger one only where it beats every smaller by MARGIN."""
     best = min(times)
     for n in sorted(times):

@@ -46,8 +46,8 @@ DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
 _SCAN_CHUNK_TOKENS = 1 << 24
 # With the largest id recorded in meta.json, start-up reads only this sample of each
 # token file: 16 chunks of 64K tokens (a few MB per file), whatever its size.
-_SAMPLE_CHUNKS = 16
-_SAMPLE_CHUNK_TOKENS = 1 << 16
+SAMPLE_CHUNKS = 16
+SAMPLE_CHUNK_TOKENS = 1 << 16
 
 PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
 
@@ -149,8 +149,8 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _sample_max(tokens: np.ndarray, samples: int = _SAMPLE_CHUNKS,
-                chunk_tokens: int = _SAMPLE_CHUNK_TOKENS) -> int:
+def sample_max(tokens: np.ndarray, samples: int = SAMPLE_CHUNKS,
+                chunk_tokens: int = SAMPLE_CHUNK_TOKENS) -> int:
     """The largest id in ``samples`` chunks spread evenly over the stream (first and last
     included): a bounded read that catches a file changed after ``meta.json``."""
     n = len(tokens)
@@ -158,7 +158,7 @@ def _sample_max(tokens: np.ndarray, samples: int = _SAMPLE_CHUNKS,
     return max(int(tokens[a:a + chunk_tokens].max()) for a in np.unique(starts))
 
 
-def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: PathLike,
                      chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> None:
     """Raise if any id is >= vocab_size (or negative, in a signed Megatron file). Scans
     in chunks: the embedding would otherwise fail much later with an opaque CUDA index
@@ -193,7 +193,7 @@ def _map_raw(p: Path, dtype: str) -> np.ndarray:
 
 
 def _check_recorded(tokens, recorded: int, vocab_size: int, where: PathLike) -> None:
-    sampled = _sample_max(tokens)
+    sampled = sample_max(tokens)
     if sampled > recorded:
         raise DataError(f"{where} holds token id {sampled} above the largest id {recorded} "
                         f"that meta.json records for it: the file changed after "
@@ -225,7 +225,7 @@ def open_tokens(path: PathLike, dtype: str, vocab_size: int,
     tokens = _map_raw(p, dtype)
     recorded = _recorded_max_id(*meta, p, len(tokens))
     if recorded is None:
-        _check_token_ids(tokens, vocab_size, p)
+        check_token_ids(tokens, vocab_size, p)
     elif len(tokens):
         _check_recorded(tokens, recorded, vocab_size, p)
     return tokens
@@ -301,7 +301,7 @@ def _open_one(p: Path, dtype: str, vocab_size: int,
             metas[p.parent] = (raw, _shard_entries(raw))
         return open_tokens(p, dtype, vocab_size, metas[p.parent]), None, metas[p.parent][0]
     mc = MegatronCorpus(idx)
-    _check_token_ids(mc.tokens, vocab_size, mc.bin)
+    check_token_ids(mc.tokens, vocab_size, mc.bin)
     return mc.tokens, mc.num_docs, {}
 
 

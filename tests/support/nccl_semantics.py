@@ -24,7 +24,7 @@ group gets its own. Ops posted together by ``batch_isend_irecv`` progress togeth
   raises ``NcclDeadlock`` naming the rank, the peer, the op and what the peer's
   channel is doing, instead of hanging.
 
-Collectives stay gloo's; :mod:`tests.collective_order` checks their order.
+Collectives stay gloo's; :mod:`tests.support.collective_order` checks their order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A world of one process inside the test process: the default process group over gloo
-(a FileStore, no port), so the trainer's own code (``oases.runtime.trainer._run``, the
+(a FileStore, no port), so the trainer's own code (``oases.runtime.trainer.train``, the
 checkpoint's collectives) runs in-process, without a subprocess or a spawn.
 
     with world_of_one(tmp_path) as ctx:     # ctx: ParallelContext at tp 1
-        trainer._run(cfg, ctx)
+        trainer.train(cfg, ctx)
 
 The group is destroyed on the way out, and the garbage that could still hold it
 collected, so a test that forks workers afterwards starts clean.
@@ -34,6 +34,6 @@ def world_of_one(tmp: Path):
     finally:
         dist.destroy_process_group()
         # Garbage left in reference cycles may hold process groups: collected here, where
-        # their threads live. A forked child (tests.distributed) collecting them would
+        # their threads live. A forked child (tests.support.distributed) collecting them would
         # wait forever for threads that fork did not copy.
         gc.collect()

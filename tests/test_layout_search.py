@@ -142,7 +142,7 @@ def test_milp_never_worse_than_amp_per_layout():
     """On every layout with a choice of degrees, the MILP (started from AMP's plan for
     that layout) is no slower than AMP's plan on the cost model, across schedules and
     memory limits; and the search's pick is no slower than AMP's pick."""
-    from oases.planner.search import _milp, amp_plan
+    from oases.planner.search import solve_milp, amp_plan
 
     cluster = Cluster("c", 2, 2, 4, 10.0, 0.5)
     solved = 0
@@ -158,7 +158,7 @@ def test_milp_never_worse_than_amp_per_layout():
             start = amp_plan(prob)
             if prob.inst.S < 2 or start is None:
                 continue
-            got = _milp(prob, start, 2.0, 1e-9)
+            got = solve_milp(prob, start, 2.0, 1e-9)
             assert got is not None and got.time <= start.time * (1 + 1e-9), ch
             solved += 1
         res = search(job, 4, cluster, prof, base, memory_limit=limit, log=lambda s: None)

@@ -23,7 +23,7 @@ kind is ``match[0]`` and whose path ends with ``match[1]``):
 * ``sigkill=True``: the process sends itself SIGKILL (a real ``kill -9``), for runs
   under torchrun.
 
-``tests/fault_train.py`` installs one from the environment around ``train.py``'s main.
+``tests/support/fault_train.py`` installs one from the environment around ``train.py``'s main.
 """
 
 from __future__ import annotations

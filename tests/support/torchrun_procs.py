@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, subprocess_env
+from tests.support.runs import REPO, subprocess_env
 
 
 def start_torchrun(args: list[str], log: Path, *extra_torchrun: str) -> subprocess.Popen:

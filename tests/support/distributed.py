@@ -10,10 +10,10 @@ worker fails the test with that worker's traceback.
 
 What gloo forgives must not pass, so on gloo every worker runs with
 
-* NCCL's point-to-point semantics (:mod:`tests.nccl_semantics`): one FIFO channel
+* NCCL's point-to-point semantics (:mod:`tests.support.nccl_semantics`): one FIFO channel
   per process group, tags ignored, a send done only when its receive runs; a
   schedule that would hang on GPUs raises ``NcclDeadlock`` naming rank, peer and op;
-* the collective-order recorder (:mod:`tests.collective_order`): after the body,
+* the collective-order recorder (:mod:`tests.support.collective_order`): after the body,
   every group's members must have issued the same collectives in the same order,
   hooks and other threads included.
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oases.parallel.groups import build_context
-from tests import collective_order, nccl_semantics
+from tests.support import collective_order, nccl_semantics
 
 TIMEOUT_S = 60
 

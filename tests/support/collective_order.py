@@ -28,7 +28,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
                "destroy_process_group")
 _GROUP_ARG = {"new_group": None, "destroy_process_group": "group"}
 
-_LOG: dict[str, list] = {}
+LOG: dict[str, list] = {}
 _LOCK = threading.Lock()
 _PATCHED: list[tuple[object, str, object]] = []
 _DEPTH = threading.local()   # a collective implemented by another records once
@@ -63,7 +63,7 @@ def _wrap(name: str, fn):
         if name == "new_group":
             entry[1] = list(kwargs.get("ranks", args[0] if args else []) or [])
         with _LOCK:
-            _LOG.setdefault(gname, []).append(entry)
+            LOG.setdefault(gname, []).append(entry)
         _DEPTH.n = 1
         try:
             return fn(*args, **kwargs)
@@ -77,7 +77,7 @@ def install() -> None:
     """Record this process's collectives from now on (after ``init_process_group``)."""
     if _PATCHED:
         raise RuntimeError("the collective-order recorder is installed already")
-    _LOG.clear()
+    LOG.clear()
     for name in COLLECTIVES:
         orig = getattr(c10d, name)
         wrapped = _wrap(name, orig)
@@ -103,7 +103,7 @@ def members() -> dict[str, list[int]]:
 
 def dump(path: Path) -> None:
     with _LOCK:
-        log = {k: list(v) for k, v in _LOG.items()}
+        log = {k: list(v) for k, v in LOG.items()}
     Path(path).write_text(json.dumps({"rank": dist.get_rank(), "log": log,
                                       "members": members()}))
 

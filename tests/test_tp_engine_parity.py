@@ -1,9 +1,9 @@
-"""The schedules: parity of every (schedule, recompute) pair with plain autograd,
+"""The TP engines: parity of every (engine, recompute) pair with plain autograd,
 collective counts, saved-activation memory, and the block protocol on a toy block.
 
-The reference is plain autograd (``megatron``, ``none``) run on each sub-batch
-alone from that sub-batch's RNG streams (``sub_batch_rng_streams``), its losses
-averaged: that is the same computation, dropout masks included, that the oases
+The reference (tests/support/parity.py) is plain autograd (``megatron``, ``none``) run
+on each sub-batch alone from that sub-batch's RNG streams (``sub_batch_rng_streams``),
+its losses averaged: that is the same computation, dropout masks included, that the oases
 engine runs interleaved. Tolerance: fp32; the engines compute the same
 operations on the same shards, and differ only in where gradients of a tensor
 used twice (residual stream, tied embedding) are summed, i.e. in the order of
@@ -15,50 +15,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models import build_model
 from oases.config import load_config
 from oases.errors import ConfigError
-from oases.overlap.engines import (MegatronSchedule, OasesSchedule, _rng_restore, build_schedule,
-                                   sub_batch_rng_streams)
+from oases.overlap.engines import OasesEngine, build_engine
 from oases.overlap.memory import SavedTensorMeter
-from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters, unshard
+from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_parameters
 from oases.parallel.block import TPBlock
 from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
+from tests.support.parity import PAIRS, full_grads, sub_batch_reference
 
 CPU = torch.device("cpu")
-PAIRS = [("megatron", "full"), ("megatron", "selective"), ("oases", "none"),
-         ("oases", "selective"), ("oases", "full"), ("oases", "fine")]
-
-
-def _full_grads(model, ctx) -> dict:
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad.contiguous()
-        if p.tp_spec is not None and ctx.tp > 1:
-            gs = [torch.empty_like(g) for _ in range(ctx.tp)]
-            dist.all_gather(gs, g, group=ctx.tp_group)
-            g = unshard(gs, p.tp_spec)
-        out[n] = g
-    return out
-
-
-def _reference(model, tracker, ids, y, n_sub):
-    """Plain autograd on each sub-batch from its own RNG streams."""
-    streams = sub_batch_rng_streams(tracker, ids.device, n_sub)
-    losses = []
-    for s, (a, b) in enumerate(zip(ids.chunk(n_sub), y.chunk(n_sub))):
-        _rng_restore(tracker, ids.device, streams[s])
-        loss = MegatronSchedule().forward_backward(model, a, b, 1.0 / n_sub)
-        losses.append(loss)
-    return torch.stack(losses).mean()
-
-
 def _run_mode(ctx, cfg, mode, ids, y, n_sub=2):
     tracker = TPRNGTracker(ctx.device)
     tracker.seed(11, ctx.tp_rank, ctx.dp_rank)
@@ -68,11 +40,11 @@ def _run_mode(ctx, cfg, mode, ids, y, n_sub=2):
                         device=ctx.device)
     with CommCounter() as counter:
         if sched == "megatron":
-            loss = _reference(model, tracker, ids, y, n_sub)
+            loss = sub_batch_reference(model, tracker, ids, y, n_sub)
         else:
-            eng = build_schedule("oases", ctx.tp_group, n_sub, rc, tracker)
+            eng = build_engine("oases", ctx.tp_group, n_sub, rc, tracker)
             loss = eng.forward_backward(model, ids, y)
-    return loss, _full_grads(model, ctx), counter
+    return loss, full_grads(model, ctx), counter
 
 
 def _parity_body(ctx, name, dropout, n_sub):
@@ -95,8 +67,8 @@ def _parity_body(ctx, name, dropout, n_sub):
         tracker.seed(12, ctx.tp_rank)
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker, seed=3,
                             device=ctx.device)
-        OasesSchedule(ctx.tp_group, n_sub, "fine", tracker).forward_backward(model, ids, y)
-        other = _full_grads(model, ctx)
+        OasesEngine(ctx.tp_group, n_sub, "fine", tracker).forward_backward(model, ids, y)
+        other = full_grads(model, ctx)
         assert max((other[k] - ref_grads[k]).abs().max() for k in other) > 1e-4
 
 
@@ -156,7 +128,7 @@ def _memory_body(ctx, out):
         model = build_model(cfg.model, cfg.padded_vocab_size, ctx.tp_group, tracker,
                             rc if sched == "megatron" or rc == "selective" else "none", seed=1)
         with SavedTensorMeter() as meter:
-            build_schedule(sched, ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids)
+            build_engine(sched, ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids)
         res[(sched, rc)] = meter.forward_bytes
     if ctx.rank == 0:
         out.update(res)
@@ -232,15 +204,10 @@ def _toy_body(ctx):
         torch.manual_seed(100)  # no tracker: the engine derives streams from the default one
         with CommCounter() as c:
             if mode[0] == "megatron":
-                streams = sub_batch_rng_streams(None, CPU, 2)
-                ls = []
-                for s, (a, b) in enumerate(zip(x.chunk(2), t.chunk(2))):
-                    _rng_restore(None, CPU, streams[s])
-                    ls.append(MegatronSchedule().forward_backward(model, a, b, 0.5))
-                loss = torch.stack(ls).mean()
+                loss = sub_batch_reference(model, None, x, t, 2)
             else:
-                loss = OasesSchedule(ctx.tp_group, 2, mode[1]).forward_backward(model, x, t)
-        results[mode] = (loss, _full_grads(model, ctx), c.counts["all_reduce"])
+                loss = OasesEngine(ctx.tp_group, 2, mode[1]).forward_backward(model, x, t)
+        results[mode] = (loss, full_grads(model, ctx), c.counts["all_reduce"])
     ref = results[("megatron", "none")]
     for mode, (loss, grads, n) in results.items():
         torch.testing.assert_close(loss, ref[0], rtol=1e-6, atol=1e-7)
