@@ -29,9 +29,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch._dynamo.exc import TorchDynamoException
-
 from oases.errors import UserError, first_line
+from oases.parallel.recompute import outside_compiled_graphs
 
 
 class CompileError(UserError):
@@ -50,6 +49,9 @@ class CompiledSegment:
         self.failed = False
 
     def __call__(self, *args):
+        # deferred: torch._dynamo is ~1.5 s of start-up, paid by compiling runs only
+        from torch._dynamo.exc import TorchDynamoException
+
         if self.failed:
             return self.eager(*args)
         try:
@@ -73,6 +75,7 @@ def compile_blocks(model: nn.Module, strict: bool = False) -> int:
     segments a schedule runs around the all-gather are compiled instead of ``partial``:
     ``prologue`` and ``region`` (``partial`` still, where a block defines it itself)."""
     torch._inductor.config.fallback_random = True
+    outside_compiled_graphs()
     n = 0
     for i, blk in enumerate(model.blocks()):
         segs = ("partial", "combine")

@@ -46,9 +46,26 @@ def _recompute_contexts(tracker: Optional[TPRNGTracker]):
     return contextlib.nullcontext(), replay()
 
 
-@torch.compiler.disable
 def recompute(fn: Callable, *args, tracker: Optional[TPRNGTracker] = None) -> torch.Tensor:
     """Run ``fn(*args)`` saving only its inputs; re-run it in backward. Compiled code
-    (``parallel.compile``) calls it eagerly: its RNG replay is Python state."""
+    (``parallel.compile``) calls it eagerly: its RNG replay is Python state
+    (:func:`outside_compiled_graphs`)."""
+    return _RUN[0](fn, *args, tracker=tracker)
+
+
+def _checkpointed(fn: Callable, *args, tracker: Optional[TPRNGTracker] = None) -> torch.Tensor:
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=lambda: _recompute_contexts(tracker))
+
+
+_RUN = [_checkpointed]  # what recompute runs
+
+
+def outside_compiled_graphs() -> None:
+    """From here on a compiled segment that calls :func:`recompute` (the selective
+    attention core) leaves the checkpoint to eager code, a graph break:
+    ``parallel.compile`` (:func:`oases.parallel.compile.compile_blocks`) calls it. Not
+    done at import, as ``torch.compiler.disable`` imports dynamo: ~1.5 s of every
+    process's start-up, for runs that compile nothing."""
+    if _RUN[0] is _checkpointed:
+        _RUN[0] = torch.compiler.disable(_checkpointed)
