@@ -125,6 +125,7 @@ def test_the_results_file():
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
+@pytest.mark.slow  # the GPU check's host part, run whole
 def test_the_host_part_runs_dry_on_the_cpu(tmp_path):
     """benchmarks/lib/gpu_host.py on two CPU ranks (gloo, TP collectives skipped): the code
     a GPU day runs, here with no kernels to count; its figures are what the report reads."""

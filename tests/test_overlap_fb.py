@@ -167,8 +167,9 @@ def _dp_body(ctx, name, grad_accum, zero):
              f"dp2xtp2 {name} ga={grad_accum} zero={zero}")
 
 
-@pytest.mark.parametrize("name,grad_accum,zero", [("gpt-tiny", 2, 0), ("llama-tiny", 4, 0),
-                                                  ("gpt-tiny", 4, 3)])
+@pytest.mark.parametrize("name,grad_accum,zero", [
+    ("gpt-tiny", 2, 0), pytest.param("llama-tiny", 4, 0, marks=pytest.mark.slow),
+    ("gpt-tiny", 4, 3)])
 def test_dp_tp_train_step_matches_unpaired(name, grad_accum, zero):
     run_distributed(_dp_body, world=4, tp=2, args=(name, grad_accum, zero))
 
@@ -187,7 +188,8 @@ def _pp_body(rank, name, grad_accum):
     run_case(rank, cfg, layout, 2, f"pp2xtp2 {name} ga={grad_accum} vs unsharded")
 
 
-@pytest.mark.parametrize("name,grad_accum", [("gpt-tiny", 2), ("llama-tiny", 4)])
+@pytest.mark.parametrize("name,grad_accum", [("gpt-tiny", 2),
+                                              pytest.param("llama-tiny", 4, marks=pytest.mark.slow)])
 def test_pipeline_fused_pairs_match(name, grad_accum):
     run_distributed(_pp_body, world=4, tp=None, args=(name, grad_accum))
 

@@ -73,7 +73,9 @@ def _body(rank: int, layout_name: str, cases: list) -> None:
 ENGINES = [("megatron", "none"), ("oases", "fine")]
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+# make test-fast keeps one layout (pipeline x TP); make test runs them all
+@pytest.mark.parametrize("layout_name", [
+    pytest.param(name, marks=() if name == "pp2xtp2" else pytest.mark.slow) for name in LAYOUTS])
 def test_pipeline_matches_unsharded(layout_name):
     """Every layout x {megatron/none, oases/fine} x {1f1b, eager-1f1b} x {GPT (tied
     embeddings), LLaMA (GQA, untied)}: 8 cases in one 4-process world."""

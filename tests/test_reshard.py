@@ -118,6 +118,7 @@ def _unsharded_model(vocab_rows: int):
     return build_model(cfg.model, vocab_rows, seed=None)
 
 
+@pytest.mark.slow  # a consolidate subprocess
 def test_consolidate_matches_the_sharded_run(run_a, tmp_path):
     """`python -m oases.consolidate` (no process group) writes full tensors that give an
     unsharded model (no vocab padding at all) the loss the tp=2 run computed."""

@@ -82,6 +82,7 @@ def test_tp4_every_mode_matches_unsharded():
 UNEVEN = [[{"layers": [0, 1], "dp": 1, "tp": 2}, {"layers": [1, 2], "dp": 2, "tp": 1}]]
 
 
+@pytest.mark.slow  # a larger layout: make test runs it, make test-fast does not
 def test_pipeline_and_overlap_fb_match_unsharded():
     run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
         ("llama", "oases", "fine", 2, 2, ()), ("gpt", "megatron", "full", 2, 2, ()),

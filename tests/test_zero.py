@@ -53,7 +53,7 @@ def _body(ctx, schedule, recompute):
 
 
 @pytest.mark.parametrize("schedule,recompute", [("megatron", "none"), ("oases", "fine")])
-@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("world,tp", [pytest.param(2, 1, marks=pytest.mark.slow), (4, 2)])
 def test_zero_levels_match_replicated(world, tp, schedule, recompute):
     run_distributed(_body, world=world, tp=tp, args=(schedule, recompute))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -166,6 +167,7 @@ def _body4(rank: int, out: str) -> None:
             b.check(again, f"{what}, back")
 
 
+@pytest.mark.slow  # many layouts and levels: make test runs it, make test-fast does not
 def test_checkpoints_across_levels_and_layouts(tmp_path):
     run_distributed(_body4, world=4, tp=None, args=(str(tmp_path),))
 
