@@ -33,7 +33,7 @@ def test_stepping_a_run_by_hand_is_the_trained_run(tmp_path):
             for step in range(run.start, 4):
                 result = run.step(step)
                 losses.append(result.loss)
-                saved.append(run.checkpointer.maybe_save(step + 1))
+                saved.append(run.checkpointer.maybe_save(step + 1, run.skipped))
     logged = [json.loads(x) for x in
               (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
     assert losses == [r["loss"] for r in logged if "loss" in r]  # bit for bit

@@ -5,7 +5,7 @@ background."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from oases.config import Config
 from oases.parallel.groups import ParallelContext
@@ -19,13 +19,13 @@ from oases.runtime.state import TrainState
 class Checkpointer:
     """Saves the run's weights, optimizer, data position and RNG states. A context
     manager: leaving it (an error, Ctrl-C, the end) publishes a save still in flight.
-    ``skipped()``: the non-finite steps left out so far, recorded in each checkpoint."""
+    ``skipped``, where a save takes it: the non-finite steps left out so far, recorded in
+    the checkpoint."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext, state: TrainState,
-                 batches: TrainBatches, tracker: TPRNGTracker,
-                 skipped: Callable[[], int]) -> None:
+                 batches: TrainBatches, tracker: TPRNGTracker) -> None:
         self.cfg, self.ctx, self.state = cfg, ctx, state
-        self.batches, self.tracker, self.skipped = batches, tracker, skipped
+        self.batches, self.tracker = batches, tracker
         self.interval = cfg.checkpoint.interval
         self.saver = ckpt.AsyncSaver(cfg.parallel.timeout_s) if cfg.checkpoint.async_save \
             else None
@@ -40,17 +40,17 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0
 
-    def maybe_save(self, step: int) -> Optional[str]:
+    def maybe_save(self, step: int, skipped: int) -> Optional[str]:
         """After step ``step``: a save when the interval says so (and a finished
         background save published on the way)."""
         if self.saver is not None:
             self.saver.poll()
-        return self.save(step) if self.due(step) else None
+        return self.save(step, skipped) if self.due(step) else None
 
-    def save_final(self, final: int) -> None:
+    def save_final(self, final: int, skipped: int) -> None:
         """``checkpoint.save_final``: the last step's state, unless the interval saved it."""
         if self.cfg.checkpoint.save_final and not self.due(final):
-            self.save(final)
+            self.save(final, skipped)
         self.wait()
 
     def wait(self) -> None:
@@ -63,7 +63,7 @@ class Checkpointer:
         if self.saver is not None:
             self.saver.close()
 
-    def save(self, step: int) -> Optional[str]:
+    def save(self, step: int, skipped: int) -> Optional[str]:
         """Write the checkpoint of step ``step``; None (nothing written) when the weights
         are not finite: a good checkpoint is never replaced by a broken one."""
         cfg, ctx, state = self.cfg, self.ctx, self.state
@@ -75,7 +75,7 @@ class Checkpointer:
             return None
         meta = {"step": step, "data": self.batches.state_dict(), "model_shape": model_shape(cfg),
                 "model": model_section(cfg), "corpus": self.batches.corpus, **layout_meta(ctx),
-                "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": self.skipped(),
+                "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": skipped,
                 "sub_batches": cfg.sub_batches}
         # each rank writes what it owns (ZeRO: its ranges of the buckets), nothing gathered
         write = ckpt.save if self.saver is None else self.saver.save

@@ -169,7 +169,7 @@ class Run:
         if sig is None or step >= self.cfg.train.steps:
             return
         self.stop.finish()
-        saved = saved or self.checkpointer.save(step)
+        saved = saved or self.checkpointer.save(step, self.skipped)
         self.checkpointer.wait()
         raise Preempted(f"{sig} received: stopped after step {step}/{self.cfg.train.steps}; "
                         f"checkpoint {saved or 'not saved (non-finite weights)'}; "
@@ -181,7 +181,7 @@ class Run:
         self.stop.finish()
         final = self.cfg.train.steps
         self.evaluator.final(final)
-        self.checkpointer.save_final(final)
+        self.checkpointer.save_final(final, self.skipped)
 
     def say_complete(self) -> None:
         if self.ctx.is_main:
@@ -292,11 +292,11 @@ def build_run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = _no
     window = cfg.profile.window()
     if par.trace and (window is None or window[1] <= start):  # one step after warm-up
         window = (min(start + 3, cfg.train.steps),) * 2
-    run: Run
-    checkpointer = Checkpointer(cfg, ctx, state, batches, tracker, lambda: run.skipped)
-    run = Run(cfg, ctx, state, batches, val, logger, checkpointer,
-              Evaluator(cfg, ctx, state, val, logger),
-              StepProfiler(window, cfg.out_dir, ctx.rank, ctx.device,
-                           cfg.profile.memory_snapshot, view=par.trace),
-              StopSignals(host_group()), start=start, skipped=skipped)
-    return run
+    # nothing in a Run refers back to it: it (and the process groups' work it holds) is
+    # freed when the loop returns, before the groups are destroyed, not by a late GC
+    return Run(cfg, ctx, state, batches, val, logger,
+               Checkpointer(cfg, ctx, state, batches, tracker),
+               Evaluator(cfg, ctx, state, val, logger),
+               StepProfiler(window, cfg.out_dir, ctx.rank, ctx.device,
+                            cfg.profile.memory_snapshot, view=par.trace),
+               StopSignals(host_group()), start=start, skipped=skipped)

@@ -10,6 +10,7 @@ pipeline), :mod:`oases.runtime.step` (one step, evaluation),
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from pathlib import Path
 from typing import Callable
@@ -178,6 +179,11 @@ def _run_in_world(cfg: Config, ctx: ParallelContext, lock: RunLock,
             # waits on the peer that is gone, before the one line is printed: abort
             dist.distributed_c10d._abort_process_group()
         elif dist.is_initialized():
+            # the run's model, reducer and engines sit in reference cycles (hooks): freed
+            # here, while their groups live, not at interpreter exit, where a gloo work's
+            # thread destroyed out of order aborts the process ("terminate called
+            # without an active exception") after a run that succeeded
+            gc.collect()
             dist.destroy_process_group()
 
 
@@ -217,6 +223,6 @@ def train(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = lambda:
             run.check_finite(done, result)
             run.maybe_log(done, result)
             run.evaluator.maybe_eval(done)
-            saved = run.checkpointer.maybe_save(done)
+            saved = run.checkpointer.maybe_save(done, run.skipped)
             run.maybe_stop(done, saved)
         run.finish()
