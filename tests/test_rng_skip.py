@@ -29,6 +29,7 @@ from oases.parallel.block import TPBlock
 from oases.parallel.random import TPRNGTracker
 from tests.support.distributed import run_distributed
 from tests.support.parity import full_grads, sub_batch_reference
+from tests.support.toy_models import BlockStack
 
 CPU = torch.device("cpu")
 
@@ -135,22 +136,10 @@ class _Literal(TPBlock):
         return x + F.dropout(self.b.add_bias(reduced), 0.3, self.training)
 
 
-class _Stack(nn.Module):
+class _Stack(BlockStack):
     def __init__(self, declared):
-        super().__init__()
-        self.stack = nn.ModuleList([_Literal(8, declared) for _ in range(2)])
+        super().__init__([_Literal(8, declared) for _ in range(2)])
         init_parameters(self, 5, 0, 1)
-
-    def blocks(self):
-        return list(self.stack)
-
-    def loss_from_hidden(self, x, t):
-        return F.mse_loss(x, t)
-
-    def forward(self, x, t):
-        for b in self.stack:
-            x = b(x)
-        return self.loss_from_hidden(x, t)
 
 
 def test_undeclared_draws_are_refused_declared_ones_replayed():

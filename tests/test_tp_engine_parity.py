@@ -29,6 +29,7 @@ from oases.parallel.comm import CommCounter
 from oases.parallel.random import TPRNGTracker
 from tests.support.distributed import run_distributed
 from tests.support.parity import PAIRS, full_grads, sub_batch_reference
+from tests.support.toy_models import BlockStack
 
 CPU = torch.device("cpu")
 def _run_mode(ctx, cfg, mode, ids, y, n_sub=2):
@@ -177,21 +178,9 @@ class _Gate(TPBlock):
         return x + F.dropout(self.o.add_bias(reduced), 0.1, self.training)
 
 
-class _Toy(nn.Module):
+class _Toy(BlockStack):
     def __init__(self, d, tp_group):
-        super().__init__()
-        self.stack = nn.ModuleList([_Scale(d, tp_group), _Gate(d, tp_group), _Gate(d, tp_group)])
-
-    def blocks(self):
-        return list(self.stack)
-
-    def loss_from_hidden(self, x, target):
-        return F.mse_loss(x, target)
-
-    def forward(self, x, target):
-        for b in self.stack:
-            x = b(x)
-        return self.loss_from_hidden(x, target)
+        super().__init__([_Scale(d, tp_group), _Gate(d, tp_group), _Gate(d, tp_group)])
 
 
 def _toy_body(ctx):

@@ -21,8 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from oases.overlap.engines import OasesEngine
 from oases.overlap.runner import StashModifiedError
@@ -30,6 +28,7 @@ from oases.parallel import ColumnParallelLinear, RowParallelLinear, init_paramet
 from oases.parallel.block import TPBlock
 from tests.support.distributed import run_distributed
 from tests.support.parity import sub_batch_reference
+from tests.support.toy_models import BlockStack
 
 
 
@@ -66,26 +65,14 @@ class _UserBlock(TPBlock):
         return x + y
 
 
-class _UserModel(nn.Module):
+class _UserModel(BlockStack):
     """Three blocks; the first takes the model's input (the engine treats it as the
     embedding: never recomputed, its input not detached), so ``inplace`` applies from
     the second on."""
 
     def __init__(self, d, tp_group, strided=False, inplace=None):
-        super().__init__()
-        self.stack = nn.ModuleList([_UserBlock(d, tp_group, strided, inplace if i else None)
-                                    for i in range(3)])
-
-    def blocks(self):
-        return list(self.stack)
-
-    def loss_from_hidden(self, x, target):
-        return F.mse_loss(x, target)
-
-    def forward(self, x, target):
-        for b in self.stack:
-            x = b(x)
-        return self.loss_from_hidden(x, target)
+        super().__init__([_UserBlock(d, tp_group, strided, inplace if i else None)
+                          for i in range(3)])
 
 
 def _nccl_like_all_reduce():

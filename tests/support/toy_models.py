@@ -24,11 +24,13 @@ class ToyBlock(TPBlock):
         return x + self.down.add_bias(reduced)
 
 
-class ToyModel(nn.Module):
-    def __init__(self, d=8, n=3, tp_group=None, tp_rank=0, tp=1):
+class BlockStack(nn.Module):
+    """The least model an engine runs: ``blocks`` (the TP blocks of ``self.stack``) and an
+    MSE ``loss_from_hidden``; the forward runs the blocks in turn."""
+
+    def __init__(self, blocks) -> None:
         super().__init__()
-        self.stack = nn.ModuleList([ToyBlock(d, tp_group) for _ in range(n)])
-        init_parameters(self, seed=5, tp_rank=tp_rank, tp=tp)
+        self.stack = nn.ModuleList(blocks)
 
     def blocks(self):
         return list(self.stack)
@@ -40,6 +42,12 @@ class ToyModel(nn.Module):
         for b in self.stack:
             x = b(x)
         return x if target is None else self.loss_from_hidden(x, target)
+
+
+class ToyModel(BlockStack):
+    def __init__(self, d=8, n=3, tp_group=None, tp_rank=0, tp=1):
+        super().__init__([ToyBlock(d, tp_group) for _ in range(n)])
+        init_parameters(self, seed=5, tp_rank=tp_rank, tp=tp)
 
 
 class RecordedParams:
