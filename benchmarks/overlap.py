@@ -129,12 +129,13 @@ def _exposed(r: dict) -> str:
 
 def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> None:
     m = meta["model"]
+    ga = f" x {m['grad_accum']} per step" if "grad_accum" in m else ""  # older results: none
     L = [*driver.report_head(f"# Overlapped TP on a slow link ({meta['tag']})", meta),
          f"Emulated cluster: 2 nodes (network namespaces) x 1 CPU process, tp=2 across the link "
          f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/emucluster). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
          f"ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq {m['seq_len']}, micro batch "
-         f"{m['micro_batch_size']} x {m.get('grad_accum', 1)} per step, fp32. Each figure: median over {meta['repeats']} repeats "
+         f"{m['micro_batch_size']}{ga}, fp32. Each figure: median over {meta['repeats']} repeats "
          f"(fresh processes, modes interleaved round-robin) of the median step time of steps "
          f"{meta['warmup'] + 1}..{meta['steps']}. tokens/s = tokens per step / that time. "
          f"Absolute times on a shared 2-core machine are noisy; compare ratios within a table.",
@@ -164,6 +165,9 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
         L.append("")
     L += ["Raw numbers (every run's step times, errors, node-0 commands): "
           f"`{Path(meta['json']).name}`; chart: `{Path(meta['png']).name}`.", ""]
+    notes = REPO / Path(meta["json"]).with_name(Path(meta["json"]).stem + "-analysis.md")
+    if notes.is_file():  # hand-written notes on the timelines, beside the results
+        L.append(notes.read_text())
     path.write_text("\n".join(L))
 
 
@@ -253,7 +257,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     specs = load_specs(args.clusters)
     if specs is None:
         return 2

@@ -339,7 +339,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return driver.rerender(Path(args.from_json), lambda out, data: render(out, data, True),
-                               refresh)
+                               refresh, out=args.out)
     specs = load_specs(args.clusters)
     if specs is None:
         return 2

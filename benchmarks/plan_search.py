@@ -2,6 +2,7 @@
 against exhaustive enumeration.
 
     .venv/bin/python -m benchmarks.plan_search [--repeats 3] [--budget 6] [--max-exhaustive-s 60]
+        [--out PREFIX] [--from-json FILE]
 
 Three problems, each searched with ``--search uniap`` and ``amp`` on an analytic
 profile (FLOP counts at 400 TFLOP/s, bf16), 2400 Gbit/s inside a node and 200 Gbit/s
@@ -12,7 +13,7 @@ between nodes:
                              memory makes it pipeline and the MILP run)
     32 layers x 16 devices   the Llama-2-7B shape, global batch 128, nodes of 8 x 80 GiB
     96 layers x 64 devices   a GPT-3-175B shape (d 12288, 96 heads), global batch 512,
-                             nodes of 8 x 80 GiB
+                             nodes of 8 x 96 GiB (on 80 GiB no layout fits: MEMORY_NOTE)
 
 Reports the layouts enumerated, MILPs solved, solver and total seconds (median of
 ``--repeats``) and the chosen layout against the best uniform one and AMP's pick.
@@ -26,26 +27,30 @@ the rate of pricing plans is measured per problem on a sample of its own plans
 rate would take over ``--max-exhaustive-s`` it is not enumerated: its time is an
 estimate (plans / rate); otherwise it is enumerated ``--repeats`` times (building
 the problems included, as in the search's total) and its optimum compared with
-the searches' picks. Writes ``benchmarks/results/plan_search.{md,json}``.
+the searches' picks. Writes ``<--out>.{json,md}`` (``benchmarks/results/plan_search``);
+``--from-json`` writes the .md again from a saved .json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
+from pathlib import Path
 
-from benchmarks.lib.driver import REPO
-from benchmarks.lib.search_timing import (PROBLEMS, against_exhaustive, count_text, run,
-                                          seconds_text, vs_optimum_text)
+from benchmarks.lib import driver
+from benchmarks.lib.machine import machine_info
+from benchmarks.lib.search_timing import (MEMORY_NOTE, PROBLEMS, against_exhaustive,
+                                          count_text, run, seconds_text, vs_optimum_text)
+
+
+def render(out: Path, data: dict) -> None:
+    out.with_suffix(".md").write_text(markdown(data["meta"], data["rows"], data["exhaustive"]))
 
 
 def markdown(meta: dict, rows: list, exh: list) -> str:
-    lines = ["# Layout search time (cost model only)", "",
-             f"Machine: {meta['machine']}; command: `{meta['command']}`; median of "
-             f"{meta['repeats']}; MILP budget {meta['budget_s']} s per search.", "",
+    lines = [*driver.report_head("# Layout search time (cost model only)", meta),
+             f"Median of {meta['repeats']}; MILP budget {meta['budget_s']} s per search. "
+             f"{MEMORY_NOTE}", "",
              "| problem | search | layouts | MILPs | solver (s) | total (s) | uniform / plan "
              "| AMP / plan | plan |", "|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda v: "none fits" if v is None else f"{v:.3f}"  # noqa: E731
@@ -78,13 +83,19 @@ def markdown(meta: dict, rows: list, exh: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=float, default=6.0, help="MILP seconds per search")
     ap.add_argument("--max-exhaustive-s", type=float, default=60.0,
                     help="enumerate a space only if its estimated time is at most this")
+    ap.add_argument("--out", help="output prefix (default benchmarks/results/plan_search; "
+                    "with --from-json: beside the .json)")
+    ap.add_argument("--from-json", help="re-write the report from a saved .json; run nothing")
     args = ap.parse_args()
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     rows = []
     for name in PROBLEMS:
         for method in ("uniap", "amp"):
@@ -101,16 +112,12 @@ def main() -> None:
         e = exh[-1]
         print(f"{name} exhaustive: {count_text(e['plans'])} plans, {seconds_text(e)}; speed-up "
               f"{e['speedup']:.3g}x; {vs_optimum_text(e)}", flush=True)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "command": " ".join(["python -m benchmarks.plan_search", *sys.argv[1:]]),
+    meta = {"machine": machine_info(), "command": driver.command("benchmarks.plan_search"),
             "repeats": args.repeats, "budget_s": args.budget,
             "max_exhaustive_s": args.max_exhaustive_s}
-    (out / "plan_search.json").write_text(json.dumps({"meta": meta, "rows": rows,
-                                                      "exhaustive": exh}, indent=1))
-    (out / "plan_search.md").write_text(markdown(meta, rows, exh))
+    driver.save(Path(args.out or driver.RESULTS / "plan_search"), {"meta": meta, "rows": rows, "exhaustive": exh}, render)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

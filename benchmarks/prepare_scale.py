@@ -6,7 +6,7 @@ processes. Measures the rate, the peak resident memory of the whole process tree
 
     python -m benchmarks.prepare_scale --gb 2 --workers 2 --dir /tmp/oases-scale
 
-writes ``benchmarks/results/prepare_scale.md`` and ``.json``; ``--keep`` keeps the
+writes ``<--out>.md`` and ``.json`` (``benchmarks/results/prepare_scale``); ``--keep`` keeps the
 (large) corpus and token files, which are deleted by default.
 """
 
@@ -104,11 +104,14 @@ def run_prepare(cmd: list[str]) -> tuple[float, int, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/oases-scale")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prepare_scale",
+                    help="output prefix")
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -141,7 +144,8 @@ def main() -> None:
            "train_windows": tb.num_windows, "loader_startup_s": loader_s,
            "train_2_steps_wall_s": train_s, "prepare_line": line, "cpus": os.cpu_count(),
            "command": " ".join(cmd[1:])}
-    (ROOT / "benchmarks/results/prepare_scale.json").write_text(json.dumps(res, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     md = (f"# prepare at scale\n\nMachine: {os.cpu_count()} CPU cores, shared with other "
           f"work "
           f"(the rate is a lower bound).\n\nCommand: `python -m benchmarks.prepare_scale "
@@ -151,7 +155,7 @@ def main() -> None:
           f"| {size / 1e9:.2f} GB jsonl | {args.workers} | {seconds:.0f} s | "
           f"{res['mb_per_s']:.1f} MB/s | {res['peak_rss_mib']:.0f} MiB | {loader_s:.2f} s | "
           f"{train_s:.1f} s |\n\n`{line}`\n")
-    (ROOT / "benchmarks/results/prepare_scale.md").write_text(md)
+    args.out.with_suffix(".md").write_text(md)
     print(md)
     if not args.keep:
         shutil.rmtree(d)

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     from functools import partial
 
     from benchmarks.emucluster import (ClusterError, ClusterSpec, EmulatedCluster,

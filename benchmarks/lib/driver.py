@@ -157,12 +157,13 @@ def run_suite(suite: Suite, doc: str, argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", nargs="+", default=list(suite.modes), choices=list(suite.modes))
     p.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=suite.rounds,
                    help=f"rounds, every mode once each, interleaved (default {suite.rounds})")
-    p.add_argument("--out", default=str(RESULTS / suite.name), help="output prefix")
+    p.add_argument("--out", help=f"output prefix (default {RESULTS / suite.name}; with "
+                   "--from-json: beside the .json)")
     p.add_argument("--from-json", help="re-write the report from a saved .json; run nothing")
     suite.flags(p)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(Path(args.from_json), suite.render)
+        return rerender(Path(args.from_json), suite.render, out=args.out)
     if args.rounds < suite.min_rounds:
         p.error(f"--rounds {args.rounds}: at least {suite.min_rounds} "
                 "(medians of interleaved rounds)")
@@ -194,7 +195,7 @@ def run_suite(suite: Suite, doc: str, argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     data = {"meta": meta, "modes": suite_medians(suite, runs, args.modes), "runs": runs}
-    save(Path(args.out), data, suite.render)
+    save(Path(args.out) if args.out else RESULTS / suite.name, data, suite.render)
     return 130 if interrupted else suite.exit_code(data)
 
 
@@ -363,19 +364,23 @@ def save(out: Path, data: dict, render: Callable[[Path, dict], Optional[str]],
 
 
 def rerender(path: Path, render: Callable[[Path, dict], Optional[str]],
-             refresh: Optional[Callable[[dict], dict]] = None) -> int:
-    """Write the .md (and .png) of a saved results JSON again, no runs; ``refresh(data)``
-    may recompute derived figures first (then the JSON is rewritten too)."""
+             refresh: Optional[Callable[[dict], dict]] = None,
+             out: Optional[str] = None) -> int:
+    """Write the .md (and .png) of a saved results JSON again, no runs, to the ``out``
+    prefix (default: beside the JSON); ``refresh(data)`` may recompute derived figures
+    first (then the JSON is written there too)."""
     path = Path(path)
+    prefix = Path(out) if out else path.with_suffix("")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text())
     if refresh is not None:
         data = refresh(data)
-        path.write_text(json.dumps(data, indent=1))
-    warn = render(path.with_suffix(""), data)
+        prefix.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    warn = render(prefix, data)
     if warn:
         print(f"warning: {warn}", file=sys.stderr)
-    png = " and .png" if path.with_suffix(".png").exists() else ""
-    print(f"re-wrote {path.with_suffix('.md')}{png} from {path}")
+    png = " and .png" if prefix.with_suffix(".png").exists() else ""
+    print(f"re-wrote {prefix.with_suffix('.md')}{png} from {path}")
     return 0
 
 
