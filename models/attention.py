@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.models.documents import DocumentSlot
 from oases.models.rope import Rotary
 from oases.config import ModelConfig
 from oases.config.heads import heads_problem, local_kv_heads
@@ -113,9 +114,9 @@ class ParallelAttention(ResidualBlock):
         self.tracker = tracker
         self.attn_dropout = cfg.dropout
         self.selective = False  # recompute=selective: the core is recomputed in backward
-        # (B, 1, T, T) bool: attend within documents only (CausalLM.attend_within_documents);
-        # set from the token ids by each forward, read again by a recompute in its backward
-        self.doc_mask: Optional[torch.Tensor] = None
+        # the model's: the documents of the rows computed now (attention stays inside
+        # each, positions restart at each under data.reset_position_ids)
+        self.documents: Optional[DocumentSlot] = None
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, kv heads) of one rank at TP degree ``tp``."""
@@ -155,27 +156,30 @@ class ParallelAttention(ResidualBlock):
         return self.proj.partial(y)
 
     def region(self, h):
-        q, k, v = self.heads_of(h)
+        docs = self.documents
+        positions = None if docs is None else docs.positions(self.degree)
+        q, k, v = self.heads_of(h, positions)
+        # the mask is taken here, once: a recompute of the core gets it as an input
+        mask = self.train_mask(h.shape[1], h.device)
         if self.selective and self.training and torch.is_grad_enabled():
-            y = recompute(self._core, q, k, v, tracker=self.tracker)  # keeps q, k, v only
+            y = recompute(self._core, q, k, v, mask, tracker=self.tracker)  # keeps q, k, v
         else:
-            y = self._core(q, k, v)
+            y = self._core(q, k, v, mask)
         return self.out_partial(y)
 
     def train_mask(self, T: int, device) -> Optional[torch.Tensor]:
         """The mask of a T-token forward: None for plain causal attention, else bool
-        (T, T) or (B, 1, T, T): the sliding window and the document mask combined."""
+        (T, T) or (B, 1, T, T): the sliding window and the documents' mask combined."""
+        doc = None if self.documents is None else self.documents.mask(self.degree)
         if not self.window or self.window >= T:
-            return self.doc_mask
+            return doc
         band = _band(T, self.window, torch.device(device))  # (T, T), made once per shape
-        return band if self.doc_mask is None else self.doc_mask & band
+        return band if doc is None else doc & band
 
     def _core(self, q, k, v, mask: Optional[torch.Tensor] = None):
         """softmax(q k^T / sqrt(d)) v with dropout: what ``recompute=selective`` recomputes
         (its saved tensors grow with T^2 where the math kernel keeps the probabilities).
-        ``mask``: bool, True where a query may attend (None: :meth:`train_mask`)."""
-        if mask is None:
-            mask = self.train_mask(q.shape[-2], q.device)
+        ``mask``: bool, True where a query may attend (None: plain causal)."""
         p = self.attn_dropout if self.training else 0.0
         gqa = self.n_kv != self.n_head
         if gqa and not _fused_gqa(q, k, v, p, mask):

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models.attention import ResidualBlock
+from oases.models.documents import DocumentSlot
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -62,16 +64,22 @@ class TokenEmbedding(TPBlock):
         else:
             self.wpe = None
         self.dropout = nn.Dropout(cfg.dropout)
+        self.documents: Optional[DocumentSlot] = None  # the model's (positions per document)
 
     def partial(self, ids):
         return self.wte.partial(ids)
 
     def combine(self, ids, reduced, positions=None):
-        """``positions``: (B, T) long position of each token (decoding), else 0..T-1.
-        Under sequence parallelism ``reduced`` is this rank's chunk of the sequence: its
-        positions, and its chunk of the whole sequence's dropout mask."""
+        """``positions``: (B, T) long position of each token (decoding), else the
+        documents' (``data.reset_position_ids``), else 0..T-1. Under sequence
+        parallelism ``reduced`` is this rank's chunk of the sequence: its positions, and
+        its chunk of the whole sequence's dropout mask."""
         j, n = seq_part(self)
         T = reduced.shape[1]
+        if positions is None and self.wpe is not None and self.documents is not None:
+            positions = self.documents.positions(self.degree)
+            if positions is not None:
+                positions = positions[:, j * T: (j + 1) * T]  # (B, T/n): this rank's chunk
         if self.wpe is not None:
             reduced = reduced + (self.wpe[j * T: (j + 1) * T] if positions is None
                                  else self.wpe[positions])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from oases.models.attention import ParallelAttention
 from oases.models.blocks import LayerStack, TiedEmbedding, TokenEmbedding, TransformerLayer
 from oases.models.decode import KVCache, decode, new_kv_cache
-from oases.models.documents import document_mask
+from oases.models.documents import DocumentSlot
 from oases.models.rope import Rotary
 from oases.config import ModelConfig
 from oases.parallel.block import TPBlock
@@ -55,7 +55,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
-        self.eos_id: Optional[int] = None  # attend_within_documents
         # what parallelize sets: the whole model at tp = 1 until then
         self.tp_group, self.tracker, self.recompute = None, None, "none"
         self.layer_range = (0, cfg.n_layer)
@@ -69,6 +68,12 @@ class CausalLM(nn.Module):
                 ParallelAttention(cfg, self.make_norm(cfg), None, None, rotary, self.qkv_bias),
                 self.make_mlp(cfg, self.make_norm(cfg), None))
             for _ in range(cfg.n_layer)])
+        # the documents of the rows computed now, which attention and positions follow
+        # (oases.models.documents): filled by the engines, read by every layer
+        self.documents = DocumentSlot()
+        self.embed.documents = self.documents
+        for layer in self.layers:
+            layer.attn.documents = self.documents
         self.norm = self.make_norm(cfg)
         self.head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, padded_vocab, None, bias=False, init_std=cfg.init_std,
@@ -128,14 +133,6 @@ class CausalLM(nn.Module):
         k = 1 if self.is_first else 0
         return [(k + 2 * i, k + 2 + 2 * i) for i in range(len(self.layers))]
 
-    def attend_within_documents(self, eos_id: Optional[int]) -> None:
-        """``data.reset_attention_at_eos``: a forward from token ids masks attention at
-        each ``eos_id`` (None: causal only). Needs pp = 1 and the megatron engine."""
-        self.eos_id = eos_id
-        if eos_id is None:
-            for layer in self.layers:
-                layer.attn.doc_mask = None
-
     def set_sequence_parallel(self, on: bool) -> None:
         """``parallel.sequence_parallel``: the activations between the blocks, a pipeline
         stage's input and output, and the final norm hold this rank's chunk of the
@@ -158,10 +155,6 @@ class CausalLM(nn.Module):
         parallelism both are this rank's chunk, (B, T/tp, d), as are a stage's input and
         output (:class:`~oases.pipeline.cross_mesh.CrossMeshTransfer` moves chunks)."""
         x = self.embed(ids) if self.is_first else ids  # a later stage's: its chunk under SP
-        if self.eos_id is not None and self.is_first:
-            mask = document_mask(ids, self.eos_id)
-            for layer in self.layers:
-                layer.attn.doc_mask = mask
         prev = self.home_degree
         for layer in self.layers:
             x = self.reshard(x, prev, layer.attn.degree)

@@ -63,6 +63,9 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     model.tp_group, model.tracker, model.recompute = par.tp_group, par.tracker, par.recompute
     model.home_degree = tp
     model.resharder = par.degree_groups if degrees is not None and set(degrees) != {tp} else None
+    rs = model.resharder  # a block at a lower degree computes a piece of the documents' rows
+    model.documents.home = tp
+    model.documents.pieces = None if rs is None else (lambda t: rs.piece(tp, t))
 
     def group(j: int):
         return par.tp_group if model.resharder is None else par.degree_groups.sub[degrees[j]]

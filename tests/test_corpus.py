@@ -131,7 +131,7 @@ def test_attention_stays_inside_documents():
     are those of that document alone (rotary positions are relative); without an EOS
     in the row the mask changes nothing."""
     from oases.models import build_model
-    from oases.models.documents import document_mask
+    from oases.models.documents import Documents, document_mask
 
     cfg = load_config(str(ROOT / "configs" / "llama-tiny.yaml"),
                       ["model.seq_len=24", "model.vocab_size=64", "parallel.tp=1"]).validate()
@@ -140,12 +140,12 @@ def test_attention_stays_inside_documents():
     a, b = torch.randint(1, 64, (1, 9), generator=gen), torch.randint(1, 64, (1, 15), generator=gen)
     row = torch.cat([a[:, :-1], torch.zeros(1, 1, dtype=torch.long), b], dim=1)  # a, EOS, b
     alone = model.full_logits(b)
-    model.attend_within_documents(0)
-    packed = model.full_logits(row)
+    with model.documents.use(Documents.from_eos(row, 0)):
+        packed = model.full_logits(row)
     torch.testing.assert_close(packed[:, 9:], alone, rtol=1e-4, atol=1e-5)
     no_eos = torch.randint(1, 64, (2, 24), generator=gen)
-    masked = model.full_logits(no_eos)
-    model.attend_within_documents(None)
+    with model.documents.use(Documents.from_eos(no_eos, 0)):
+        masked = model.full_logits(no_eos)
     torch.testing.assert_close(masked, model.full_logits(no_eos), rtol=1e-5, atol=1e-6)
     m = document_mask(torch.tensor([[1, 0, 2, 3]]), 0)[0, 0]
     assert m.tolist() == [[True, False, False, False], [True, True, False, False],

@@ -3,6 +3,9 @@
     python -m oases.prepare --builtin pydoc --out data/pydoc
     python -m oases.prepare --input 'corpus/*.jsonl.zst' --tokenizer tok/ --out data/c
     python -m oases.prepare --input a.parquet hf_dir/ notes.txt --split-on '\\n\\n' --out data/c
+    python -m oases.prepare --chat --input chats.jsonl --tokenizer hf_dir/ --seq-len 2048 --out data/sft
+
+``--chat`` prepares conversations for fine-tuning instead: :mod:`oases.cli.prepare_chat`.
 
 Inputs: any number of files, directories or globs of text (``.txt``: one document per
 file unless ``--split-on`` cuts it), jsonl (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``:
@@ -42,6 +45,7 @@ from typing import NoReturn, Optional
 
 import numpy as np
 
+from oases.cli.prepare_chat import prepare_chat, summary
 from oases.cli.prepare_encode import Encoder, resolve_tokenizer, worker_encode, worker_init
 from oases.cli.prepare_sources import Input, expand, read
 from oases.cli.prepare_write import SPLITS, Router, ShardWriter, Staging, check_out
@@ -94,6 +98,18 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad", action="store_true",
                    help="skip (and count) bad jsonl lines and rows without text")
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
+    chat = p.add_argument_group("chat data (--chat; docs/data.md#chat-data)")
+    chat.add_argument("--chat", action="store_true",
+                      help="rows of messages (or prompt/completion) rendered by the chat "
+                           "template, packed into --seq-len rows, assistant tokens counting")
+    chat.add_argument("--seq-len", type=int, default=None, metavar="T",
+                      help="tokens per packed row: the model's model.seq_len")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template (default: the --tokenizer directory's)")
+    chat.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
+                      help="a conversation longer than --seq-len (default: truncate)")
+    chat.add_argument("--messages-key", default="messages",
+                      help="the field of the messages (else 'prompt' and 'completion')")
     return p
 
 
@@ -248,9 +264,24 @@ def unescape(sep: str) -> str:
                         f"separator such as '\\n\\n' or '\\x1e'") from None
 
 
+def _check_chat_args(args) -> None:
+    if args.chat and args.builtin:
+        raise DataError("--chat reads conversations from --input, not --builtin")
+    if not args.chat:
+        given = [f for f, v in (("--seq-len", args.seq_len), ("--chat-template",
+                                 args.chat_template)) if v is not None]
+        if given:
+            raise DataError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --chat")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
+        _check_chat_args(args)
+        if args.chat:
+            out = Path(args.out)
+            print(summary(prepare_chat(expand(args.input), out, args), out))
+            return 0
         if args.split_on is not None:
             args.split_on = unescape(args.split_on)
         inputs = ([Input(Path("pydoc"), "builtin")] if args.builtin

@@ -156,7 +156,7 @@ def _txt(path: Path, split_on: Optional[str]) -> Iterator[tuple[tuple, int]]:
         raise DataError(f"input file {path} is empty")
 
 
-def _open_bytes(path: Path):
+def open_bytes(path: Path):
     """A binary stream of the file's (decompressed) contents, its raw file, and the
     exceptions its reads raise for a corrupt or truncated file."""
     raw = open(path, "rb")
@@ -178,7 +178,7 @@ def _open_bytes(path: Path):
 def _jsonl(path: Path, text_key: str) -> Iterator[tuple[tuple, int]]:
     """Whole lines, about CHUNK_BYTES at a time; the workers parse them."""
     try:
-        stream, raw, corrupt = _open_bytes(path)
+        stream, raw, corrupt = open_bytes(path)
     except OSError as e:
         raise DataError(f"cannot read input file {path}: {e.strerror or e}") from None
     line, carry, pos = 1, b"", 0
@@ -238,7 +238,7 @@ def _batched(batches, where: str, total_rows: int, size: int, skip_bad: bool
         yield ("texts", texts, None, None, bad), size - given
 
 
-def _arrow_errors() -> tuple:
+def arrow_errors() -> tuple:
     """What pyarrow raises for a damaged file: ArrowException (ArrowInvalid, ...),
     OSError (ArrowIOError), and UnicodeDecodeError for a string column that is not
     UTF-8."""
@@ -250,7 +250,7 @@ def _arrow_errors() -> tuple:
 def _row_groups(pf, key: str, where: str) -> Iterator:
     """The record batches of column ``key``, a row group at a time (memory is a row
     group, not the file); a damaged row group is a DataError naming it."""
-    errors = _arrow_errors()
+    errors = arrow_errors()
     for rg in range(pf.num_row_groups):
         try:
             yield from pf.iter_batches(batch_size=_ROWS, columns=[key], row_groups=[rg])
@@ -282,7 +282,7 @@ def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
     except ImportError:
         raise DataError(f"{path} needs the 'datasets' package: pip install datasets") from None
     try:
-        parts = _hf_parts(datasets, path)
+        parts = hf_parts(datasets, path)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow: any failure is a bad file
@@ -293,7 +293,7 @@ def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
         if key not in ds.column_names:
             raise DataError(f"HF dataset {path} has no column {key!r} (columns: "
                             f"{', '.join(ds.column_names)}); pass --text-key")
-    errors = _arrow_errors()
+    errors = arrow_errors()
     for ds in parts:
         share = size * len(ds) // max(total, 1)
         table = ds.with_format("arrow").select_columns([key])
@@ -304,7 +304,7 @@ def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
             raise DataError(f"HF dataset {path} cannot be read: {first_line(e)}") from None
 
 
-def _hf_parts(datasets, path: Path) -> list:
+def hf_parts(datasets, path: Path) -> list:
     """The datasets of an HF input: an .arrow file, a save_to_disk directory (its train
     split), or a directory of .arrow files."""
     if path.is_file():

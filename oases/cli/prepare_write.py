@@ -27,7 +27,7 @@ import numpy as np
 from oases.errors import DataError
 
 SPLITS = ("train", "val")
-_SHARD_RE = re.compile(r"^(train|val)(-\d{5})?\.bin(\.tmp)?$")
+_SHARD_RE = re.compile(r"^(train|val)(-\d{5})?\.(bin|flags)(\.tmp)?$")
 
 
 def existing_outputs(out: Path) -> list[Path]:
@@ -158,10 +158,14 @@ class Router:
 
 
 class ShardWriter:
-    """One split's shards, written in order under ``.tmp`` names."""
+    """One split's shards, written in order under ``.tmp`` names. ``ext``: ``bin`` for
+    token ids; ``flags`` for a chat corpus's per-token flags, written in lockstep with
+    its tokens so that both cut their shards at the same tokens."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 ext: str = "bin") -> None:
         self.out, self.split, self.dtype, self.limit = out, split, dtype, shard_tokens
+        self.ext = ext
         self.shards: list[dict] = []  # per shard: tmp path, tokens, max_id, docs
         self._f = None
 
@@ -174,7 +178,7 @@ class ShardWriter:
         return sum(s["docs"] for s in self.shards)
 
     def _open(self) -> dict:
-        tmp = self.out / f"{self.split}-{len(self.shards):05d}.bin.tmp"
+        tmp = self.out / f"{self.split}-{len(self.shards):05d}.{self.ext}.tmp"
         self.close()
         self._f = open(tmp, "wb")
         self.shards.append({"tmp": tmp, "tokens": 0, "max_id": -1, "docs": 0})
@@ -230,7 +234,7 @@ class ShardWriter:
         single = len(self.shards) == 1
         entries = []
         for i, s in enumerate(self.shards):
-            name = f"{self.split}.bin" if single else f"{self.split}-{i:05d}.bin"
+            name = f"{self.split}.{self.ext}" if single else f"{self.split}-{i:05d}.{self.ext}"
             os.replace(s["tmp"], self.out / name)
             entries.append({"file": name, "tokens": s["tokens"], "max_id": s["max_id"],
                             "docs": s["docs"]})

@@ -204,6 +204,8 @@ class DataConfig(Section):
     dtype: str = "uint16"           # token file dtype: "uint16" | "uint32"
     eos_id: int = -1                # the id ending each document (-1: meta.json's eos_id)
     reset_attention_at_eos: bool = False  # attention within documents (mask cut at each EOS)
+    reset_position_ids: bool = False  # positions restart at each document (needs documents)
+    loss_on: str = "assistant"      # chat data: "assistant" (assistant tokens) | "all" (not pads)
 
     def blend(self, check_files: bool = True) -> list[tuple[str, float]]:
         """``train_paths`` checked, as ``[(path, weight), ...]`` with the weights
@@ -213,6 +215,10 @@ class DataConfig(Section):
     def validate(self) -> None:
         choice("data.kind", self.kind, ("synthetic", "tokens"))
         choice("data.dtype", self.dtype, ("uint16", "uint32"))
+        choice("data.loss_on", self.loss_on, ("assistant", "all"))
+        if self.reset_position_ids and self.kind == "synthetic":
+            raise ConfigError("data.reset_position_ids restarts positions at each document: "
+                              "synthetic data has none (use data.kind=tokens)")
         if self.train_paths is not None:
             if self.train_path:
                 raise ConfigError("data.train_path and data.train_paths are both set; keep one "
@@ -319,8 +325,6 @@ class Config(Section):
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
         tp, pp, m = self.parallel.tp, self.parallel.pp, self.model
-        if self.data.reset_attention_at_eos and (self.parallel.schedule, pp) != ("megatron", 1):
-            raise ConfigError("data.reset_attention_at_eos needs parallel.schedule=megatron, pp=1")
         if world_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}")
         if world_size % (pp * tp):

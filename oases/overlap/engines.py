@@ -92,7 +92,8 @@ from oases.overlap.memory import SavedTensorMeter
 from oases.overlap.rng_streams import sub_batch_rng_streams
 from oases.overlap.runner import (Launch, ModelTraits, MicroBatchRun, Program, Wait, collect,
                                   reduce_buffer, run_joint, run_programs)
-from oases.overlap.sequence import SequencePrograms, gather_seq
+from oases.overlap.sequence import SequencePrograms
+from oases.overlap.transitions import DegreeTransitions
 from oases.overlap.state import BlockState, ReducedAsPartial, SubBatch
 from oases.parallel.backprop import backward
 from oases.parallel.comm import require_default_stream
@@ -100,14 +101,13 @@ from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.model_view import view_of
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.region import Cut, CutRecorder
-from oases.parallel.sequence import seq_split
 from oases.parallel.timing import label
 
 __all__ = ["MegatronEngine", "OasesEngine", "StageRun", "build_engine",
            "sub_batch_rng_streams"]
 
 
-class OasesEngine(SequencePrograms):
+class OasesEngine(SequencePrograms, DegreeTransitions):
     """The ``oases`` engine. It holds only its configuration: each call's state lives
     in an :class:`~oases.overlap.runner.MicroBatchRun` (a pipeline stage's is returned in
     the :class:`StageRun`), so one engine serves interleaved runs (several forwards
@@ -140,10 +140,13 @@ class OasesEngine(SequencePrograms):
 
     # ------------------------------------------------------------------ API
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext,
+                         docs=None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its (detached) token-mean loss
-        (:mod:`~oases.overlap.loss_weights`). Gradients accumulate scaled by ``scale``."""
-        run = self._start(model, ids, targets, amp)
+        (:mod:`~oases.overlap.loss_weights`). Gradients accumulate scaled by ``scale``.
+        ``docs``: its documents, split with the rows (each sub-batch's in the model's
+        slot while that sub-batch computes)."""
+        run = self._start(model, ids, targets, amp, docs=docs)
         run.forwards_left = len(run.subs)
         # One program per sub-batch, forward then backward: no barrier between the two
         # passes either (a's backward starts while b's last forward collectives run).
@@ -151,11 +154,11 @@ class OasesEngine(SequencePrograms):
         return torch.stack([sb.share * sb.loss for sb in run.subs]).sum()
 
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                amp: AmpFactory = contextlib.nullcontext) -> StageRun:
+                amp: AmpFactory = contextlib.nullcontext, docs=None) -> StageRun:
         """Forward of one micro-batch on a pipeline stage (see
         :meth:`MegatronEngine.forward`): the sub-batches take turns as in
         :meth:`forward_backward`, and keep their state until :meth:`backward`."""
-        run = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        run = self._start(model, inp, targets, amp, inp.is_floating_point(), docs)
         run_programs(run, [self._forward(run, sb) for sb in run.subs])
         return self._stage_run(run)
 
@@ -167,7 +170,7 @@ class OasesEngine(SequencePrograms):
 
     def backward_forward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float,
                          model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                         amp: AmpFactory = contextlib.nullcontext):
+                         amp: AmpFactory = contextlib.nullcontext, docs=None):
         """:meth:`backward` of ``run`` and :meth:`forward` of the next micro-batch as one
         interleaved program (``parallel.overlap_fb``); returns what the two return,
         (input gradient, StageRun). Their programs take turns at every collective, so
@@ -180,7 +183,7 @@ class OasesEngine(SequencePrograms):
         Each run keeps its own sub-batch RNG streams and stash, so losses, gradients and
         dropout masks are those of the backward followed by the forward."""
         brun = self._resume(run, grad, amp)
-        frun = self._start(model, inp, targets, amp, input_grad=inp.is_floating_point())
+        frun = self._start(model, inp, targets, amp, inp.is_floating_point(), docs)
         # the backward first: its input gradient is what the previous stage waits for
         with self.params.two_passes():
             run_joint([(brun, [self._backward(brun, sb, scale * sb.share) for sb in brun.subs]),
@@ -208,7 +211,8 @@ class OasesEngine(SequencePrograms):
     def _grad_in(run: MicroBatchRun) -> Optional[torch.Tensor]:
         return torch.cat([sb.grad_in for sb in run.subs]) if run.input_grad else None
 
-    def _start(self, model, ids, targets, amp, input_grad: bool = False) -> MicroBatchRun:
+    def _start(self, model, ids, targets, amp, input_grad: bool = False,
+               docs=None) -> MicroBatchRun:
         require_default_stream(ids.device, "the oases engine")
         if ids.shape[0] % self.n:
             raise ValueError(f"micro-batch of {ids.shape[0]} does not split into {self.n} "
@@ -228,7 +232,8 @@ class OasesEngine(SequencePrograms):
         streams = sub_batch_rng_streams(self.tracker, ids.device, n) if rng else [None] * n
         home, sp = view.home(blocks), view.sequence_parallel
         return MicroBatchRun(model, blocks, groups, subs, streams, self.tracker, ids.device, amp,
-                        input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3)
+                             input_grad, home, rng=rng, sequence_parallel=sp, stagger=sp and n >= 3,
+                             documents=sub_batch_documents(view.documents, docs, n))
 
     def _program(self, run: MicroBatchRun, sb: SubBatch, scale: float) -> Program:
         yield from self._forward(run, sb)
@@ -247,53 +252,6 @@ class OasesEngine(SequencePrograms):
         return label(span) if span is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------- forward
-    def _to_degree(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
-        """Forward transition of an activation between block degrees: a local slice
-        when the degree drops, an all-gather (overlapped like any collective) when it
-        grows. Returns the new activation (through ``yield from``). Block inputs are
-        detached leaves, so the backward of a transition is :meth:`_grad_to_degree`."""
-        if t_from == t_to:
-            return x
-        return (yield from self._on_chunks(model, x, t_from, t_to, self._to_degree_rows))
-
-    def _to_degree_rows(self, model, x: torch.Tensor, t_from: int, t_to: int) -> Program:
-        """:meth:`_to_degree` of whole sequences: batch rows move."""
-        rs = model.resharder
-        group = rs.reshard_group(t_from, t_to)
-        if t_to < t_from:
-            piece, k = rs.piece(t_from, t_to)
-            return x.chunk(k)[piece]
-        (gathered,) = yield [("ag", x.detach(), group)]
-        return gathered
-
-    def _grad_to_degree(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
-        """Backward of the transition t_to -> t_from (gradient of a degree-``t_from``
-        block input, wanted at degree ``t_to``): all-gather where the forward sliced,
-        slice where it gathered."""
-        if t_from == t_to or g is None:
-            return g
-        return (yield from self._on_chunks(model, g, t_from, t_to, self._grad_to_degree_rows))
-
-    @staticmethod
-    def _on_chunks(model, x: torch.Tensor, t_from: int, t_to: int, rows) -> Program:
-        """``rows`` (a transition of whole sequences) between degrees; under sequence
-        parallelism the chunks are gathered over the ``t_from`` subgroup first and this
-        rank's chunk of the ``t_to`` part kept last."""
-        if not view_of(model).sequence_parallel:
-            return (yield from rows(model, x, t_from, t_to))
-        sub = model.resharder.sub
-        x = yield from gather_seq(x, sub[t_from])
-        return seq_split((yield from rows(model, x, t_from, t_to)), sub[t_to])
-
-    def _grad_to_degree_rows(self, model, g: torch.Tensor, t_from: int, t_to: int) -> Program:
-        """:meth:`_grad_to_degree` of whole sequences."""
-        rs = model.resharder
-        piece, k = rs.piece(t_from, t_to)
-        if t_to < t_from:
-            return g.chunk(k)[piece]
-        (gathered,) = yield [("ag", g.contiguous(), rs.reshard_group(t_from, t_to))]
-        return gathered
-
     def _forward(self, run: MicroBatchRun, sb: SubBatch) -> Program:
         model, blocks, groups = run.model, run.blocks, run.groups
         starts = {a for a, _ in groups}
@@ -484,6 +442,17 @@ class OasesEngine(SequencePrograms):
         with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
             backward(st.out, grad)
         yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", prepare, i)
+
+
+def sub_batch_documents(slot, docs, n: int) -> Optional[tuple]:
+    """(the model's slot, each sub-batch's documents), or None where the run has none:
+    the rows split as the sub-batches split them."""
+    if docs is None:
+        return None
+    if slot is None:
+        raise ValueError("the model has no document slot (`documents`): it cannot keep "
+                         "attention inside packed documents")
+    return slot, docs.chunk(n)
 
 
 def build_engine(name: str, tp_group, sub_batches: int = 2, recompute: str = "none",

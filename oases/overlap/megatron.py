@@ -28,6 +28,7 @@ import torch.nn as nn
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import AmpFactory, StageRun
+from oases.parallel.batch import documents_in
 from oases.parallel.timing import label, profiling
 
 __all__ = ["AmpFactory", "BlockLabels", "MegatronEngine", "StageRun"]
@@ -116,28 +117,30 @@ class MegatronEngine:
             yield
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-                         scale: float = 1.0,
-                         amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext,
+                         docs=None) -> torch.Tensor:
         require_default_stream(ids.device, "the megatron engine")
-        with self._span("forward", model), amp():
-            loss = model(ids, targets)
-        SavedTensorMeter.end_of_forward()
-        with self._span("backward", model):
-            (loss * scale).backward()
+        with documents_in(model, docs):  # the backward's recompute reads them too
+            with self._span("forward", model), amp():
+                loss = model(ids, targets)
+            SavedTensorMeter.end_of_forward()
+            with self._span("backward", model):
+                (loss * scale).backward()
         return loss.detach()
 
     # -- a pipeline stage: forward and backward of a micro-batch as separate actions --
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                amp: AmpFactory = contextlib.nullcontext) -> StageRun:
+                amp: AmpFactory = contextlib.nullcontext, docs=None) -> StageRun:
         """Forward of one micro-batch on a pipeline stage: ``inp`` is token ids (first
         stage) or the previous stage's activation; the run holds the loss (last stage)
-        or the output activation, and the graph until :meth:`backward`."""
+        or the output activation, and the graph until :meth:`backward` (and the
+        documents, which a recompute in that backward reads again)."""
         require_default_stream(inp.device, "the megatron engine")
         x = _stage_input(inp)
-        with self._span("forward", model), amp():
+        with documents_in(model, docs), self._span("forward", model), amp():
             out = model(x, targets)
         last = targets is not None
-        return StageRun(state=(x, out, model), loss=out.detach() if last else None,
+        return StageRun(state=(x, out, model, docs), loss=out.detach() if last else None,
                         output=None if last else out.detach())
 
     def backward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
@@ -145,9 +148,9 @@ class MegatronEngine:
         """Backward of a :meth:`forward` run: from the loss (``grad`` None, scaled by
         ``scale``) or from the gradient of the output; returns the input's gradient
         (None on the first stage)."""
-        x, out, model = run.state
+        x, out, model, docs = run.state
         run.state = None
-        with self._span("backward", model):
+        with documents_in(model, docs), self._span("backward", model):
             if grad is None:
                 (out * scale).backward()
             else:
@@ -156,10 +159,11 @@ class MegatronEngine:
 
     def backward_forward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float,
                          model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                         amp: AmpFactory = contextlib.nullcontext):
+                         amp: AmpFactory = contextlib.nullcontext, docs=None):
         """:meth:`backward` of ``run``, then :meth:`forward` of the next micro-batch:
         plain autograd has no collectives of its own to interleave."""
-        return self.backward(run, grad, scale, amp), self.forward(model, inp, targets, amp)
+        return (self.backward(run, grad, scale, amp),
+                self.forward(model, inp, targets, amp, docs))
 
 
 def _stage_input(inp: torch.Tensor) -> torch.Tensor:

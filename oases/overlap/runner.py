@@ -104,6 +104,15 @@ class MicroBatchRun:
     rng: bool = True                          # the sub-batches draw from their own streams
     sequence_parallel: bool = False           # the model's (oases.overlap.sequence)
     stagger: bool = False                     # odd sub-batches a turn late (SP, run_joint)
+    documents: Optional[tuple] = None         # (the model's slot, each sub-batch's documents)
+
+    def documents_of(self, s: int):
+        """Sub-batch ``s``'s documents in the model's slot while it computes (none: a
+        no-op)."""
+        if self.documents is None:
+            return contextlib.nullcontext()
+        slot, docs = self.documents
+        return slot.use(docs[s])
 
     # -- RNG: every segment of a sub-batch runs on that sub-batch's streams --
     def snap(self) -> Optional[dict]:
@@ -272,7 +281,7 @@ def run_joint(parts: list[tuple[MicroBatchRun, list[Program]]]) -> None:
         live = run.snap()
         run.restore(run.streams[s])
         try:
-            with label(f"sub-batch {s}"):
+            with label(f"sub-batch {s}"), run.documents_of(s):
                 req = programs[k].send(value)
                 while isinstance(req, Launch):  # launch, keep computing in the same program
                     req = programs[k].send(_launch(req.reqs))

@@ -53,16 +53,19 @@ class Engine(Protocol):
     other's compute (``parallel.overlap_fb`` pays off); False: it runs them in turn."""
 
     def forward_backward(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-                         scale: float = 1.0,
-                         amp: AmpFactory = contextlib.nullcontext) -> torch.Tensor:
+                         scale: float = 1.0, amp: AmpFactory = contextlib.nullcontext,
+                         docs=None) -> torch.Tensor:
         """Forward and backward of one whole micro-batch (pp = 1); returns its detached
-        loss. Gradients accumulate scaled by ``scale``."""
+        loss. Gradients accumulate scaled by ``scale``. ``docs``: the micro-batch's
+        :class:`~oases.models.documents.Documents` (None: one document per row), put in
+        the model's slot (``documents``) for the rows being computed."""
         ...
 
     def forward(self, model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                amp: AmpFactory = contextlib.nullcontext) -> StageRun:
+                amp: AmpFactory = contextlib.nullcontext, docs=None) -> StageRun:
         """Forward of one micro-batch on a pipeline stage: ``inp`` is token ids (first
-        stage) or the previous stage's activation, ``targets`` None before the last."""
+        stage) or the previous stage's activation, ``targets`` None before the last;
+        ``docs`` as in :meth:`forward_backward`, kept in the run for its backward."""
         ...
 
     def backward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float = 1.0,
@@ -73,10 +76,10 @@ class Engine(Protocol):
 
     def backward_forward(self, run: StageRun, grad: Optional[torch.Tensor], scale: float,
                          model: nn.Module, inp: torch.Tensor, targets: Optional[torch.Tensor],
-                         amp: AmpFactory = contextlib.nullcontext
+                         amp: AmpFactory = contextlib.nullcontext, docs=None
                          ) -> tuple[Optional[torch.Tensor], StageRun]:
-        """:meth:`backward` of ``run`` and :meth:`forward` of the next micro-batch; returns
-        what the two return."""
+        """:meth:`backward` of ``run`` and :meth:`forward` of the next micro-batch (whose
+        documents ``docs`` are); returns what the two return."""
         ...
 
 

@@ -39,6 +39,9 @@ class EngineModel(Protocol):
     """The TP degree of the model's input and output (blocks of a plan may differ)."""
     sequence_parallel: bool
     """Activations between blocks are sharded along the sequence."""
+    documents: object
+    """Its :class:`~oases.models.documents.DocumentSlot`: the documents of the rows the
+    blocks compute now, which the engines fill (``use(docs)``) for packed batches."""
 
     def recompute_groups(self) -> list[tuple[int, int]]:
         """Block ranges [a, b) recomputed together under recompute=full."""
@@ -70,6 +73,7 @@ class ModelView:
     loss_partial: Optional[Callable]
     loss_combine: Optional[Callable]
     loss_tokens: Optional[Callable[[torch.Tensor], Count]]
+    documents: Optional[object] = None  # None: the model takes no documents
 
     @property
     def split_loss(self) -> bool:
@@ -101,4 +105,5 @@ def view_of(model: EngineModel) -> ModelView:
         recompute_groups=getattr(model, "recompute_groups", None),
         loss_partial=getattr(model, "loss_partial", None),
         loss_combine=getattr(model, "loss_combine", None),
-        loss_tokens=getattr(model, "loss_tokens", None))
+        loss_tokens=getattr(model, "loss_tokens", None),
+        documents=getattr(model, "documents", None))

@@ -59,6 +59,7 @@ from typing import Callable
 import torch
 
 from oases.config import Config
+from oases.parallel.batch import documents_in, documents_of
 from oases.parallel.engine import AmpFactory, Engine
 from oases.parallel.timing import PIPELINE_LABEL, IntervalTimer, label
 from oases.pipeline.actions import is_fused, stage_actions
@@ -136,7 +137,10 @@ class PipelineRunner:
             else:
                 with _span(f"wait F{m}"):
                     inp = recvs.pop(("F", m)).wait().to(local)
-            return inp, (y.to(dev) if ctx.is_last_stage else None)
+            # every stage holds the micro-batch's rows, so its documents too
+            docs = documents_of(batches[m])
+            return inp, (y.to(dev) if ctx.is_last_stage else None), \
+                (None if docs is None else docs.to(dev))
 
         def grad_b(m):
             if ctx.is_last_stage:
@@ -159,10 +163,10 @@ class PipelineRunner:
             elif a.kind == "F" and i == fused_f:
                 continue
             elif a.kind == "F":
-                inp, tgt = inputs_f(m)
+                inp, tgt, docs = inputs_f(m)
                 t0 = busy.start()
                 with _span(f"F{m}"):
-                    runs[m] = engine.forward(model, inp, tgt, amp)
+                    runs[m] = engine.forward(model, inp, tgt, amp, docs)
                 busy.stop(t0)
                 if ctx.is_last_stage:
                     losses[m] = runs[m].loss
@@ -170,11 +174,11 @@ class PipelineRunner:
                 # B(m) and the F after it as one interleaved program (both inputs first)
                 k = self.actions[i + 1].mb
                 g = grad_b(m)
-                inp, tgt = inputs_f(k)
+                inp, tgt, docs = inputs_f(k)
                 t0 = busy.start()
                 with _span(f"B{m}+F{k}"):
                     gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
-                                                           inp, tgt, amp)
+                                                           inp, tgt, amp, docs)
                 busy.stop(t0)
                 fused_f = i + 1
                 if ctx.is_last_stage:
@@ -200,15 +204,17 @@ class PipelineRunner:
         return ([losses[m] for m in range(self.n)] if ctx.is_last_stage else None), busy
 
     @torch.no_grad()
-    def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory):
+    def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory,
+                     docs=None):
         """One micro-batch through the stages, no backward (evaluation): the last stage
-        returns its mean loss over this replica's counted targets, the others None."""
+        returns its mean loss over this replica's counted targets, the others None.
+        ``docs``: its documents (the model's slot holds them for the forward)."""
         ctx, dev = self.ctx, self.ctx.device
         local = next(model.parameters()).dtype
         wire = wire_dtype(amp, dev, local)  # as in step
         inp = (x.to(dev) if ctx.is_first_stage
                else self.recv_f.recv(self.tail, wire, dev).wait().to(local))
-        with amp():
+        with amp(), documents_in(model, None if docs is None else docs.to(dev)):
             out = model(inp, y.to(dev) if ctx.is_last_stage else None)
         if ctx.is_last_stage:
             return out.float()

@@ -27,6 +27,14 @@ numbers are comparable across steps and runs. A file that does not fill its last
 global batch still counts every window: that batch is padded with rows whose
 targets are all ``IGNORE_INDEX``, which the token-weighted eval loss ignores.
 
+**Chat data** (``oases.prepare --chat``: rows of ``seq_len`` tokens, per-token flags
+beside the tokens, :mod:`oases.runtime.tokens`) gives batches whose target ``y[t]`` is
+``IGNORE_INDEX`` where token ``t+1`` does not count (``data.loss_on=assistant``: not an
+assistant token; ``all``: a pad) or starts a document (a target across documents),
+and whose documents start at the flagged tokens (:class:`ChatFraming`). Validation
+counts the same targets. Blends of chat corpora are read alike; a blend mixing chat
+and plain corpora is refused.
+
 Everything wrong with the data (missing file, wrong dtype, too short, token id
 outside the vocabulary) raises :class:`~oases.errors.DataError`, which the entry
 points report as one line with exit status 2.
@@ -45,8 +53,11 @@ import torch
 
 from oases.config import DataConfig
 from oases.errors import CheckpointError, ConfigError, DataError
+from oases.models.documents import Documents
+from oases.parallel.batch import Batch
 from oases.parallel.loss import IGNORE_INDEX
 from oases.runtime.blend import Blend
+from oases.runtime.chat_batches import ChatFraming, check_chat_seq_len, gather_flags
 from oases.runtime.tokens import Corpus, ShardedTokens, open_corpus
 
 PathLike = Union[str, Path]
@@ -95,10 +106,12 @@ class _TrainFile:
     """
 
     def __init__(self, path: PathLike, tokens: Union[np.ndarray, ShardedTokens], seq_len: int,
-                 seed_words: tuple[int, ...], eos_id: Optional[int] = None) -> None:
+                 seed_words: tuple[int, ...], eos_id: Optional[int] = None,
+                 flags: Optional[Union[np.ndarray, ShardedTokens]] = None) -> None:
         self.path = path
         self.tokens = tokens
         self.eos_id = eos_id
+        self.flags = flags  # chat data: the per-token flags (oases.runtime.tokens)
         self.num_windows = max(len(tokens) - 1, 0) // seq_len
         self._seed_words = seed_words
         # epoch -> permutation of the windows; at most two live (samples arrive in
@@ -148,12 +161,19 @@ def _open_blend(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int
     files = []
     for k, (path, _) in enumerate(pairs):
         corpus = open_corpus(path, cfg.dtype, vocab_size, cfg.eos_id)
+        if corpus.flags is not None:
+            check_chat_seq_len(corpus, path, seq_len)
         f = _TrainFile(path, corpus.tokens, seq_len, (_BLEND_PERM_STREAM, seed, k),
-                       corpus.eos_id)
+                       corpus.eos_id, corpus.flags)
         if f.num_windows == 0:
             raise DataError(f"data file {path} (data.train_paths[{k}]) holds fewer than "
                             f"{seq_len + 1} tokens: not one window of a training sample")
         files.append(f)
+    chat = [f.flags is not None for f in files]
+    if any(chat) and not all(chat):
+        raise ConfigError(f"data.train_paths mixes chat data ({pairs[chat.index(True)][0]}) "
+                          f"and plain tokens ({pairs[chat.index(False)][0]}); blend chat "
+                          f"corpora only with chat corpora")
     return files, Blend([str(Path(p).resolve()) for p, _ in pairs], [w for _, w in pairs])
 
 
@@ -167,6 +187,31 @@ def _common_eos(files: list[_TrainFile], cfg: DataConfig) -> Optional[int]:
                           "the training files' meta.json records none (or they disagree); "
                           "set data.eos_id")
     return eos
+
+
+def _chat_framing(cfg: DataConfig, files: list[_TrainFile]) -> Optional[ChatFraming]:
+    """Chat training data's framing, None for plain tokens; the document settings
+    checked against the kind of data, known now that the files are open."""
+    if files and files[0].flags is not None:
+        if cfg.reset_attention_at_eos:
+            raise ConfigError("data.reset_attention_at_eos cuts documents at EOS ids, but "
+                              f"{files[0].path} is chat data, whose documents (conversations) "
+                              "prepare recorded: set data.reset_attention_at_eos=false")
+        return ChatFraming(cfg.loss_on, cfg.reset_position_ids)
+    if cfg.reset_position_ids and not cfg.reset_attention_at_eos:
+        raise ConfigError("data.reset_position_ids restarts positions at each document: plain "
+                          "token data needs data.reset_attention_at_eos=true (documents ended "
+                          "by EOS); chat data (oases.prepare --chat) has its own")
+    return None
+
+
+def eos_documents(cfg: DataConfig, eos_id: Optional[int]):
+    """``data.reset_attention_at_eos``: what makes a batch's :class:`Documents` from its
+    ids (documents ended by ``eos_id``, positions restarting at each under
+    ``data.reset_position_ids``); None: one document per row."""
+    if not cfg.reset_attention_at_eos or eos_id is None:
+        return None
+    return lambda x: Documents.from_eos(x, eos_id, cfg.reset_position_ids)
 
 
 def corpus_identity(corpus: Corpus) -> dict:
@@ -192,9 +237,11 @@ class TrainBatches:
     ``y[:, t] == x[:, t+1]`` along the window; the caller moves them to a device.
     All ranks must call ``next_batch()`` the same number of times (they do: every
     rank runs every micro-step), as each call advances the shared counter.
-    """
 
-    masked = False  # no target is ever IGNORE_INDEX: every one counts in the loss
+    ``masked``: whether a target may be ``IGNORE_INDEX`` (chat data); False: every
+    target counts (plain tokens, synthetic data). ``documents``: what makes a batch's
+    documents (:func:`eos_documents`), the :class:`ChatFraming` of chat data, or None.
+    """
 
     def __init__(self, cfg: DataConfig, seq_len: int, vocab_size: int,
                  micro_batch_size: int, dp_rank: int, dp: int, seed: int) -> None:
@@ -216,8 +263,10 @@ class TrainBatches:
             self._files, self._blend = _open_blend(cfg, seq_len, vocab_size, seed)
         elif cfg.kind == "tokens":
             corpus = open_corpus(cfg.train_path, cfg.dtype, vocab_size, cfg.eos_id)
+            if corpus.flags is not None:
+                check_chat_seq_len(corpus, cfg.train_path, seq_len)
             self._files = [_TrainFile(cfg.train_path, corpus.tokens, seq_len,
-                                      (_PERM_STREAM, seed), corpus.eos_id)]
+                                      (_PERM_STREAM, seed), corpus.eos_id, corpus.flags)]
             self.corpus = corpus_identity(corpus)
             n, need = self._files[0].num_windows, micro_batch_size * dp
             if n < need:
@@ -228,7 +277,10 @@ class TrainBatches:
         elif cfg.kind != "synthetic":
             raise DataError(f"data.kind={cfg.kind!r} is not one of synthetic, tokens")
         self.num_windows = sum(f.num_windows for f in self._files)
+        self.chat = _chat_framing(cfg, self._files)
+        self.masked = self.chat is not None
         self.eos_id = _common_eos(self._files, cfg)
+        self.documents = self.chat or eos_documents(cfg, self.eos_id)
 
 
     @property
@@ -251,36 +303,49 @@ class TrainBatches:
         first = self.consumed + self.dp_rank * self.micro_batch_size
         return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
 
-    def _blend_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the next global micro-batch of the blend. Every rank
-        assigns the whole global micro-batch, so the per-file counts agree on all ranks."""
+    def _blend_batch(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's slice of the next global micro-batch of the blend (and its flags,
+        chat data). Every rank assigns the whole global micro-batch, so the per-file
+        counts agree on all ranks."""
         mbs = self.micro_batch_size
         which, local = self._blend.take(mbs * self.dp)
         lo = self.dp_rank * mbs
         which, local = which[lo:lo + mbs], local[lo:lo + mbs]
         x = torch.empty((mbs, self.seq_len), dtype=torch.int64)
         y = torch.empty_like(x)
+        flags = None if self.chat is None else \
+            torch.empty((mbs, self.seq_len + 1), dtype=torch.uint8)
         for k in np.unique(which):
             sel = which == k
             f = self._files[int(k)]
             rows = torch.from_numpy(np.flatnonzero(sel))
-            x[rows], y[rows] = _gather_windows(f.tokens, f.windows(local[sel]), self.seq_len)
-        return x, y
+            windows = f.windows(local[sel])
+            x[rows], y[rows] = _gather_windows(f.tokens, windows, self.seq_len)
+            if flags is not None:
+                flags[rows] = gather_flags(f.flags, windows, self.seq_len)
+        return x, y, flags
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next ``(x, y)``, each ``(micro_batch_size, seq_len)`` int64."""
+    def next_batch(self) -> Batch:
+        """This rank's next ``(x, y)``, each ``(micro_batch_size, seq_len)`` int64, with
+        the rows' documents (chat data, ``data.reset_attention_at_eos``; else None)."""
+        flags = None
         if self._blend is not None:
-            x, y = self._blend_batch()
+            x, y, flags = self._blend_batch()
         elif self._files:
             f = self._files[0]
-            x, y = _gather_windows(f.tokens, f.windows(self._samples()), self.seq_len)
+            windows = f.windows(self._samples())
+            x, y = _gather_windows(f.tokens, windows, self.seq_len)
+            if self.chat is not None:
+                flags = gather_flags(f.flags, windows, self.seq_len)
         else:
             rows = [_rng(_SYNTH_STREAM, self.seed, int(g)).integers(
                 0, self.vocab_size, self.seq_len + 1, dtype=np.int64) for g in self._samples()]
             buf = torch.from_numpy(np.stack(rows))  # (mbs, T+1)
             x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # (mbs, T) each
         self.consumed += self.micro_batch_size * self.dp
-        return x, y
+        if self.chat is not None:
+            return self.chat.batch(x, y, flags)
+        return Batch(x, y, None if self.documents is None else self.documents(x))
 
     def state_dict(self) -> dict:
         """All that is needed to resume the exact batch sequence: the global count, and
@@ -323,18 +388,35 @@ class ValBatches:
     runs the same shapes (and collectives) and the padding counts for nothing in the
     token-weighted loss (:func:`oases.runtime.step.evaluate`). Only a file without
     a single window of ``seq_len + 1`` tokens is refused.
+
+    A chat val corpus counts the targets the training data does (:class:`ChatFraming`:
+    the training data's, passed as ``documents``, else assistant tokens); chat training
+    data with a plain val file is refused.
     """
 
     def __init__(self, path: PathLike, dtype: str, seq_len: int, vocab_size: int,
-                 micro_batch_size: int, dp_rank: int, dp: int, max_batches: int) -> None:
+                 micro_batch_size: int, dp_rank: int, dp: int, max_batches: int,
+                 documents=None) -> None:
+        """``documents``: the rows' :class:`Documents` from their ids (:func:`eos_documents`),
+        the training data's :class:`ChatFraming` (``TrainBatches.documents``), or None:
+        one document per row."""
         _check_layout(seq_len, micro_batch_size, dp_rank, dp)
+        self.documents = documents
         if max_batches <= 0:
             raise ValueError(f"max_batches={max_batches} must be > 0")
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp = dp
-        self._tokens = open_corpus(path, dtype, vocab_size).tokens
+        corpus = open_corpus(path, dtype, vocab_size)
+        self._tokens, self._flags = corpus.tokens, corpus.flags
+        self.chat: Optional[ChatFraming] = None
+        if corpus.flags is not None:
+            check_chat_seq_len(corpus, path, seq_len)
+            self.chat = documents if isinstance(documents, ChatFraming) else ChatFraming()
+        elif isinstance(documents, ChatFraming):
+            raise DataError(f"val file {path} is plain tokens but the training data is chat "
+                            f"data: validate on the val split of the chat corpus")
         self.num_windows = max(len(self._tokens) - 1, 0) // seq_len
         if self.num_windows == 0:
             raise DataError(
@@ -352,11 +434,16 @@ class ValBatches:
             first = (b * self.dp + self.dp_rank) * mbs
             windows = np.arange(first, min(first + mbs, self.num_windows), dtype=np.int64)
             x, y = _gather_windows(self._tokens, windows, self.seq_len)
-            if len(windows) < mbs:  # the partial last batch: padding rows count nothing
-                pad = mbs - len(windows)
+            pad = mbs - len(windows)
+            if pad:  # the partial last batch: padding rows count nothing
                 x = torch.cat([x, x.new_zeros(pad, self.seq_len)])
                 y = torch.cat([y, y.new_full((pad, self.seq_len), IGNORE_INDEX)])
-            yield x, y
+            if self.chat is not None:
+                flags = gather_flags(self._flags, windows, self.seq_len)
+                yield self.chat.batch(x, y, torch.cat([flags, flags.new_zeros(
+                    pad, self.seq_len + 1)]))
+            else:
+                yield Batch(x, y, None if self.documents is None else self.documents(x))
 
 
 def val_batches(path: PathLike, dtype: str, seq_len: int, vocab_size: int,

@@ -198,7 +198,8 @@ def _data(cfg: Config, ctx: ParallelContext) -> tuple[TrainBatches, Optional[Val
     val = None
     if cfg.data.val_path:
         val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
-                         cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches)
+                         cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches,
+                         documents=batches.documents)  # the training data's documents' EOS
     return batches, val
 
 
@@ -253,8 +254,6 @@ def build_run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = _no
     model = build_rank_model(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
     if cfg.model.init_from:  # every parameter is overwritten (no random init above)
         load_init_from(cfg, ctx, model)
-    if cfg.data.reset_attention_at_eos:  # attention stays inside documents
-        model.attend_within_documents(batches.eos_id)
     state = build_train_state(cfg, ctx, model, tracker)
     shards = state.reducer.ownership
     if not shards.sharded and (par.zero or state.reducer.norm_by_terms) and ctx.is_main:

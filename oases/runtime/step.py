@@ -12,6 +12,7 @@ import torch.distributed as dist
 from oases.config import Config
 from oases.config.schema import resolve_precision
 from oases.overlap.loss_weights import loss_tokens
+from oases.parallel.batch import Batch, documents_in, documents_of
 from oases.parallel.comm import all_reduce
 from oases.parallel.engine import Engine
 from oases.parallel.groups import ParallelContext
@@ -123,16 +124,16 @@ def local_step(state: TrainState, micro: list, shares: list, seeds: list) -> tup
         state.engine
     amp = amp_factory(cfg, ctx)
     total = torch.zeros((), device=ctx.device)
-    micro = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
-             for x, y in micro]
+    micro = [Batch(*b, documents_of(b)).to(ctx.device, non_blocking=True) for b in micro]
     if cfg.parallel.overlap_fb and engine.pairs:
         losses = paired_forward_backward(engine, model, micro, seeds, amp, reducer.arm)
     else:
         losses = []
-        for i, (x, y) in enumerate(micro):
+        for i, b in enumerate(micro):
             if i == len(micro) - 1:
                 reducer.arm()  # DP all-reduce overlaps the last backward
-            losses.append(engine.forward_backward(model, x, y, seeds[i], amp=amp))
+            x, y = b
+            losses.append(engine.forward_backward(model, x, y, seeds[i], amp=amp, docs=b.docs))
     for share, mb_loss in zip(shares, losses):
         total += share * mb_loss
     reducer.finish()
@@ -183,10 +184,11 @@ def paired_forward_backward(engine: Engine, model, micro: list, seeds: list[floa
 
     Returns each micro-batch's loss, as ``forward_backward`` would."""
     (x, y), rest = micro[0], micro[1:]
-    run = engine.forward(model, x, y, amp)
+    run = engine.forward(model, x, y, amp, documents_of(micro[0]))
     losses = [run.loss]
-    for i, (x, y) in enumerate(rest):
-        _, run = engine.backward_forward(run, None, seeds[i], model, x, y, amp)
+    for i, b in enumerate(rest):
+        x, y = b
+        _, run = engine.backward_forward(run, None, seeds[i], model, x, y, amp, documents_of(b))
         losses.append(run.loss)
     before_last_backward()
     engine.backward(run, None, seeds[-1], amp)
@@ -202,12 +204,14 @@ def evaluate(model, val: ValBatches, cfg: Config, ctx: ParallelContext, pipe=Non
     nothing: the result is the token mean over the windows, as in one unsharded pass."""
     model.eval()
     s = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # (sum of losses, targets)
-    for x, y in val:
+    for b in val:
+        x, y = b
         n = int(loss_tokens(model, y))
+        docs = documents_of(b)
         if pipe is not None:
-            out = pipe.forward_only(model, x, y, amp_factory(cfg, ctx))
+            out = pipe.forward_only(model, x, y, amp_factory(cfg, ctx), docs)
         else:
-            with autocast(cfg, ctx):
+            with autocast(cfg, ctx), documents_in(model, docs and docs.to(ctx.device)):
                 out = model(x.to(ctx.device), y.to(ctx.device))
         if out is not None:  # None: a pipeline stage before the last
             s[0] += out.double() * n

@@ -18,6 +18,13 @@ resume state are those of a single file; a window may straddle two shards.
 Every file's ids are checked against the vocabulary: from the largest id that
 ``oases.prepare`` recorded (per shard) plus a bounded sample of the stream, or by one
 chunked scan where nothing is recorded (a foreign or Megatron corpus).
+
+A chat corpus (``oases.prepare --chat``; ``meta.json``'s ``chat``) has a per-token
+``uint8`` flags file beside each token shard (``train.flags`` beside ``train.bin``, its
+name in the shard's ``flags`` record), memory-mapped and read as one stream alongside
+the tokens: :data:`FLAG_COUNTS` (the token is a target that counts: an assistant
+token), :data:`FLAG_START` (the token starts a document: a conversation, or a row's
+padding), :data:`FLAG_PAD` (the token is padding).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ PathLike = Union[str, Path]
 # Read-only on purpose (no module-level mutable state): the supported file dtypes.
 DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
     {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")})
+FLAGS_DTYPE = np.dtype("u1")
 
 # Tokens checked per step of the vocabulary scan: 16M tokens is 32-64 MB of RAM,
 # which keeps the scan of a multi-GB file bounded in memory yet vectorized.
@@ -48,6 +56,11 @@ _SCAN_CHUNK_TOKENS = 1 << 24
 # token file: 16 chunks of 64K tokens (a few MB per file), whatever its size.
 SAMPLE_CHUNKS = 16
 SAMPLE_CHUNK_TOKENS = 1 << 16
+
+# The bits of a chat corpus's per-token flags (see the module docstring).
+FLAG_COUNTS = 1
+FLAG_START = 2
+FLAG_PAD = 4
 
 PREPARE_HINT = "create it with `python -m oases.prepare --input FILE --out DIR`"
 
@@ -262,6 +275,10 @@ class Corpus:
     files: list[Path]
     eos_id: Optional[int] = None
     num_docs: Optional[int] = None
+    # chat data: the per-token flags (FLAG_*), read alongside ``tokens``, and meta.json's
+    # ``chat`` record (the seq_len its rows were packed for, the template, the counts)
+    flags: Optional[Union[np.ndarray, ShardedTokens]] = None
+    chat: Optional[dict] = None
 
 
 def _split_shards(p: Path) -> Optional[tuple[list[Path], dict]]:
@@ -282,7 +299,8 @@ def resolve(path: PathLike) -> list[Path]:
     if split is not None:
         return split[0]
     if glob.has_magic(str(path)):
-        hits = sorted(Path(h) for h in glob.glob(str(path)) if not h.endswith((".idx", ".tmp")))
+        hits = sorted(Path(h) for h in glob.glob(str(path))
+                      if not h.endswith((".idx", ".tmp", ".flags")))
         if not hits:
             raise DataError(f"data path {path} matches no file; {PREPARE_HINT}")
         return hits
@@ -329,4 +347,33 @@ def open_corpus(path: PathLike, dtype: str, vocab_size: int,
         n_docs = sum(docs)
     else:
         n_docs = split_docs if _is_int(split_docs) else None
-    return Corpus(tokens, files, eos, n_docs)
+    chat = metas[0].get("chat")
+    flags = open_flags(path, files, parts, read) if isinstance(chat, dict) else None
+    return Corpus(tokens, files, eos, n_docs, flags, chat if flags is not None else None)
+
+
+def open_flags(path: PathLike, files: list[Path], parts: list[np.ndarray],
+               metas: dict) -> Union[np.ndarray, ShardedTokens]:
+    """The flags of a chat corpus's token files ``files`` (their tokens ``parts``;
+    ``metas``: their directories' meta.json and shard records, by directory): the file
+    each one's shard record names, one uint8 per token; a token file without one
+    (a chat corpus read with a raw or a foreign file among it) is a DataError."""
+    out = []
+    for f, tokens in zip(files, parts):
+        entry = metas.get(f.parent, ({}, {}))[1].get(f.name, {})
+        name = entry.get("flags")
+        if not isinstance(name, str) or not _inside(name):
+            raise DataError(f"data path {path}: {f} is in a chat corpus (meta.json 'chat') "
+                            f"but its shard record names no flags file beside it; re-run "
+                            f"oases.prepare --chat")
+        fp = f.parent / name
+        if not fp.is_file():
+            raise DataError(f"chat corpus {path}: the flags file {fp} of {f.name} does not "
+                            f"exist; re-run oases.prepare --chat")
+        flags = (np.memmap(fp, dtype=FLAGS_DTYPE, mode="r") if fp.stat().st_size
+                 else np.zeros(0, FLAGS_DTYPE))
+        if len(flags) != len(tokens):
+            raise DataError(f"chat corpus {path}: {fp} holds {len(flags)} flags but {f.name} "
+                            f"{len(tokens)} tokens (one each); re-run oases.prepare --chat")
+        out.append(flags)
+    return out[0] if len(out) == 1 else ShardedTokens(out)
