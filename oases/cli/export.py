@@ -7,7 +7,11 @@ writes ``config.json`` and ``model.safetensors`` that ``AutoModelForCausalLM.fro
 loads, and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json``: :mod:`oases.cli.tokenizer`) that ``AutoTokenizer`` loads: the
 one ``oases.prepare`` recorded for the run's corpus (its sha256 checked), or
-``--tokenizer PATH``. It reads the DCP checkpoint in one
+``--tokenizer PATH``; with the tokenizer's chat template (or ``--chat-template FILE``) in
+``chat_template.jinja`` and ``tokenizer_config.json``, and the end of an assistant's turn
+(:mod:`oases.cli.chat`) among the EOS ids of ``generation_config.json`` and
+``config.json``, so that ``apply_chat_template`` and ``generate`` stop a reply where
+``oases generate --chat`` does. It reads the DCP checkpoint in one
 process, without a process group, whatever the layout and ZeRO level it was saved
 with, one tensor at a time (``oases.runtime.checkpoint.iter_model_tensors``: fused
 QKV / gate-up parts reassembled, vocabulary padding removed; optimizer state is not
@@ -40,6 +44,7 @@ import torch
 from oases.config.hf import hf_config_dict
 from oases.models.hf import hf_layout, hf_tensors, model_fields
 from oases.cli import tokenizer as toks
+from oases.cli.chat import Chat
 from oases.errors import EXIT_USER_ERROR, UserError
 from oases.progress import io_progress
 from oases.runtime import checkpoint as ckpt
@@ -109,10 +114,28 @@ def _clear(out: Path, made: bool) -> None:
         out.rmdir()
 
 
+def _with_chat(tok, chat_template: Optional[str], run_dir: Path):
+    """``tok`` with the chat template of ``--chat-template``, else the one the run's chat
+    corpus was prepared with, else its own, and the end of an assistant's turn among its
+    EOS ids (where it has a template)."""
+    if chat_template and tok is None:
+        raise UserError("--chat-template needs a tokenizer to write it with (not "
+                        "--tokenizer none)")
+    recorded = None if tok is None or chat_template else toks.recorded_chat_template(run_dir)
+    if tok is None or not (chat_template or recorded or tok.chat_template):
+        return tok
+    chat = Chat.of(tok, chat_template, recorded)
+    tok.chat_template = chat.template
+    tok.more_eos = tuple(tok.more_eos) + tuple(i for i in chat.stop_ids if i not in tok.more_eos)
+    return tok
+
+
 def export_checkpoint(src: str | Path, out_dir: str | Path,
-                      tokenizer: Optional[str] = None) -> tuple[Path, str]:
+                      tokenizer: Optional[str] = None,
+                      chat_template: Optional[str] = None) -> tuple[Path, str]:
     """Write the HF directory ``out_dir`` for the checkpoint ``src``; returns (the
-    checkpoint, a note when no tokenizer was written)."""
+    checkpoint, a note when no tokenizer was written). ``chat_template``: a template
+    file to write instead of the tokenizer's own."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to-hf {out} exists and is not an empty directory; refusing to "
@@ -121,6 +144,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path,
     meta = ckpt.read_meta(ck)
     mc = checkpoint_model_config(ck, meta)
     tok, note = _tokenizer(ck, tokenizer)
+    tok = _with_chat(tok, chat_template, ck.parent.parent)
     if tok is not None:
         toks.check_fits(tok, mc.vocab_size)
     cfg_json = hf_config_dict(mc)
@@ -163,10 +187,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="the tokenizer to write (a tokenizer.json, a directory holding one, a "
                         "tiktoken file, bytes); default: the one oases.prepare recorded for "
                         "the run's data; none: the weights alone")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="the chat template to write (default: the tokenizer's own, if any)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
     args = p.parse_args(argv)
     try:
-        ck, note = export_checkpoint(args.checkpoint, args.to_hf, args.tokenizer)
+        ck, note = export_checkpoint(args.checkpoint, args.to_hf, args.tokenizer,
+                                     args.chat_template)
     except UserError as e:
         if args.debug:
             raise

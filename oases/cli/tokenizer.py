@@ -2,7 +2,7 @@
 ``meta.json``), of a ``--tokenizer PATH`` or of a Hugging Face directory, as one
 ``tokenizers.Tokenizer`` with its EOS and BOS ids; and the Hugging Face files that make
 an exported model directory complete (``tokenizer.json``, ``tokenizer_config.json``,
-``generation_config.json``).
+``generation_config.json``, the chat template).
 
 Every kind ``oases.prepare`` knows becomes a ``tokenizers`` tokenizer with the same ids:
 
@@ -20,11 +20,14 @@ template does not add is added by the written ``tokenizer.json``'s template, so 
 ``tokenizer.json`` must encode a sample text, special tokens added, to the source's ids
 after that BOS; other ids are an error. The EOS ids of a source's Hugging Face directory
 (``generation_config.json``'s ``eos_token_id``, an id or a list) are kept: generation
-stops at any of them.
+stops at any of them. A chat template (``chat_template.jinja`` or
+``tokenizer_config.json``'s, beside the ``tokenizer.json``) travels with the tokenizer
+and is written to both; :mod:`oases.cli.chat` renders it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 from dataclasses import dataclass
@@ -104,12 +107,23 @@ def _tiktoken_tokenizer(path: str):
                              extra_special_tokens=[EOT]).converted()
 
 
-def _chat_template(tokenizer_json: Path) -> Optional[str]:
-    cfg = tokenizer_json.parent / "tokenizer_config.json"
+def chat_template_of(directory: Path) -> Optional[str]:
+    """The chat template of a Hugging Face tokenizer directory, where transformers looks
+    for it: ``chat_template.jinja`` (transformers 5 writes it there), else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates:
+    the one named ``default``); None: no template."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = directory / "tokenizer_config.json"
     try:
-        return json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+        found = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
     except (OSError, ValueError, AttributeError):
         return None
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found
+                      if isinstance(t, dict) and t.get("name") == "default"), None)
+    return found if isinstance(found, str) else None
 
 
 def load(kind: str, path: str, eos_id: Optional[int], bos_id: Optional[int]) -> Tok:
@@ -120,7 +134,7 @@ def load(kind: str, path: str, eos_id: Optional[int], bos_id: Optional[int]) -> 
         enc = load_tiktoken(path)
         return Tok(_tiktoken_tokenizer(path), eos_id, bos_id, path, enc.encode_ordinary)
     tok = load_hf(path)
-    return Tok(tok, eos_id, bos_id, path, chat_template=_chat_template(Path(path)),
+    return Tok(tok, eos_id, bos_id, path, chat_template=chat_template_of(Path(path).parent),
                more_eos=tuple(hf_eos(Path(path).parent)))
 
 
@@ -175,6 +189,33 @@ def recorded(run_dir: Path) -> Optional[Tok]:
     eos, bos = meta.get("eos_id"), meta.get("bos_id")
     return load(kind, path, eos if isinstance(eos, int) else None,
                 bos if isinstance(bos, int) else None)
+
+
+def recorded_chat_template(run_dir: Path) -> Optional[str]:
+    """The chat template the run's chat corpus was prepared with (``meta.json``'s
+    ``chat`` record: ``template_source``, ``template_sha256``); None: no chat corpus. A
+    source that is gone or whose template has changed is an error."""
+    for p in _data_paths(run_dir):
+        try:
+            chat = read_meta(resolve(p)[0]).get("chat")
+        except DataError:
+            continue
+        if not isinstance(chat, dict) or not chat.get("template_source"):
+            continue
+        src = Path(chat["template_source"])
+        hint = f"pass --chat-template FILE (the template {p} was prepared with)"
+        try:
+            text = (chat_template_of(src.parent) if src.name == "tokenizer_config.json"
+                    else src.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            text = None
+        if text is None:
+            raise UserError(f"chat template {src} (recorded for {p}) cannot be read; {hint}")
+        if hashlib.sha256(text.encode("utf-8")).hexdigest() != chat.get("template_sha256"):
+            raise UserError(f"chat template {src} has changed since {p} was prepared "
+                            f"(sha256 differs); {hint}")
+        return text
+    return None
 
 
 def hf_eos(hf_dir: Path) -> list[int]:
@@ -244,6 +285,38 @@ def _with_bos(tk, tok, bos_id: int, source: str):
     return tok
 
 
+def _declared(t: Tok, tok, key: str) -> Optional[str]:
+    """The ``bos_token``/``eos_token`` the ``tokenizer_config.json`` beside ``t``'s
+    tokenizer.json declares, where it is a token of ``tok`` (None otherwise)."""
+    if t.source in ("", "bytes"):
+        return None
+    try:
+        value = json.loads((Path(t.source).parent / "tokenizer_config.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) and tok.token_to_id(value) is not None else None
+
+
+def hf_fast(t: Tok, tok=None, seq_len: Optional[int] = None):
+    """``t`` as the ``transformers.PreTrainedTokenizerFast`` an export writes (``tok``:
+    its ``tokenizers`` object instead of ``t.tok``): BOS and EOS tokens those the
+    source's ``tokenizer_config.json`` declares, else the texts of ``t``'s BOS and first
+    EOS id; the first EOS id's text the padding token; left padding; ``t``'s chat
+    template, which sees these ``bos_token`` and ``eos_token`` (as it does where
+    ``AutoTokenizer`` loads the source directory)."""
+    _, tf, _ = _hf()
+    tok = t.tok if tok is None else tok
+    eos = _special(tok, t.eos_id)
+    kw = {} if seq_len is None else {"model_max_length": seq_len}
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, padding_side="left", eos_token=_declared(t, tok, "eos_token") or eos,
+        pad_token=eos, bos_token=_declared(t, tok, "bos_token") or _special(tok, t.bos_id), **kw)
+    if t.chat_template:
+        fast.chat_template = t.chat_template
+    return fast
+
+
 def write_hf_files(t: Tok, out: Path, vocab_size: int, seq_len: int) -> None:
     """tokenizer.json, tokenizer_config.json and generation_config.json into ``out``,
     after checking that the tokenizer fits the model's vocabulary; the written
@@ -254,13 +327,13 @@ def write_hf_files(t: Tok, out: Path, vocab_size: int, seq_len: int) -> None:
     tok = t.tok
     if t.bos_id is not None and template_bos(tok) != t.bos_id:
         tok = _with_bos(tk, tok, t.bos_id, t.source)
-    eos = _special(tok, t.eos_id)
-    fast = tf.PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=seq_len, padding_side="left",
-        eos_token=eos, pad_token=eos, bos_token=_special(tok, t.bos_id))
-    if t.chat_template:
-        fast.chat_template = t.chat_template
+    fast = hf_fast(t, tok, seq_len)
     fast.save_pretrained(str(out))
+    if t.chat_template:  # transformers before 4.43 reads the template from here only
+        cfg_path = out / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.setdefault("chat_template", t.chat_template)
+        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     written = tk.Tokenizer.from_file(str(out / "tokenizer.json"))
     want = ([] if t.bos_id is None else [t.bos_id]) + list(
         t.reference(SAMPLE) if t.reference else t.tok.encode(SAMPLE, add_special_tokens=False).ids)
