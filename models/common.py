@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
         self.is_first = self.is_last = True
         self.home_degree = 1  # TP degree of the (stage's) input and output
         self.resharder = None  # DegreeGroups when blocks run at several degrees
+        self.wgrad = None  # a WeightGradStore: the blocks' dW deferrable (zero-bubble)
         self.embed = TokenEmbedding(cfg, padded_vocab, None, self.learned_positions)
         rotary = self.make_rotary(cfg)
         self.layers = LayerStack([

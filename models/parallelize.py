@@ -23,8 +23,10 @@ from oases.errors import ConfigError
 from oases.models.common import CausalLM
 from oases.parallel.comm import group_rank, group_size
 from oases.parallel.compile import compile_blocks
+from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.sharding import init_parameters
+from oases.parallel.wgrad import WeightGradStore
 
 __all__ = ["Parallelism", "build", "materialize", "parallelize"]
 
@@ -39,7 +41,9 @@ class Parallelism:
     ``stage``: the layers [a, b) of this rank's pipeline stage (None: all). ``recompute``:
     what the model recomputes itself ("full" per layer, "selective" the attention core;
     the oases engine's own recompute is not the model's). ``compile``: False, True or
-    "strict" (:func:`oases.parallel.compile.compile_blocks`)."""
+    "strict" (:func:`oases.parallel.compile.compile_blocks`). ``defer_weight_grads``: the
+    blocks' linear layers compute through one :class:`~oases.parallel.wgrad.WeightGradStore`
+    (``model.wgrad``), so a zero-bubble pipeline's B defers their dW to its W."""
     tp_group: Optional[object] = None
     tracker: Optional[TPRNGTracker] = None
     recompute: str = "none"
@@ -48,6 +52,7 @@ class Parallelism:
     stage: Optional[tuple[int, int]] = None
     sequence_parallel: bool = False
     compile: Union[bool, str] = False
+    defer_weight_grads: bool = False  # the blocks' linear dW left to W actions (zb-h1)
 
 
 def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
@@ -88,6 +93,11 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
             model.set_sequence_parallel(True)
         except ValueError as e:  # a plan's layout the switch does not take
             raise ConfigError(f"parallel.sequence_parallel: {e}") from None
+    model.wgrad = WeightGradStore() if par.defer_weight_grads else None
+    for blk in model.blocks():
+        for layer in blk.modules():
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.wgrad = model.wgrad
     if par.compile:  # each block's segments; compiled at their first call
         compile_blocks(model, strict=par.compile == "strict")
     return model

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.parallel.comm import (column_linear, gather_from_tp, group_rank, group_size,
-                                 reduce_from_tp, scatter_to_tp)
+from oases.parallel.comm import (column_linear, copy_to_tp, gather_from_tp, group_rank,
+                                 group_size, reduce_from_tp, scatter_to_tp)
 from oases.parallel.region import GATHERED, entered_region
 from oases.parallel.sequence import seq_enter, seq_leave
 from oases.parallel.sharding import TPSpec, chunk_of, divide, local_parts, set_spec
@@ -62,6 +62,9 @@ class ParallelLayer(nn.Module):
 
     tp_group = None
     tp = 1
+    # a WeightGradStore (oases.parallel.wgrad): the linear layers' weight gradients may
+    # be deferred to a zero-bubble pipeline's W actions (None: computed in backward)
+    wgrad = None
 
     def shard(self, tp_group) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -138,7 +141,9 @@ class ColumnParallelLinear(ParallelLayer):
         # dX (autograd, overlapped with dW; or the schedule, at a cut it records)
         if self.sequence_parallel and entered_region() is not GATHERED and self.tp > 1:
             x = seq_enter(x, self.tp_group)  # (B, T/tp, in) -> (B, T, in)
-            y = GATHERED.linear(x, self.weight, self.bias, self.tp_group)
+            y = self._linear(x, GATHERED)
+        elif self.wgrad is not None:  # dW deferrable: the region entered, then the matmul
+            y = self.wgrad.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
         else:
             y = column_linear(x, self.weight, self.bias, self.tp_group)  # (..., out/tp)
         if self.gather_output:
@@ -147,6 +152,11 @@ class ColumnParallelLinear(ParallelLayer):
                                  "interleave them")
             y = gather_from_tp(y, self.tp_group, dim=-1)
         return y
+
+    def _linear(self, x: torch.Tensor, entry) -> torch.Tensor:
+        if self.wgrad is not None:
+            return self.wgrad.linear(entry.copy(x, self.tp_group), self.weight, self.bias)
+        return entry.linear(x, self.weight, self.bias, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
@@ -197,6 +207,8 @@ class RowParallelLinear(ParallelLayer):
         """This rank's un-reduced partial sum, without the bias."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, dim=-1)
+        if self.wgrad is not None:  # dW deferrable (zero-bubble pipelines)
+            return self.wgrad.linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:

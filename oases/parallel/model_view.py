@@ -42,6 +42,9 @@ class EngineModel(Protocol):
     documents: object
     """Its :class:`~oases.models.documents.DocumentSlot`: the documents of the rows the
     blocks compute now, which the engines fill (``use(docs)``) for packed batches."""
+    wgrad: object
+    """Its :class:`~oases.parallel.wgrad.WeightGradStore` when its blocks' weight gradients
+    may be deferred (zero-bubble pipelines), else None."""
 
     def recompute_groups(self) -> list[tuple[int, int]]:
         """Block ranges [a, b) recomputed together under recompute=full."""
@@ -74,6 +77,7 @@ class ModelView:
     loss_combine: Optional[Callable]
     loss_tokens: Optional[Callable[[torch.Tensor], Count]]
     documents: Optional[object] = None  # None: the model takes no documents
+    wgrad: Optional[object] = None      # None: weight gradients computed in backward
 
     @property
     def split_loss(self) -> bool:
@@ -106,4 +110,5 @@ def view_of(model: EngineModel) -> ModelView:
         loss_partial=getattr(model, "loss_partial", None),
         loss_combine=getattr(model, "loss_combine", None),
         loss_tokens=getattr(model, "loss_tokens", None),
-        documents=getattr(model, "documents", None))
+        documents=getattr(model, "documents", None),
+        wgrad=getattr(model, "wgrad", None))

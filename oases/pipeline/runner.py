@@ -54,6 +54,7 @@ exactly what it did.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -61,8 +62,10 @@ import torch
 from oases.config import Config
 from oases.parallel.batch import documents_in, documents_of
 from oases.parallel.engine import AmpFactory, Engine
+from oases.parallel.model_view import view_of
 from oases.parallel.timing import PIPELINE_LABEL, IntervalTimer, label
 from oases.pipeline.actions import is_fused, stage_actions
+from oases.parallel.wgrad import WeightGradStore
 from oases.parallel.wire import wire_dtype
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
@@ -129,6 +132,13 @@ class PipelineRunner:
         losses: dict = {}
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == "B")
         busy = IntervalTimer(dev)  # a host clock would time the launches on CUDA
+        store = self._weight_grads(model)  # zero-bubble: B defers dW to W
+        deferred: dict = {}
+
+        def split_b(m):  # B(m) without its weight gradients, when a W(m) follows
+            if store is None:
+                return contextlib.nullcontext()
+            return store.deferring()
 
         def inputs_f(m):
             x, y = batches[m]
@@ -176,32 +186,51 @@ class PipelineRunner:
                 g = grad_b(m)
                 inp, tgt, docs = inputs_f(k)
                 t0 = busy.start()
-                with _span(f"B{m}+F{k}"):
+                with _span(f"B{m}+F{k}"), split_b(m) as rec:
                     gin, runs[k] = engine.backward_forward(runs.pop(m), g, scales[m], model,
                                                            inp, tgt, amp, docs)
                 busy.stop(t0)
+                deferred[m] = rec
                 fused_f = i + 1
                 if ctx.is_last_stage:
                     losses[k] = runs[k].loss
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
+            elif a.kind == "W":  # no communication: the schedule put it in the bubble
+                t0 = busy.start()
+                with _span(f"W{m}"):
+                    WeightGradStore.apply(deferred.pop(m))
+                busy.stop(t0)
             else:  # B
                 g = grad_b(m)
                 if i == last_b:
                     before_last_backward()
                 t0 = busy.start()
-                with _span(f"B{m}"):
+                with _span(f"B{m}"), split_b(m) as rec:
                     gin = engine.backward(runs.pop(m), g, scales[m], amp)
                 busy.stop(t0)
+                deferred[m] = rec
                 if not ctx.is_first_stage:
                     grads_in[m] = gin
         with _span("wait sends"):
             for s in sends:  # the buffers were kept alive until now
                 s.wait()
-        if recvs or runs:  # a schedule that the checker let through must leave nothing
-            raise RuntimeError(f"pipeline step left {sorted(recvs)} received and "
-                               f"{sorted(runs)} forwarded but not consumed")
+        left = [m for m, rec in deferred.items() if rec]
+        if recvs or runs or left:  # a schedule that the checker let through leaves nothing
+            raise RuntimeError(f"pipeline step left {sorted(recvs)} received, "
+                               f"{sorted(runs)} forwarded and {left} without their W")
         return ([losses[m] for m in range(self.n)] if ctx.is_last_stage else None), busy
+
+    def _weight_grads(self, model):
+        """The model's WeightGradStore when this stage's actions hold W's, else None."""
+        if not any(a.kind == "W" for a in self.actions):
+            return None
+        store = view_of(model).wgrad
+        if store is None:
+            raise RuntimeError(f"pp_schedule {self.kind} runs W actions but the model's "
+                               f"weight gradients are not deferrable (build it with "
+                               f"Parallelism(defer_weight_grads=True))")
+        return store
 
     @torch.no_grad()
     def forward_only(self, model, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory,
