@@ -52,8 +52,15 @@ class ParallelConfig(Section):
     # from a plan file's ``stages``.
     pp: int = 1
     # "1f1b" (Megatron's), "eager-1f1b" (more warm-up forwards, so each send overlaps the
-    # next forward: paper 002 section 4) or "gpipe" (all forwards, then all backwards)
+    # next forward: paper 002 section 4), "gpipe" (all forwards, then all backwards),
+    # "zb-h1" (1f1b with each backward's weight gradients moved into the bubble: Qi et
+    # al. 2024), "eager-zb-h1" (both) or "interleaved-1f1b" (pp_virtual stages per rank:
+    # Megatron's virtual pipeline); docs/pipelines.md says when to choose which
     pp_schedule: str = "1f1b"
+    # interleaved-1f1b only: stages (chunks of layers) per rank, v >= 2; rank r holds
+    # virtual stages r, r + pp, ..., so the bubble shrinks about v-fold for v times the
+    # transfers
+    pp_virtual: int = 1
     # How activations cross a stage boundary (oases.pipeline.cross_mesh): "broadcast"
     # (each slice crosses once, from load-balanced senders, then fans out inside the
     # receiving replica), "send" (one send per receiver) or "allgather" (Megatron's
@@ -122,7 +129,16 @@ class ParallelConfig(Section):
     def validate(self) -> None:
         positive("parallel.tp", self.tp)
         positive("parallel.pp", self.pp)
-        choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "eager-1f1b", "gpipe"))
+        choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if isinstance(self.pp_virtual, bool) or not isinstance(self.pp_virtual, int):
+            raise ConfigError(f"parallel.pp_virtual={self.pp_virtual!r} is not an integer")
+        positive("parallel.pp_virtual", self.pp_virtual)
+        if self.pp_schedule == "interleaved-1f1b" and self.pp_virtual < 2:
+            raise ConfigError("parallel.pp_schedule=interleaved-1f1b needs parallel.pp_virtual "
+                              ">= 2 stages per rank (at 1 its lists are eager-1f1b's)")
+        if self.pp_virtual > 1 and self.pp_schedule != "interleaved-1f1b":
+            raise ConfigError(f"parallel.pp_virtual={self.pp_virtual} needs parallel."
+                              f"pp_schedule=interleaved-1f1b, not {self.pp_schedule}")
         choice("parallel.pp_transfer", self.pp_transfer, ("broadcast", "send", "allgather"))
         choice("parallel.schedule", self.schedule, ("megatron", "oases"))
         choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
@@ -338,6 +354,8 @@ class Config(Section):
             raise ConfigError(f"train.grad_accum={n_mb} micro-batches is fewer than "
                               f"parallel.pp={pp} stages: {self.parallel.pp_schedule} needs "
                               f"at least pp micro-batches per step")
+        if self.parallel.pp_virtual > 1:
+            _interleaving_needs(pp, self.parallel.pp_virtual, m.n_layer, n_mb)
         if self.parallel.overlap_fb:
             _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
         if pp > 1 and self.parallel.plan == "auto" and self.parallel.plan_search == "tp-only":
@@ -390,6 +408,28 @@ class Config(Section):
         return new.freeze() if self.frozen else new
 
 
+PP_SCHEDULES = ("1f1b", "eager-1f1b", "gpipe", "zb-h1", "eager-zb-h1", "interleaved-1f1b")
+
+_NO_FUSED_PAIRS = {  # why overlap_fb finds no B, F pairs to fuse, by schedule
+    "zb-h1": "its stages run a W (weight gradient), not a forward, after most Bs",
+    "eager-zb-h1": "its stages run a W (weight gradient), not a forward, after most Bs",
+    "interleaved-1f1b": "a B and the F after it run on different chunks (other layers)",
+}
+
+
+def _interleaving_needs(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
+    """Megatron's virtual pipeline: pp x v equal stages, micro-batches in groups of pp."""
+    if pp < 2:
+        raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp >= 2, got {pp}")
+    if n_layer % (pp * virtual):
+        raise ConfigError(f"model.n_layer={n_layer} layers do not divide into parallel.pp="
+                          f"{pp} x parallel.pp_virtual={virtual} equal stages")
+    if micro_batches % pp:
+        raise ConfigError(f"interleaved-1f1b runs micro-batches in groups of parallel.pp={pp} "
+                          f"(Megatron's order): train.grad_accum={micro_batches} is not a "
+                          f"multiple of {pp}")
+
+
 def _overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
     """A backward pairs with the next micro-batch's forward: at pp=1 there must be two
     micro-batches; in a pipeline the pairs must not wait on each other across stages,
@@ -397,6 +437,9 @@ def _overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
     if pp == 1 and micro_batches < 2:
         raise ConfigError("parallel.overlap_fb pairs a micro-batch's backward with the next "
                           "one's forward: it needs train.grad_accum >= 2")
+    if pp > 1 and kind in _NO_FUSED_PAIRS:
+        raise ConfigError(f"parallel.overlap_fb cannot run with parallel.pp_schedule={kind}: "
+                          f"{_NO_FUSED_PAIRS[kind]}")
     if pp > 1 and kind != "eager-1f1b":
         raise ConfigError(f"parallel.overlap_fb in a pipeline needs parallel.pp_schedule="
                           f"eager-1f1b, not {kind}: under 1f1b each fused pair waits for the "

@@ -2,7 +2,7 @@
 
 A schedule is one list of :class:`Action` per pipeline stage; the runtime runs
 each list in order. It is data so that one checker, one simulator and one
-printer serve every generator (gpipe, 1f1b, eager-1f1b) and hand-written plans.
+printer serve every generator and hand-written plans.
 
     F(m)       forward of micro-batch m on this stage
     B(m)       backward of m (after F(m) here; needs stage s+1's gradient)
@@ -20,37 +20,20 @@ and each send right after the compute that produced it:
       RECV_F0 RECV_F1 F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_F2 B0 SEND_B0 ...
       (F1's activation arrives while F0 runs, B0's gradient while F1 runs)
 
-Warm-up (forwards before a stage's first backward, stage i of pp, m micro-batches):
-gpipe m; 1f1b min(m, pp-i); eager-1f1b min(m, 2(pp-i)-1). After the first
-backward a stage alternates B, F until its forwards run out, then drains its Bs.
+The generators (gpipe, 1f1b, eager-1f1b, zb-h1, eager-zb-h1, interleaved-1f1b)
+are in :mod:`oases.pipeline.schedules`; this module holds what every list shares:
+the actions, the checker, the simulator and the printers.
 
-Why 2(pp-i)-1 (the count in Alpa's own eager-1F1B generator, whose paper is
-papers/002 section 4; the extract there lost its formulas). In 1F1B, stage i
-waits for B0 to come back through the later stages after its pp-i forwards;
-with f == b that wait is pp-1-i slots. Eager-1F1B fills exactly those slots
-with forwards: (pp-i) + (pp-1-i). The last stage has no wait, so it is plain
-1F1B; every earlier stage keeps more activations in flight, and its forwards now
-run ahead of their consumers, so an activation send has a compute to hide behind
-instead of sitting between two dependent forwards. pp=3, m=6, f=b=1, a
-transfer takes 0.5 (one cell = 0.5; digits: F of that micro-batch, letters a-f:
-B of micro-batch 0-5; from ``python -m oases.schedule``):
+With ``W`` actions in a schedule (zb-h1), the backward runs in two parts:
 
-    1f1b        stage 0 |001122........aa33bb44..cc55..dd..ee....ff|  makespan 21
-                stage 1 |...0011....aa22bb..33cc44..dd55ee....ff...|
-                stage 2 |......00aa11bb..22cc..33dd44ee..55ff......|
+    B(m)       input gradient of m only (what stage s-1 waits for)
+    W(m)       weight gradients of m on this stage (after B(m); no communication)
 
-    eager-1f1b  stage 0 |0011223344....aa55bb..cc..dd..ee..ff|        makespan 18
-                stage 1 |...001122..aa33bb44cc55dd..ee..ff...|
-                stage 2 |......00aa11bb22cc33dd44ee55ff......|
-
-In 1F1B stage 2 waits before forwards 2, 3 and 5: stage 1 produced that input
-just before and it is still in flight. Under eager-1F1B it was produced a step
-earlier and has arrived. With no transfer cost both take 16.
-
-"2(pp-i)-1 warm-up forwards instead of pp-i-1" is sometimes quoted with warm-up
-counted the Megatron way (1F1B's steady state starts with a forward); read that
-way it gives 2(pp-i) forwards before the first backward and a last stage that
-differs from 1F1B. We count forwards before the first backward, as Alpa does.
+Interleaved schedules give each rank several stages (chunks): ``Action.chunk`` is
+the chunk on this rank, and rank r's chunk c is the global virtual stage
+c*pp + r (Megatron's assignment), so sends and receives go to the rank holding the
+neighbouring virtual stage, rank pp-1's chunk c sending to rank 0's chunk c+1
+(:func:`peer`). An action prints as ``F3`` on chunk 0 and ``F3c1`` on chunk 1.
 """
 
 from __future__ import annotations
@@ -58,8 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-KINDS = ("gpipe", "1f1b", "eager-1f1b")
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 
 
 class _Link(NamedTuple):
@@ -79,8 +61,8 @@ LINKS = {
     "RECV_B": _Link(+1, "SEND_B", "B", False),
     "SEND_B": _Link(-1, "RECV_B", "B", True),
 }
-RECV_OF = {"F": "RECV_F", "B": "RECV_B"}
-_SEND_OF = {"F": "SEND_F", "B": "SEND_B"}
+RECV_OF = {"F": "RECV_F", "B": "RECV_B"}  # a W takes no input from another stage
+SEND_OF = {"F": "SEND_F", "B": "SEND_B"}
 
 
 class ScheduleError(ValueError):
@@ -89,10 +71,12 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's list: ``kind`` (F, B or a send/receive) of micro-batch ``mb``."""
+    """One step of a stage's list: ``kind`` (F, B, W or a send/receive) of micro-batch
+    ``mb`` on the rank's ``chunk`` (its virtual stage, 0 unless interleaved)."""
 
     kind: str
     mb: int
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE and self.kind not in LINKS:
@@ -100,96 +84,28 @@ class Action:
                              f"{', '.join(COMPUTE + tuple(LINKS))}")
         if not isinstance(self.mb, int) or self.mb < 0:
             raise ValueError(f"micro-batch must be an int >= 0, got {self.mb!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}"
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def has_peer(kind: str, pp: int, stage: int) -> bool:
-    return 0 <= stage + LINKS[kind].peer < pp
+def peer(kind: str, pp: int, stage: int, chunk: int = 0,
+         virtual: int = 1) -> tuple[int, int] | None:
+    """(rank, chunk) at the other end of a ``kind`` link of ``stage``'s ``chunk``, or
+    None at the ends of the pipeline. Chunk c of rank r is the global virtual stage
+    g = c*pp + r; the link goes to g+1 (``SEND_F``, ``RECV_B``) or g-1, held by rank
+    (g±1) mod pp as its chunk (g±1) // pp: rank pp-1's chunk c links to rank 0's
+    chunk c+1, rank 0's chunk c to rank pp-1's chunk c-1."""
+    g = chunk * pp + stage + LINKS[kind].peer
+    if not 0 <= g < pp * virtual:
+        return None
+    return g % pp, g // pp
 
 
-def _check_args(kind: str, pp: int, stage: int, microbatches: int) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown pipeline kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if pp < 1:
-        raise ValueError(f"pp must be >= 1, got {pp}")
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage must be in [0, {pp}), got {stage}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-
-
-def forwards_before_first_backward(kind: str, pp: int, stage: int, m: int) -> int:
-    """Forwards ``stage`` runs before its first backward (see the module docstring)."""
-    _check_args(kind, pp, stage, m)
-    if kind == "gpipe":
-        return m
-    depth = pp - stage
-    return min(m, depth if kind == "1f1b" else 2 * depth - 1)
-
-
-def _compute_order(kind: str, pp: int, stage: int, m: int) -> list[Action]:
-    warm = forwards_before_first_backward(kind, pp, stage, m)
-    order = [Action("F", i) for i in range(warm)]
-    for i in range(m):
-        order.append(Action("B", i))
-        if warm + i < m:
-            order.append(Action("F", warm + i))
-    return order
-
-
-def fused_units(computes: list[Action], overlap_fb: bool) -> list[list[Action]]:
-    """The compute order cut into what runs as one: under ``overlap_fb`` each B
-    directly followed by an F (the steady state of 1F1B, every B but the last at
-    pp=1) is one unit, the two micro-batches' programs interleaved by the engine."""
-    units: list[list[Action]] = []
-    i = 0
-    while i < len(computes):
-        n = 2 if (overlap_fb and computes[i].kind == "B" and i + 1 < len(computes)
-                  and computes[i + 1].kind == "F") else 1
-        units.append(computes[i:i + n])
-        i += n
-    return units
-
-
-def stage_actions(kind: str, pp: int, stage: int, microbatches: int,
-                  overlap_fb: bool = False) -> list[Action]:
-    """``stage``'s actions: its compute order with receives posted one compute early
-    and sends right after their compute (the placement rule of the module docstring).
-    Under ``overlap_fb`` a fused B, F pair (:func:`fused_units`) is one compute for that
-    rule: both receives are posted before the compute ahead of it, and both sends
-    follow the pair, B's first (eager-1f1b, pp=2, 4 micro-batches):
-
-        stage 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 F2 SEND_F2 RECV_B1 B0 F3 SEND_F3 RECV_B2 B1 ...
-        stage 1: RECV_F0 RECV_F1 F0 RECV_F2 B0 F1 SEND_B0 RECV_F3 B1 F2 SEND_B1 B2 F3 ...
-
-    A pair's outputs leave when the pair ends, so each stage's pair waits for the next
-    stage's whole pair (B's gradient) and for the previous stage's pair (F's input).
-    Under 1f1b the previous stage produces that input in the pair just before, and the
-    pairs run one stage at a time (pp=3, 6 micro-batches, f=1, b=2: makespan 42
-    against 21 unfused); eager-1f1b's two extra warm-up forwards per stage put it two
-    pairs back, and the rate is 1F1B's (28 against 18 with transfers of 0.5, 54
-    against 54 at 16 micro-batches without).
-    """
-    units = fused_units(_compute_order(kind, pp, stage, microbatches), overlap_fb)
-
-    def recv(unit: list[Action]) -> list[Action]:
-        out = []
-        for c in unit:
-            kind_ = RECV_OF[c.kind]
-            if has_peer(kind_, pp, stage):
-                out.append(Action(kind_, c.mb))
-        return out
-
-    actions = recv(units[0])
-    for i, unit in enumerate(units):
-        if i + 1 < len(units):
-            actions += recv(units[i + 1])
-        actions += unit
-        actions += [Action(_SEND_OF[c.kind], c.mb) for c in unit
-                    if has_peer(_SEND_OF[c.kind], pp, stage)]
-    return actions
+def has_peer(kind: str, pp: int, stage: int, chunk: int = 0, virtual: int = 1) -> bool:
+    return peer(kind, pp, stage, chunk, virtual) is not None
 
 
 def is_fused(row: list[Action], i: int) -> bool:
@@ -198,71 +114,91 @@ def is_fused(row: list[Action], i: int) -> bool:
     return row[i].kind == "B" and i + 1 < len(row) and row[i + 1].kind == "F"
 
 
-def pipeline_actions(kind: str, pp: int, microbatches: int,
-                     overlap_fb: bool = False) -> list[list[Action]]:
-    """One action list per stage."""
-    _check_args(kind, pp, 0, microbatches)
-    return [stage_actions(kind, pp, s, microbatches, overlap_fb) for s in range(pp)]
+def virtual_of(actions: list[list[Action]]) -> int:
+    """Stages per rank of a schedule: one more than its highest chunk."""
+    return 1 + max((a.chunk for row in actions for a in row), default=0)
 
 
-def _check_stage(row: list[Action], s: int, pp: int, mbs: list[int]) -> None:
+def _check_stage(row: list[Action], s: int, pp: int, virtual: int, mbs: list[int],
+                 split: bool) -> None:
     where: dict[Action, int] = {}
     for i, a in enumerate(row):
         if a in where:
             raise ScheduleError(f"stage {s}: {a} appears more than once")
         where[a] = i
-    for m in mbs:
-        for kind in COMPUTE:
-            if Action(kind, m) not in where:
-                raise ScheduleError(f"stage {s}: no {kind}{m}")
-        if where[Action("B", m)] < where[Action("F", m)]:
-            raise ScheduleError(f"stage {s}: B{m} comes before F{m}")
-        for kind, link in LINKS.items():
-            a, c = Action(kind, m), Action(link.compute, m)
-            if not has_peer(kind, pp, s):
-                if a in where:
-                    raise ScheduleError(f"stage {s}: {a} but there is no stage {s + link.peer}")
-            elif a not in where:
-                direction = "to" if link.after_compute else "from"
-                raise ScheduleError(f"stage {s}: {c} has no {a} {direction} stage {s + link.peer}")
-            elif (where[a] > where[c]) != link.after_compute:
-                side = "before" if link.after_compute else "after"
-                raise ScheduleError(f"stage {s}: {a} comes {side} {c}")
+    computes = COMPUTE if split else ("F", "B")
+    for c in range(virtual):
+        for m in mbs:
+            for kind in computes:
+                if Action(kind, m, c) not in where:
+                    raise ScheduleError(f"stage {s}: no {Action(kind, m, c)}")
+            f, b, w = (Action(k, m, c) for k in COMPUTE)
+            if where[b] < where[f]:
+                raise ScheduleError(f"stage {s}: {b} comes before {f}")
+            if split and where[w] < where[b]:
+                raise ScheduleError(f"stage {s}: {w} comes before {b}")
+            for kind, link in LINKS.items():
+                a, comp = Action(kind, m, c), Action(link.compute, m, c)
+                other = peer(kind, pp, s, c, virtual)
+                if other is None:
+                    if a in where:
+                        raise ScheduleError(f"stage {s}: {a} but there is no stage "
+                                            f"{s + link.peer}")
+                elif a not in where:
+                    direction = "to" if link.after_compute else "from"
+                    raise ScheduleError(f"stage {s}: {comp} has no {a} {direction} stage "
+                                        f"{other[0]}")
+                elif (where[a] > where[comp]) != link.after_compute:
+                    side = "before" if link.after_compute else "after"
+                    raise ScheduleError(f"stage {s}: {a} comes {side} {comp}")
+    if not split and any(a.kind == "W" for a in row):
+        raise ScheduleError(f"stage {s}: has W actions where another stage has none")
 
 
 def check_structure(actions: list[list[Action]]) -> None:
     """Rules (a) and (b) of :func:`check_schedule`. Every stage must hold each of
-    its sends and receives for every micro-batch, so each has its partner on the
-    neighbour stage without a separate look there."""
+    its sends and receives for every micro-batch and chunk, so each has its partner
+    on the neighbour stage without a separate look there (every receive its send)."""
     if not actions:
         raise ScheduleError("a schedule needs at least one stage")
     mbs = sorted({a.mb for row in actions for a in row})
     if not mbs:
         raise ScheduleError("a schedule needs at least one micro-batch")
+    split = any(a.kind == "W" for row in actions for a in row)
+    virtual = virtual_of(actions)
     for s, row in enumerate(actions):
-        _check_stage(row, s, len(actions), mbs)
+        _check_stage(row, s, len(actions), virtual, mbs, split)
 
 
 def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
-             comm_cost: float, fused: bool = False) -> list[list[tuple[Action, float, float]]]:
+             comm_cost: float, fused: bool = False,
+             w_cost: float = 0.0) -> list[list[tuple[Action, float, float]]]:
     """Run a well-formed schedule as an event simulation; return each stage's
     (compute, start, end). A transfer needs both ends posted (as NCCL and gloo
     point-to-point do), so its data arrives ``comm_cost`` after the later of the
     send and the receive; with ``fused``, each B directly followed by an F runs as one
-    unit that waits for both inputs first (``overlap_fb``). Raises :class:`ScheduleError` naming each stuck stage
-    when no stage can take its next action (after torch.distributed.pipelining's
+    unit that waits for both inputs first (``overlap_fb``). A chunk's compute costs 1/v
+    of the stage's (v chunks per rank); a B costs ``b_cost + w_cost`` where the
+    schedule has no W. Raises :class:`ScheduleError` naming each stuck stage when no
+    stage can take its next action (after torch.distributed.pipelining's
     ``_simulate_comms_compute``)."""
-    pp = len(actions)
+    pp, virtual = len(actions), virtual_of(actions)
+    split = any(a.kind == "W" for row in actions for a in row)
+    cost = {"F": f_cost / virtual, "B": (b_cost if split else b_cost + w_cost) / virtual,
+            "W": w_cost / virtual}
     pos, clock = [0] * pp, [0.0] * pp
     posted: dict[tuple[int, Action], float] = {}  # (stage, send/recv) -> time posted
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
 
     def arrival(s: int, c: Action) -> float | None:
         """When c's input is on stage s; None while the neighbour has not sent it."""
-        recv = Action(RECV_OF[c.kind], c.mb)
-        if not has_peer(recv.kind, pp, s):
+        if c.kind not in RECV_OF:
             return 0.0
-        send = (s + LINKS[recv.kind].peer, Action(LINKS[recv.kind].partner, c.mb))
+        recv = Action(RECV_OF[c.kind], c.mb, c.chunk)
+        other = peer(recv.kind, pp, s, c.chunk, virtual)
+        if other is None:
+            return 0.0
+        send = (other[0], Action(LINKS[recv.kind].partner, c.mb, other[1]))
         if send not in posted:
             return None
         return max(posted[send], posted[(s, recv)]) + comm_cost
@@ -280,7 +216,7 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
                         break
                     clock[s] = max(clock[s], *ready)
                     for c in unit:
-                        start, clock[s] = clock[s], clock[s] + (f_cost if c.kind == "F" else b_cost)
+                        start, clock[s] = clock[s], clock[s] + cost[c.kind]
                         spans[s].append((c, start, clock[s]))
                     pos[s] += len(unit)
                 else:
@@ -291,9 +227,10 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
     for s, row in enumerate(actions):
         if pos[s] < len(row):  # only a compute can block, on its receive's partner
             a = row[pos[s]]
-            link = LINKS[RECV_OF[a.kind]]
-            stuck.append(f"stage {s} waits at {a} for {link.partner}{a.mb} "
-                         f"from stage {s + link.peer}")
+            kind = RECV_OF[a.kind]
+            rank, chunk = peer(kind, pp, s, a.chunk, virtual)
+            stuck.append(f"stage {s} waits at {a} for "
+                         f"{Action(LINKS[kind].partner, a.mb, chunk)} from stage {rank}")
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
     return spans
@@ -301,16 +238,17 @@ def _execute(actions: list[list[Action]], f_cost: float, b_cost: float,
 
 def check_schedule(actions: list[list[Action]], fused: bool = False) -> None:
     """Raise :class:`ScheduleError` (one line) unless every stage runs F(m) and
-    B(m) once for every micro-batch m, F before B, every send and receive has
-    its partner on the neighbour stage and sits on the right side of its
-    compute, and running the lists under the blocking rules cannot deadlock."""
+    B(m) once for every micro-batch m and chunk, F before B, and, where the schedule
+    has Ws, W(m) once after B(m); every send and receive has its partner on the
+    neighbour stage and sits on the right side of its compute, and running the lists
+    under the blocking rules cannot deadlock."""
     check_structure(actions)
-    _execute(actions, 1.0, 1.0, 0.0, fused)
+    _execute(actions, 1.0, 1.0, 0.0, fused, w_cost=1.0)
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """Simulated compute of each stage: ``spans[s]`` = [(F/B action, start, end)]."""
+    """Simulated compute of each stage: ``spans[s]`` = [(F/B/W action, start, end)]."""
 
     spans: list[list[tuple[Action, float, float]]]
 
@@ -324,30 +262,48 @@ class Timeline:
         busy = sum(end - start for row in self.spans for _, start, end in row)
         return 1.0 - busy / (len(self.spans) * self.makespan)
 
-    @property
-    def peak_inflight(self) -> list[int]:
-        """Per stage, the most micro-batches whose activations are kept at once
-        (F done, B not yet): the schedule's activation memory in micro-batches."""
+    def _peaks(self, until: tuple[str, ...]) -> list[int]:
         peaks = []
         for row in self.spans:
             live = peak = 0
             for a, _, _ in row:
-                live += 1 if a.kind == "F" else -1
+                live += 1 if a.kind == "F" else -1 if a.kind in until else 0
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
 
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Per stage, the most micro-batches whose activations are kept at once
+        (F done, B not yet): the schedule's activation memory in micro-batches (in
+        chunks of 1/v of a stage under interleaving)."""
+        return self._peaks(("B",))
+
+    @property
+    def peak_stashed(self) -> list[int]:
+        """Per stage, the most micro-batches with F done and weight gradients not yet
+        (W, or B where the schedule has no W): a W still needs its layers' stashed
+        inputs and output gradients, so with W this bounds the memory."""
+        split = any(a.kind == "W" for row in self.spans for a, _, _ in row)
+        return self._peaks(("W",) if split else ("B",))
+
 
 def simulate(actions: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0,
-             comm_cost: float = 0.0, fused: bool = False) -> Timeline:
-    """Time a schedule: F and B take ``f_cost`` and ``b_cost``, sends and receives
-    no compute time, and a transfer takes ``comm_cost`` once both its send and
-    its receive are posted. Raises :class:`ScheduleError` for a bad schedule."""
-    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0:
-        raise ValueError(f"costs must be f > 0, b > 0, comm >= 0; got f={f_cost}, "
-                         f"b={b_cost}, comm={comm_cost}")
+             comm_cost: float = 0.0, fused: bool = False, w_cost: float = 0.0) -> Timeline:
+    """Time a schedule: F and B take ``f_cost`` and ``b_cost`` (a stage's whole layers;
+    a chunk of v takes 1/v of it), sends and receives no compute time, and a transfer
+    takes ``comm_cost`` once both its send and its receive are posted. ``w_cost``: the
+    weight-gradient part of the backward; in a schedule with W actions each W takes
+    it and ``b_cost`` is the input-gradient part only, in one without, each B takes
+    ``b_cost + w_cost``. Raises :class:`ScheduleError` for a bad schedule."""
+    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0 or w_cost < 0:
+        raise ValueError(f"costs must be f > 0, b > 0, comm >= 0, w >= 0; got f={f_cost}, "
+                         f"b={b_cost}, comm={comm_cost}, w={w_cost}")
     check_structure(actions)
-    return Timeline(_execute(actions, f_cost, b_cost, comm_cost, fused))
+    if w_cost == 0 and any(a.kind == "W" for row in actions for a in row):
+        raise ValueError("a schedule with W actions needs w_cost > 0 (the weight-gradient "
+                         "time; b_cost is then the input-gradient part only)")
+    return Timeline(_execute(actions, f_cost, b_cost, comm_cost, fused, w_cost))
 
 
 def format_actions(actions: list[list[Action]]) -> str:
@@ -355,16 +311,19 @@ def format_actions(actions: list[list[Action]]) -> str:
 
 
 def _cell(a: Action) -> str:
-    return str(a.mb % 10) if a.kind == "F" else "abcdefghij"[a.mb % 10]
+    i = a.mb % 10
+    return str(i) if a.kind == "F" else ("abcdefghij" if a.kind == "B" else "ABCDEFGHIJ")[i]
 
 
 def format_timeline(timeline: Timeline, width: int = 72) -> str:
     """ASCII chart, one row per stage, ``width`` cells for the makespan. A cell
     shows what the stage computes in it: a digit for F of that micro-batch, a
-    letter for B (a = 0 ... j = 9, both mod 10), '.' for idle."""
+    letter for B (a = 0 ... j = 9, both mod 10), a capital for W (A = 0 ... J = 9),
+    '.' for idle. Chunks are not told apart (the action lists show them)."""
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     scale = width / timeline.makespan
+    split = any(a.kind == "W" for row in timeline.spans for a, _, _ in row)
     lines = []
     for s, row in enumerate(timeline.spans):
         cells = ["."] * width
@@ -372,6 +331,20 @@ def format_timeline(timeline: Timeline, width: int = 72) -> str:
             for i in range(round(start * scale), round(end * scale)):
                 cells[i] = _cell(a)
         lines.append(f"stage {s} |{''.join(cells)}|")
-    lines.append(f"legend: 0-9 = F of micro-batch (mod 10), a-j = B of micro-batch 0-9 "
-                 f"(mod 10), . = idle; one cell = {timeline.makespan / width:.3g} time units")
+    lines.append("legend: 0-9 = F of micro-batch (mod 10), a-j = B of micro-batch 0-9 "
+                 + ("(input gradient), A-J = W (weight gradient) " if split else "")
+                 + f"(mod 10), . = idle; one cell = {timeline.makespan / width:.3g} time units")
     return "\n".join(lines)
+
+
+_GENERATORS = ("KINDS", "SPLIT_KINDS", "compute_order", "forwards_before_first_backward",
+               "fused_units", "pipeline_actions", "stage_actions")
+
+
+def __getattr__(name: str):
+    """The generators, importable from here too, where the runtime and the tests have
+    always found them (:mod:`oases.pipeline.schedules` builds on this module)."""
+    if name in _GENERATORS:
+        from oases.pipeline import schedules  # deferred: schedules imports this module
+        return getattr(schedules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,13 +60,15 @@ from typing import Callable
 import torch
 
 from oases.config import Config
+from oases.errors import ConfigError
 from oases.parallel.batch import documents_in, documents_of
 from oases.parallel.engine import AmpFactory, Engine
 from oases.parallel.model_view import view_of
 from oases.parallel.timing import PIPELINE_LABEL, IntervalTimer, label
-from oases.pipeline.actions import is_fused, stage_actions
 from oases.parallel.wgrad import WeightGradStore
 from oases.parallel.wire import wire_dtype
+from oases.pipeline.actions import is_fused
+from oases.pipeline.schedules import VIRTUAL_KINDS, stage_actions
 from oases.pipeline.cross_mesh import CrossMeshTransfer, Mesh
 
 
@@ -102,6 +104,11 @@ class PipelineRunner:
         if ctx.stage < layout.pp - 1:  # see the module docstring: dp_a / dp_b
             self.grad_scale = ctx.dp / layout.stages[ctx.stage + 1].dp
         self.overlap_fb = overlap_fb
+        if kind in VIRTUAL_KINDS:  # a rank would hold several stages' layers and links
+            raise ConfigError(f"parallel.pp_schedule={kind}: the runtime does not run "
+                              f"virtual stages yet (python -m oases.schedule --kind {kind} "
+                              f"--virtual 2 prints and simulates it); use zb-h1 or "
+                              f"eager-zb-h1 to shrink the bubble")
         self.actions = stage_actions(kind, layout.pp, ctx.stage, microbatches, overlap_fb)
 
     @classmethod

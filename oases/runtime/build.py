@@ -9,6 +9,7 @@ import torch
 
 from oases.models import Parallelism, arch_class, build
 from oases.config import Config
+from oases.pipeline.schedules import SPLIT_KINDS
 from oases.dp.reducer import GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
 from oases.overlap.engines import build_engine
@@ -51,7 +52,10 @@ def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     plan = Parallelism(ctx.tp_group, tracker, recompute,
                        tuple(degrees) if degrees is not None else None,
                        ctx.degree_groups() if degrees is not None else None, stage,
-                       par.sequence_parallel, par.compile)
+                       par.sequence_parallel, par.compile,
+                       # a zero-bubble schedule's B leaves the linear layers' dW to its W
+                       defer_weight_grads=ctx.layout is not None and
+                       par.pp_schedule in SPLIT_KINDS)
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 
