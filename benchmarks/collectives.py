@@ -73,16 +73,17 @@ def render(out: Path, data: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--clusters", nargs="+", default=["configs/cluster/two-nodes-500m.yaml"])
     p.add_argument("--mib", type=float, default=2.0, help="tensor size (one block's partial "
                    "sum at the overlap benchmark's shape: 8 x 128 x 512 fp32)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=str(driver.RESULTS / "collectives"), help="output prefix")
+    driver.report_flags(p, "collectives")
     p.add_argument("--on-node", nargs=3, metavar=("MIB", "REPEATS", "OUT"),
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     if args.on_node:
         node_main(float(args.on_node[0]), int(args.on_node[1]), args.on_node[2])
         return 0
@@ -101,10 +102,9 @@ def main(argv=None) -> int:
             return 1
         res[spec.name] = json.loads(got.read_text())
         got.unlink()
-    out = Path(args.out)
-    driver.save(out, {"machine": machine_info(), "command": driver.command(
-        "benchmarks.collectives", argv), "elapsed_min": (time.time() - t0) / 60,
-        "clusters": res}, render)
+    driver.save(driver.out_prefix(args, "collectives"), {
+        "machine": machine_info(), "command": driver.command("benchmarks.collectives", argv),
+        "elapsed_min": (time.time() - t0) / 60, "clusters": res}, render)
     return 0
 
 

@@ -40,7 +40,6 @@ Modes: ``<engine>+<recompute>[+<sub-batches>]``. Writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -256,20 +255,18 @@ def render(prefix: Path, data: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = driver.parser(__doc__)
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--layers", nargs=2, type=int, default=[2, 6])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--out", default=str(driver.RESULTS / "host_overhead"))
     ap.add_argument("--before", help="this benchmark's JSON from another tree (the one before "
                     "a change): its figures are kept in the report, side by side")
-    ap.add_argument("--from-json", help="re-render the report from this JSON; run nothing")
+    driver.report_flags(ap, "host_overhead")
     args = ap.parse_args(argv)
     if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     if args.rounds < 3:
         ap.error("--rounds must be >= 3 (medians of >= 3 interleaved rounds)")
     if args.layers[1] <= args.layers[0]:
@@ -289,7 +286,7 @@ def main(argv=None) -> int:
     if args.before:
         before = json.loads(Path(args.before).read_text())
         data["before"] = {k: before[k] for k in ("meta", "blocks", "collectives")}
-    driver.save(Path(args.out), data, render)
+    driver.save(driver.out_prefix(args, "host_overhead"), data, render)
     return 0
 
 

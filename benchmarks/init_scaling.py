@@ -14,7 +14,6 @@ More in benchmarks/README.md, section init_scaling.py. Writes benchmarks/results
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -28,7 +27,6 @@ from benchmarks.lib.machine import machine_info
 from benchmarks.lib.ranks import init_gloo, reset_peak, status_kib
 
 REPO = driver.REPO
-RESULTS = driver.RESULTS
 
 GIB = 2**30
 
@@ -139,19 +137,17 @@ def expected_stage_bytes(model_name: str, stage: tuple, tp: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--cases", nargs="+", default=["0:4", "0:8", "24:32", "0:16"],
                    help="stages a:b (layers [a, b)) to build, in this order")
     p.add_argument("--repeats", type=int, default=3, help="fresh-process builds per case")
     p.add_argument("--max-gib", type=float, default=18.0,
                    help="skip a case whose 2 ranks would need more than this (estimate)")
-    p.add_argument("--out", default=str(RESULTS / "init"))
-    p.add_argument("--from-json", default=None, help="re-write the .md of a saved .json")
+    driver.report_flags(p, "init")
     args = p.parse_args(argv)
     if args.from_json:
-        return driver.rerender(Path(args.from_json), render)
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     from oases.config import load_config
 
     mcfg = load_config(None, [f"model.name={args.model}", "parallel.tp=2"]).validate(2).model
@@ -229,7 +225,8 @@ def main(argv=None) -> int:
             "params_drawn": s16["params_drawn"] / s8["params_drawn"]}
     meta["elapsed_min"] = (time.monotonic() - t_start) / 60
     meta["loadavg_after"] = list(os.getloadavg())
-    driver.save(Path(args.out), {"meta": meta, "cases": results, "derived": extra}, render)
+    driver.save(driver.out_prefix(args, "init"),
+                {"meta": meta, "cases": results, "derived": extra}, render)
     return 0
 
 

@@ -12,8 +12,6 @@ this shape and these link rates: benchmarks/README.md, section overlap.py. Write
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
 from functools import partial
 from pathlib import Path
@@ -22,10 +20,8 @@ from typing import Optional
 from benchmarks.lib import driver
 from benchmarks.emucluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
 from benchmarks.lib.machine import fmt_mbit, machine_info
-from benchmarks.lib.train_run import timed_run
+from benchmarks.lib.train_run import model_flag, timed_run
 
-REPO = driver.REPO
-RESULTS = driver.RESULTS
 
 DEFAULT_CLUSTERS = ["configs/cluster/two-nodes-500m.yaml", "configs/cluster/two-nodes-300m.yaml"]
 
@@ -165,9 +161,8 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
         L.append("")
     L += ["Raw numbers (every run's step times, errors, node-0 commands): "
           f"`{Path(meta['json']).name}`; chart: `{Path(meta['png']).name}`.", ""]
-    notes = REPO / Path(meta["json"]).with_name(Path(meta["json"]).stem + "-analysis.md")
-    if notes.is_file():  # hand-written notes on the timelines, beside the results
-        L.append(notes.read_text())
+    if driver.analysis(meta):  # hand-written notes on the timelines
+        L.append(driver.analysis(meta))
     path.write_text("\n".join(L))
 
 
@@ -214,34 +209,21 @@ def render(out: Path, data: dict) -> Optional[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--clusters", nargs="+", default=DEFAULT_CLUSTERS, help="cluster files")
     p.add_argument("--modes", nargs="+", default=None, choices=ALL_MODES, metavar="MODE",
                    help=f"subset of: {' '.join(ALL_MODES)} (default: every mode that runs at "
                         f"the shape's grad_accum: the peers at 1, the paired modes at >= 2)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds (fresh processes each run)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    p.add_argument("--warmup", type=int, default=3, help="steps dropped before the median")
-    p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="shape overrides: d_model, n_layer, n_head, seq_len, micro_batch_size, grad_accum "
-                        f"(default {' '.join(f'{k}={v}' for k, v in DEFAULT_MODEL.items())})")
-    p.add_argument("--vocab-size", type=int, default=256, help="train.py vocabulary (peers choose their own)")
+    driver.run_flags(p, steps=10, warmup=3)
+    model_flag(p, DEFAULT_MODEL)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 repeat, 4 steps (1 warmup); writes overlap-quick.*")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/overlap)")
-    p.add_argument("--workdir", default=None, help="run directories (default runs/bench-overlap/<time>)")
-    p.add_argument("--from-json", default=None, metavar="JSON",
-                   help="only re-write the .md and .png of a saved overlap .json (no runs, no root)")
+    driver.report_flags(p, "overlap")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 4, 1
-    if args.warmup >= args.steps:
-        p.error("--warmup must be smaller than --steps")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    driver.check_run_flags(p, args)
     model = driver.parse_shape(p, args.model, DEFAULT_MODEL, "--model")
     if model["d_model"] % model["n_head"] or model["n_head"] % args.tp:
         p.error(f"--model: n_head {model['n_head']} must divide d_model {model['d_model']} "
@@ -270,9 +252,7 @@ def main(argv=None) -> int:
         print("error: two cluster files have the same name", file=sys.stderr)
         return 2
     model = args.model_shape
-    out = Path(args.out) if args.out else RESULTS / ("overlap-quick" if args.quick else "overlap")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    workdir = Path(args.workdir) if args.workdir else REPO / "runs" / "bench-overlap" / stamp
+    out, workdir = driver.out_prefix(args, "overlap"), driver.workdir(args, "overlap")
     n_total = len(specs) * args.repeats * len(args.modes)
     print(f"overlap: {len(specs)} cluster(s) x {args.repeats} repeats x {len(args.modes)} modes "
           f"= {n_total} runs; model {model}; work dir {workdir}", flush=True)

@@ -9,16 +9,14 @@ pp=2 x tp=2 on four emulated nodes in two fast pairs joined by a slow link, each
 under a cpu quota (``--cpu-quota``): the modes (``MODES``: the case and the train.py
 overrides, or the torch peer), the clusters, the shapes and the figures are in
 benchmarks/README.md, section pipeline.py. Writes ``benchmarks/results/pipeline.{md,json,png}``
-(``--quick``: pipeline-quick.*) and the timelines of round 0; ``--from-json`` re-writes them
-(and picks up ``<out>-analysis.md``, hand-written notes on the timelines, into the .md).
+(``--quick``: pipeline-quick.*) and the timelines of round 0; ``--from-json`` re-writes them.
+The .md quotes ``<name>-analysis.md`` beside the JSON, hand-written notes on the timelines.
 """
 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import json
 import os
 import re
@@ -38,7 +36,6 @@ from benchmarks.lib.pipeline_report import BASELINE, RESHARD_ORDERS, TRACED_STEP
 from benchmarks.lib.timeline import render_timelines, slug, trace_stats
 
 REPO = driver.REPO
-RESULTS = driver.RESULTS
 PEER = "benchmarks.peers.torch_pipelining"
 DEFAULT_CLUSTERS = ["configs/cluster/hetero-4.yaml", "configs/cluster/hetero-4-300m.yaml"]
 
@@ -118,15 +115,6 @@ def train_args(mode: str, model: dict, args, out_dir: Path, plan: Optional[Path]
     ]
 
 
-def peer_args(model: dict, args, out_json: Path) -> list[str]:
-    return ["--pp", "2", "--tp", "2", "--d-model", str(model["d_model"]),
-            "--n-layer", str(model["n_layer"]), "--n-head", str(model["n_head"]),
-            "--seq-len", str(model["seq_len"]), "--micro-batch-size", str(model["micro_batch_size"]),
-            "--microbatches", str(microbatches("torch-1f1b", args)), "--vocab", str(args.vocab_size),
-            "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--timeout-s", str(min(args.run_timeout, 120)), "--out-json", str(out_json)]
-
-
 LAYOUT_RE = re.compile(r"^pipeline: (.*)$", re.M)
 
 
@@ -141,7 +129,10 @@ def run_one(cluster: EmulatedCluster, quota: NodeQuota, mode: str, model: dict, 
     peer = MODES[mode][1] is None
     if peer:
         out_json = out_dir / "peer.json"
-        script, script_args = PEER, peer_args(model, args, out_json)
+        script, script_args = PEER, train_run.peer_args(
+            model, args, out_json, "--pp", "2", "--tp", "2", "--vocab", str(args.vocab_size),
+            "--microbatches", str(microbatches("torch-1f1b", args)),
+            "--timeout-s", str(min(args.run_timeout, 120)))
     else:
         script, script_args = "train.py", train_args(mode, model, args, out_dir, plan, trace)
     torchrun = lambda i: cluster.torchrun_command(i, script_args, script, port,  # noqa: E731
@@ -257,8 +248,7 @@ def parse_shape(p, kvs: list[str], default: dict, flag: str, even_layers: bool =
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--clusters", nargs="+", default=DEFAULT_CLUSTERS,
                    help="4-node cluster files; the last one also runs the torch peer and "
                         "the resharding case")
@@ -266,41 +256,29 @@ def parse_args(argv=None):
                    help=f"subset of: {' '.join(ALL_MODES)}, run on every cluster (default: "
                         f"{' '.join(CORE_MODES)} on every cluster but the last, and "
                         f"{' '.join(LAST_MODES)} on the last)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    driver.run_flags(p, steps=5, warmup=2)
     p.add_argument("--microbatches", type=int, default=4,
                    help="same-layout case: train.grad_accum (>= pp)")
     p.add_argument("--reshard-microbatches", type=int, default=8)
-    p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="same-layout shape: d_model n_layer n_head seq_len micro_batch_size "
-                        f"(default {' '.join(f'{k}={v}' for k, v in DEFAULT_MODEL.items())})")
-    p.add_argument("--reshard-model", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="resharding-case shape (default "
-                        f"{' '.join(f'{k}={v}' for k, v in DEFAULT_RESHARD_MODEL.items())})")
+    train_run.model_flag(p, DEFAULT_MODEL, what="same-layout shape")
+    train_run.model_flag(p, DEFAULT_RESHARD_MODEL, "--reshard-model", "resharding-case shape")
     p.add_argument("--reshard-order", default="dp2-tp2", choices=list(RESHARD_ORDERS),
                    help="stage layouts of the resharding case (stage 0 - stage 1)")
     p.add_argument("--reshard-split", type=int, default=None,
                    help="layers of stage 0 in the resharding case (default: the model's "
                         "default split; balance the stages' compute, see the docstring)")
-    p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--cpu-quota", type=float, default=0.5,
                    help="cores per emulated node (cgroup cpu quota); 0 = no limit")
     p.add_argument("--cpu-period-ms", type=float, default=10.0,
                    help="cgroup cpu.cfs_period_us / 1000: the quota is enforced per period "
                         "(short: a node is never stopped for long while its peers wait)")
     p.add_argument("--no-trace", action="store_true", help="no traced run, no timelines")
-    p.add_argument("--run-timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 repeat, 4 steps (2 warm-up)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--from-json", default=None, metavar="JSON",
-                   help="re-write the .md/.png of a saved run (no runs, no root)")
+    driver.report_flags(p, "pipeline")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 4, 2
-    if args.warmup >= args.steps:
-        p.error("--warmup must be smaller than --steps")
+    driver.check_run_flags(p, args)
     if min(args.microbatches, args.reshard_microbatches) < 2:
         p.error("--microbatches and --reshard-microbatches must be >= pp = 2")
     args.model_shape = parse_shape(p, args.model, DEFAULT_MODEL, "--model")
@@ -338,8 +316,7 @@ def quota_cluster(spec: ClusterSpec, args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        return driver.rerender(Path(args.from_json), lambda out, data: render(out, data, True),
-                               refresh, out=args.out)
+        return driver.rerender(Path(args.from_json), render, refresh, out=args.out)
     specs = load_specs(args.clusters)
     if specs is None:
         return 2
@@ -358,11 +335,9 @@ def main(argv=None) -> int:
         plan_.append({"name": spec.name, "file": f, "spec": spec, "modes": modes,
                       "fast_gbps": mat[0][1] if mat else spec.inter_node_bandwidth_gbps,
                       "slow_gbps": mat[0][2] if mat else spec.inter_node_bandwidth_gbps})
-    out = Path(args.out) if args.out else RESULTS / ("pipeline-quick" if args.quick else "pipeline")
+    out = driver.out_prefix(args, "pipeline")
     tl_prefix = "timeline-pipeline-quick-" if args.quick else "timeline-pipeline-"
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    workdir = Path(args.workdir) if args.workdir else REPO / "runs" / "bench-pipeline" / stamp
-    workdir = workdir.resolve()
+    workdir = driver.workdir(args, "pipeline").resolve()
     plan = write_plan(workdir / "plan-reshard.yaml", args.reshard_shape["n_layer"],
                       args.reshard_order, args.reshard_split)
     n_runs = args.repeats * sum(len(c["modes"]) for c in plan_)
@@ -420,8 +395,6 @@ def main(argv=None) -> int:
                                     if r.get("case") == "uniform" and r.get("layout")), None),
             "reshard_layout": next((r.get("layout") for r in runs
                                     if r.get("case") == "reshard" and r.get("layout")), None),
-            "analysis_file": os.path.relpath(out.parent.resolve() / (out.name + "-analysis.md"),
-                                             REPO),
             "loadavg_end": list(os.getloadavg())}
     driver.save(out, {"meta": meta, "summary": summary, "runs": runs}, render)
     print(f"wrote {out.with_suffix('.md')}, .json, .png in {elapsed:.1f} min")

@@ -21,19 +21,18 @@ Needs root and iproute2 (network namespaces), like benchmarks.emucluster.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.lib import driver
 from benchmarks.emucluster import EmulatedCluster
-from benchmarks.lib.validation import (accuracy, add_flags, measure_clusters, measure_plans,
-                                       plot, repeat_consistency, train_steps)
+from benchmarks.lib.validation import (Validation, accuracy, measure_plans, plot,
+                                       repeat_consistency, train_steps)
+from benchmarks.lib.validation import main as validation_main
 from oases.cli.plan import run_shape
 from oases.config import load_config
 from oases.planner import ilp
@@ -154,19 +153,18 @@ def topology(path: str, args, work: Path) -> dict:
     return res
 
 
-def write(results: list[dict], args, out: Path) -> None:
-    meta = {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
-            "command": driver.command("benchmarks.planner"), "date": time.strftime("%Y-%m-%d"),
-            "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len", "mbs")},
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "topologies": results}, indent=1))
+def render(out: Path, data: dict) -> Optional[str]:
+    """``<out>.md`` and ``<out>.png`` from the results JSON."""
+    meta, results = data["meta"], data["topologies"]
+    m = meta["model"]
     lines = ["# Planner validation on the emulated cluster", "",
              f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}).",
-             f"GPT d_model {args.d_model}, {args.n_layer} layers ({2 * args.n_layer} blocks), "
-             f"{args.n_head} heads, seq {args.seq_len}, micro-batch {args.mbs}, oases + fine, "
-             f"tp = all nodes. Measured: median over {args.repeats} runs of the median step time "
-             f"after {args.warmup} warm-up steps ({args.steps} steps per run). Predicted: the cost "
-             f"model on the profile that `parallel.plan=auto` measured on the same cluster.", ""]
+             f"GPT d_model {m['d_model']}, {m['n_layer']} layers ({2 * m['n_layer']} blocks), "
+             f"{m['n_head']} heads, seq {m['seq_len']}, micro-batch {m['mbs']}, oases + fine, "
+             f"tp = all nodes. Measured: median over {meta['repeats']} runs of the median step "
+             f"time after {meta['warmup']} warm-up steps ({meta['steps']} steps per run). "
+             f"Predicted: the cost model on the profile that `parallel.plan=auto` measured on "
+             f"the same cluster.", ""]
     for r in results:
         lines += [f"## {r['cluster']} (tp={r['tp']})", "",
                   "| plan | degrees | predicted (ms) | measured (ms) | rel. error | memory (MiB) |",
@@ -206,29 +204,17 @@ def write(results: list[dict], args, out: Path) -> None:
                             f"**{m['beats_all_fitting_uniform']}**" if m.get("mixed", True) else
                             "the planner kept a uniform plan here (no mixed plan to show)"))
         lines.append("")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, out.with_suffix(".png"), lambda name: name.startswith("planner"))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n" + driver.analysis(meta))
+    return plot(results, out.with_suffix(".png"), lambda name: name.startswith("planner"))
+
+
+BENCH = Validation("planner", "benchmarks.planner", "topologies",
+                   {"d_model": 512, "n_layer": 2, "n_head": 8, "seq_len": 128, "mbs": 8},
+                   DEFAULT_CLUSTERS, topology, render)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(ap, {"d_model": 512, "n_layer": 2, "n_head": 8, "seq_len": 128, "mbs": 8})
-    args = ap.parse_args(argv)
-    args.clusters = args.clusters or DEFAULT_CLUSTERS
-    args.out = args.out or str(driver.RESULTS / "planner")
-    if args.work is None:
-        args.work = f"/tmp/oases-planner-bench/{time.strftime('%Y%m%d-%H%M%S')}"
-    results = measure_clusters(args.clusters, lambda path: topology(path, args, Path(args.work)),
-                               lambda res: write(res, args, Path(args.out)))
-    if results is None:
-        return 2
-    for r in results:
-        print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
-              f"{100 * r['mean_rel_error']:.1f}%, planner vs best uniform "
-              f"{r['planner_vs_best_uniform']:.3f}x")
-    print(f"wrote {Path(args.out).with_suffix('.md')}")
-    return 0
+    return validation_main(BENCH, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.lib import driver
 from benchmarks.lib.layouts import PROFILE_MBS, WORLD, candidates, job_config, model_overrides
-from benchmarks.lib.validation import (accuracy, add_flags, measure_clusters, measure_plans,
-                                       plot, repeat_consistency, train_steps)
+from benchmarks.lib.validation import (Validation, accuracy, measure_plans, plot,
+                                       repeat_consistency, train_steps)
+from benchmarks.lib.validation import main as validation_main
 from oases.planner import report as rep
 from oases.planner.search import search
 from oases.planner.stages import build, enumerate_choices, job_from_config, profile_run
@@ -158,20 +159,10 @@ def summarise(res: dict) -> None:
     res["milp_source"] = milp["source"] if milp else None
 
 
-def meta_of(args) -> dict:
-    return {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
-            "command": driver.command("benchmarks.planner_layouts"),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "model": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head", "seq_len",
-                                                    "batch")},
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "random": args.random}
-
-
-def write(results: list[dict], meta: dict, out: Path) -> None:
+def render(out: Path, data: dict) -> Optional[str]:
+    """``<out>.md`` and ``<out>.png`` from the results JSON."""
+    meta, results = data["meta"], data["clusters"]
     m = meta["model"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "clusters": results}, indent=1))
     lines = ["# Planner v2 (layout search) on the emulated cluster", "",
              f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}).",
              f"GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, seq "
@@ -210,17 +201,16 @@ def write(results: list[dict], meta: dict, out: Path) -> None:
                          + (" (target >= 1.3 on the half-speed cluster)"
                             if "halfspeed" in r["cluster"] else ""))
         lines.append("")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, out.with_suffix(".png"), lambda name: name in ("milp", "amp"))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n" + driver.analysis(meta))
+    return plot(results, out.with_suffix(".png"), lambda name: name in ("milp", "amp"))
 
 
-def rewrite(path: Path, work=None) -> None:
-    """The report again from a results JSON (summaries recomputed), e.g. after a change
-    to how they are summarised; with the run's ``work`` directory every candidate is
-    priced again from the profiles it measured (the report says so)."""
+def refresh(data: dict, work=None) -> dict:
+    """A results JSON's summaries recomputed, e.g. after a change to how they are
+    summarised; with the run's ``--workdir`` every candidate is priced again from the
+    profiles it measured (the report says so)."""
     from oases.planner.cluster import load_cluster
 
-    data = json.loads(path.read_text())
     for r in data["clusters"]:
         for p in r["plans"]:  # a repeated random draw is "random draw" (as candidates names it)
             p["also"] = ["random draw" if a.startswith("random") else a for a in p.get("also", [])]
@@ -234,39 +224,16 @@ def rewrite(path: Path, work=None) -> None:
                 p["predicted_s"] = v
             data["meta"]["repriced"] = f"predictions re-priced from the profiles in {work}"
         summarise(r)
-    write(data["clusters"], data["meta"], path.with_suffix(""))
+    return data
+
+
+BENCH = Validation("planner-layouts", "benchmarks.planner_layouts", "clusters",
+                   {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 64, "batch": 16},
+                   DEFAULT_CLUSTERS, topology, render, refresh, quick=True)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(ap, {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 64, "batch": 16})
-    ap.add_argument("--quick", action="store_true",
-                    help="1 repeat, 4 steps, 3 random plans, the first cluster only")
-    ap.add_argument("--from-json", dest="from_json", default=None,
-                    help="only rewrite the report (md, png) from this results JSON")
-    args = ap.parse_args(argv)
-    if args.from_json:
-        rewrite(Path(args.from_json), args.work)
-        return 0
-    if args.quick:
-        args.repeats, args.steps, args.warmup, args.random = 1, 4, 1, 3
-        args.clusters = (args.clusters or DEFAULT_CLUSTERS)[:1]
-    args.clusters = args.clusters or DEFAULT_CLUSTERS
-    name = "planner-layouts-quick" if args.quick else "planner-layouts"
-    args.out = Path(args.out or REPO / "benchmarks" / "results" / name)
-    if args.work is None:
-        args.work = f"/tmp/oases-planner-layouts/{time.strftime('%Y%m%d-%H%M%S')}"
-    results = measure_clusters(args.clusters, lambda path: topology(path, args, Path(args.work)),
-                               lambda res: write(res, meta_of(args), args.out))
-    if results is None:
-        return 2
-    for r in results:
-        print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
-              f"{100 * r['mean_rel_error']:.1f}%, milp / best measured "
-              f"{r['milp_vs_best_measured']}, best uniform / milp {r['uniform_vs_milp']}")
-    print(f"wrote {args.out.with_suffix('.md')}")
-    return 0
+    return validation_main(BENCH, __doc__, argv)
 
 
 if __name__ == "__main__":

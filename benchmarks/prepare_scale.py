@@ -6,13 +6,13 @@ processes. Measures the rate, the peak resident memory of the whole process tree
 
     python -m benchmarks.prepare_scale --gb 2 --workers 2 --dir /tmp/oases-scale
 
-writes ``<--out>.md`` and ``.json`` (``benchmarks/results/prepare_scale``); ``--keep`` keeps the
-(large) corpus and token files, which are deleted by default.
+writes ``<--out>.md`` and ``.json`` (``benchmarks/results/prepare_scale``; ``--from-json``:
+the report again); ``--keep`` keeps the (large) corpus and token files, which are deleted
+by default.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.lib import driver
 from oases.config import DataConfig
 from oases.runtime.data import TrainBatches
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_corpus(path: Path, gb: float, seed: int = 0) -> None:
@@ -91,7 +91,7 @@ def tree_rss(pid: int) -> int:
 
 def run_prepare(cmd: list[str]) -> tuple[float, int, str]:
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=driver.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     peak = 0
     while proc.poll() is None:
@@ -103,16 +103,28 @@ def run_prepare(cmd: list[str]) -> tuple[float, int, str]:
     return time.monotonic() - t0, peak, out.strip()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def render(out: Path, r: dict) -> None:
+    out.with_suffix(".md").write_text(
+        f"# prepare at scale\n\nMachine: {r['cpus']} CPU cores, shared with other work (the "
+        f"rate is a lower bound).\n\nCommand: `{r['benchmark_command']}`, which runs\n"
+        f"`python {r['command']}`\n\n| corpus | workers | time | rate | peak RSS (process "
+        f"tree) | loader start-up | train.py, 2 steps |\n|---|---|---|---|---|---|---|\n"
+        f"| {r['corpus_bytes'] / 1e9:.2f} GB jsonl | {r['workers']} | {r['seconds']:.0f} s | "
+        f"{r['mb_per_s']:.1f} MB/s | {r['peak_rss_mib']:.0f} MiB | "
+        f"{r['loader_startup_s']:.2f} s | {r['train_2_steps_wall_s']:.1f} s |\n\n"
+        f"`{r['prepare_line']}`\n")
+
+
+def main(argv=None) -> int:
+    ap = driver.parser(__doc__)
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/oases-scale")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prepare_scale",
-                    help="output prefix")
-    args = ap.parse_args()
+    driver.report_flags(ap, "prepare_scale")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     corpus, tok, out = d / "corpus.jsonl", d / "tokenizer.json", d / "prepared"
@@ -135,7 +147,7 @@ def main() -> None:
                         f"data.train_path={out / 'train'}", "data.kind=tokens",
                         "model.vocab_size=8192", "parallel.tp=1", "data.val_path=",
                         "train.steps=2", f"out_dir={d / 'run'}"],
-                       cwd=ROOT, capture_output=True, text=True)
+                       cwd=driver.REPO, capture_output=True, text=True)
     train_s = time.monotonic() - t0
     if r.returncode:
         raise SystemExit(f"train.py failed: {r.stderr.strip()[-500:]}")
@@ -143,23 +155,13 @@ def main() -> None:
            "mb_per_s": size / 1e6 / seconds, "peak_rss_mib": peak / 2**20,
            "train_windows": tb.num_windows, "loader_startup_s": loader_s,
            "train_2_steps_wall_s": train_s, "prepare_line": line, "cpus": os.cpu_count(),
-           "command": " ".join(cmd[1:])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    md = (f"# prepare at scale\n\nMachine: {os.cpu_count()} CPU cores, shared with other "
-          f"work "
-          f"(the rate is a lower bound).\n\nCommand: `python -m benchmarks.prepare_scale "
-          f"--gb {args.gb} --workers {args.workers}`, which runs\n`python {res['command']}`\n\n"
-          f"| corpus | workers | time | rate | peak RSS (process tree) | loader start-up | "
-          f"train.py, 2 steps |\n|---|---|---|---|---|---|---|\n"
-          f"| {size / 1e9:.2f} GB jsonl | {args.workers} | {seconds:.0f} s | "
-          f"{res['mb_per_s']:.1f} MB/s | {res['peak_rss_mib']:.0f} MiB | {loader_s:.2f} s | "
-          f"{train_s:.1f} s |\n\n`{line}`\n")
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+           "command": " ".join(cmd[1:]),
+           "benchmark_command": driver.command("benchmarks.prepare_scale", argv)}
+    driver.save(driver.out_prefix(args, "prepare_scale"), res, render)
     if not args.keep:
         shutil.rmtree(d)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

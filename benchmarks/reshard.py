@@ -24,7 +24,6 @@ from pathlib import Path
 from benchmarks.lib import driver
 
 REPO = driver.REPO
-RESULTS = driver.RESULTS
 DEFAULT_CLUSTER = "configs/cluster/two-nodes-4dev-500m.yaml"
 METHODS = ["broadcast", "send", "allgather"]
 CASES = {  # name -> ((src dp, src tp), (dst dp, dst tp))
@@ -196,8 +195,7 @@ def write_plot(path: Path, summary: dict) -> str | None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="2-node cluster file")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--shape", nargs=3, type=int, default=[8, 128, 1024], metavar=("B", "S", "H"),
@@ -210,8 +208,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="runs in fresh processes (>= 3)")
     p.add_argument("--run-timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 repeat, 3 iterations: reshard-quick.*")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/reshard)")
-    p.add_argument("--from-json", default=None, help="re-write the .md/.png of a saved .json")
+    driver.report_flags(p, "reshard")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -253,9 +250,8 @@ def main(argv=None) -> int:
         print(f"error: {args.cluster}: needs 2 uniform nodes with >= {need} devices each",
               file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else RESULTS / ("reshard-quick" if args.quick else "reshard")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    workdir = REPO / "runs" / "bench-reshard" / stamp
+    out = driver.out_prefix(args, "reshard")
+    workdir = REPO / "runs" / "bench-reshard" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
     command = driver.command("benchmarks.reshard")
     wargs = ["--worker", "--cases", *args.cases, "--shape", *map(str, args.shape),

@@ -19,16 +19,15 @@ costs one more all-gather per block), and everything inside the TP region.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
-from benchmarks.lib.driver import command, machine_line, save
+from benchmarks.lib import driver
+from benchmarks.lib.driver import machine_line
 from benchmarks.lib.ranks import init_gloo, spawn_ranks, write_result
 
 MODES = [("megatron", "none"), ("megatron", "selective"), ("megatron", "full"),
          ("oases", "none"), ("oases", "selective"), ("oases", "fine"), ("oases", "full")]
-OUT = Path(__file__).parent / "results" / "sp_memory"
 
 
 def _worker(rank: int, world: int, store: str, overrides: list, mbs: int, out: str) -> None:
@@ -83,14 +82,15 @@ def render(out: Path, data: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = driver.parser(__doc__)
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("overrides", nargs="*", help="model.key=value")
+    driver.report_flags(ap, "sp_memory")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     from benchmarks.lib.machine import machine_info  # deferred: the report only
 
     overrides = ["model.name=gpt-tiny", "model.d_model=512", "model.n_layer=2",
@@ -103,9 +103,9 @@ def main(argv=None) -> int:
         print(f"tp {tp}: {len(MODES)} modes, with and without SP ...", flush=True)
         by_tp[str(tp)] = spawn_ranks(_worker, tp, overrides, args.micro_batch_size)[0]
     shape = " ".join(o for o in overrides) + f", micro-batch {args.micro_batch_size}"
-    save(args.out, {"machine": machine_info(), "command": command("benchmarks.sp_memory", argv),
-                    "elapsed_min": (time.time() - t0) / 60, "shape": shape, "by_tp": by_tp},
-         render)
+    driver.save(driver.out_prefix(args, "sp_memory"), {
+        "machine": machine_info(), "command": driver.command("benchmarks.sp_memory", argv),
+        "elapsed_min": (time.time() - t0) / 60, "shape": shape, "by_tp": by_tp}, render)
     return 0
 
 

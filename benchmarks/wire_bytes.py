@@ -22,15 +22,14 @@ benchmarks/results/wire_bytes.{md,json}.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from pathlib import Path
 
-from benchmarks.lib.driver import command, rerender, report_head, save
+from benchmarks.lib import driver
+from benchmarks.lib.driver import report_head
 from benchmarks.lib.ranks import init_gloo, spawn_ranks, write_result
 
-OUT = Path(__file__).parent / "results" / "wire_bytes"
 PRECISIONS = ("fp32", "bf16 before", "bf16")
 KINDS = ("send", "fan_out", "all_gather", "reduce_scatter", "all_reduce")
 # (name, world, overrides, plan stages or None)
@@ -156,15 +155,13 @@ def render(out: Path, data: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = driver.parser(__doc__)
     ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("overrides", nargs="*", help="key=value for every case")
-    ap.add_argument("--from-json", type=Path, help="re-write the .md of a saved run, no runs")
+    driver.report_flags(ap, "wire_bytes")
     args = ap.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, render, _derive)
+        return driver.rerender(Path(args.from_json), render, _derive, out=args.out)
     from benchmarks.lib.machine import machine_info  # deferred: the report only
 
     base = ["model.name=gpt-tiny", "model.d_model=512", "model.n_layer=2", "model.n_head=8",
@@ -180,9 +177,9 @@ def main(argv=None) -> int:
         cases[name] = {p: {"bytes": {k: sum(r[p]["bytes"][k] for r in ranks) for k in KINDS},
                            "loss": [r[p]["loss"] for r in ranks]} for p in PRECISIONS}
         cases[name]["overrides"] = [*base, *over]
-    data = {"machine": machine_info(), "command": command("benchmarks.wire_bytes", argv),
+    data = {"machine": machine_info(), "command": driver.command("benchmarks.wire_bytes", argv),
             "elapsed_min": (time.time() - t0) / 60, "steps": args.steps, "cases": cases}
-    save(args.out, _derive(data), render)
+    driver.save(driver.out_prefix(args, "wire_bytes"), _derive(data), render)
     return 0
 
 

@@ -24,18 +24,17 @@ Writes benchmarks/results/zero_ckpt_memory.{md,json} (``--quick``: zero_ckpt_mem
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.lib import driver
+from benchmarks.lib.machine import machine_info
 from benchmarks.lib.ranks import init_gloo, reset_peak, spawn_ranks, status_kib, write_result
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = driver.REPO
 MODEL = ["model.name=gpt-125m", "model.d_model=512", "model.n_head=8", "model.n_kv_heads=8",
          "model.ffn_hidden=2048", "model.n_layer=12", "model.seq_len=64", "model.dropout=0"]
 
@@ -176,64 +175,64 @@ def measure(world: int, overrides: list[str], tools_from: str = "") -> dict:
     return {"ranks": ranks, "checkpoint_mb": size / 2**20, "streaming": streams}
 
 
-def report(res: dict, args, command: str) -> str:
-    from benchmarks.lib.machine import machine_info  # deferred: the report only
+def rank_rows(ranks: list[dict]) -> list[str]:
+    return ["| rank | steady MiB | save step MiB | resume MiB | after resume MiB "
+            "| save / steady | resume / steady |", "|---|---|---|---|---|---|---|",
+            *(f"| {r['rank']} | {r['steady']:.0f} | {r['save']:.0f} | {r['resume']:.0f} "
+              f"| {r['steady_after_resume']:.0f} | {r['save_ratio']:.3f} "
+              f"| {r['resume_ratio']:.3f} |" for r in ranks)]
 
-    m = machine_info()
 
-    lines = ["# ZeRO-3 checkpoint memory", "",
-             f"Command: `{command}`", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, torch {m['torch']}, "
-             f"git {m['git']}, {m['date']} (shared with other work: memory does not depend "
-             f"on it)", "",
-             f"Model: {' '.join(MODEL + args.set)}; parallel.zero=3, dp {args.world}, "
-             f"tp 1; checkpoint {res['checkpoint_mb']:.0f} MiB on disk.", "",
-             "| rank | steady MiB | save step MiB | resume MiB | after resume MiB "
-             "| save / steady | resume / steady |",
-             "|---|---|---|---|---|---|---|"]
-    for r in res["ranks"]:
-        lines.append(f"| {r['rank']} | {r['steady']:.0f} | {r['save']:.0f} | {r['resume']:.0f} "
-                     f"| {r['steady_after_resume']:.0f} | {r['save_ratio']:.3f} "
-                     f"| {r['resume_ratio']:.3f} |")
+def render(out: Path, res: dict) -> None:
+    """``<out>.md`` from the results JSON (``previous_code``: the same measurement on an
+    older tree, with its ``note``)."""
     worst = max(max(r["save_ratio"], r["resume_ratio"]) for r in res["ranks"])
     st = res["streaming"]
-    lines += ["", f"Worst ratio: {worst:.3f} (target <= 1.1).", "",
-              "Single-process tools on that checkpoint (peak resident set, MiB; baseline: a "
-              "process that imports the same modules and does nothing):", "",
-              "| baseline | consolidate | export | largest tensor | model |",
-              "|---|---|---|---|---|",
-              f"| {st['baseline']:.0f} | {st['consolidate']:.0f} | {st['export']:.0f} "
-              f"| {st['largest_tensor_mib']:.0f} | {st['model_mib']:.0f} |", ""]
+    lines = ["# ZeRO-3 checkpoint memory", "", f"Command: `{res['command']}`", "",
+             f"Machine: {res['machine']} (shared with other work: memory does not depend "
+             f"on it)", "",
+             f"Model: {' '.join(MODEL + res['set'])}; parallel.zero=3, dp {res['world']}, "
+             f"tp 1; checkpoint {res['checkpoint_mb']:.0f} MiB on disk.", "",
+             *rank_rows(res["ranks"]), "", f"Worst ratio: {worst:.3f} (target <= 1.1).", "",
+             "Single-process tools on that checkpoint (peak resident set, MiB; baseline: a "
+             "process that imports the same modules and does nothing):", "",
+             "| baseline | consolidate | export | largest tensor | model |",
+             "|---|---|---|---|---|",
+             f"| {st['baseline']:.0f} | {st['consolidate']:.0f} | {st['export']:.0f} "
+             f"| {st['largest_tensor_mib']:.0f} | {st['model_mib']:.0f} |", ""]
     if "other" in st:
         o = st["other"]
         lines += [f"The same tools from {o['path']} (`--tools-from`): baseline "
                   f"{o['baseline']:.0f}, consolidate {o['consolidate']:.0f}, export "
                   f"{o['export']:.0f} MiB.", ""]
-    return "\n".join(lines)
+    if "previous_code" in res:
+        pc = res["previous_code"]
+        lines += [f"## The same measurement on commit {pc['commit']}", "", pc["note"], "",
+                  *rank_rows(pc["ranks"]), "", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = driver.parser(__doc__)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides")
     p.add_argument("--quick", action="store_true", help="2 layers (a smoke run)")
-    p.add_argument("--out", default=None, help="output prefix")
     p.add_argument("--tools-from", default="",
                    help="another checkout whose consolidate/export to measure as well")
+    driver.report_flags(p, "zero_ckpt_memory")
     args = p.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), render, out=args.out)
     if args.quick:
         args.set = ["model.n_layer=2", *args.set]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the workers
     res = measure(args.world, args.set, args.tools_from)
-    out = Path(args.out or REPO / "benchmarks" / "results" /
-               ("zero_ckpt_memory-quick" if args.quick else "zero_ckpt_memory"))
-    command = "python -m benchmarks.zero_ckpt_memory " + shlex.join(sys.argv[1:] if argv is None
-                                                                    else argv)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
-    text = report(res, args, command.strip())
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    m = machine_info()
+    driver.save(driver.out_prefix(args, "zero_ckpt_memory"), {
+        "command": driver.command("benchmarks.zero_ckpt_memory", argv),
+        "machine": f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, torch {m['torch']}, "
+                   f"git {m['git']}, {m['date']}", "world": args.world, "set": args.set, **res},
+        render)
     return 0
 
 

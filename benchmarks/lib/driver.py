@@ -152,14 +152,11 @@ def run_suite(suite: Suite, doc: str, argv: Optional[list[str]] = None) -> int:
     """Parse the standard options (``--modes``, ``--rounds``, ``--out``,
     ``--from-json``) and the suite's, run the rounds (modes interleaved), write
     ``{"meta", "modes", "runs"}`` to ``<out>.json`` and render it."""
-    p = argparse.ArgumentParser(description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(doc)
     p.add_argument("--modes", nargs="+", default=list(suite.modes), choices=list(suite.modes))
     p.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=suite.rounds,
                    help=f"rounds, every mode once each, interleaved (default {suite.rounds})")
-    p.add_argument("--out", help=f"output prefix (default {RESULTS / suite.name}; with "
-                   "--from-json: beside the .json)")
-    p.add_argument("--from-json", help="re-write the report from a saved .json; run nothing")
+    report_flags(p, suite.name)
     suite.flags(p)
     args = p.parse_args(argv)
     if args.from_json:
@@ -195,12 +192,68 @@ def run_suite(suite: Suite, doc: str, argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     data = {"meta": meta, "modes": suite_medians(suite, runs, args.modes), "runs": runs}
-    save(Path(args.out) if args.out else RESULTS / suite.name, data, suite.render)
+    save(out_prefix(args, suite.name), data, suite.render)
     return 130 if interrupted else suite.exit_code(data)
 
 
 # ---------------------------------------------------------------------------
 # Arguments
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser, its module docstring as the description."""
+    return argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def report_flags(p, name: str) -> None:
+    """Every benchmark's ``--out`` (no default here: :func:`out_prefix` decides, so that
+    ``--from-json`` writes beside the JSON unless told otherwise) and ``--from-json``."""
+    p.add_argument("--out", help=f"output prefix (default benchmarks/results/{name}; with "
+                   "--from-json: beside the .json)")
+    p.add_argument("--from-json", metavar="JSON",
+                   help="re-write the report from a saved .json; run nothing (no root)")
+
+
+def out_prefix(args, name: str) -> Path:
+    """Where a run writes: ``--out``, else ``benchmarks/results/<name>`` (``<name>-quick``
+    for a ``--quick`` run)."""
+    return Path(args.out) if args.out else RESULTS / (
+        f"{name}-quick" if getattr(args, "quick", False) else name)
+
+
+def run_flags(p, steps: int, warmup: int, repeats: Optional[int] = 3,
+              vocab: bool = True) -> None:
+    """The options of a benchmark that times train.py runs in fresh processes:
+    ``--repeats`` (``--rounds``; None: :func:`run_suite` adds it), ``--steps``,
+    ``--warmup``, ``--vocab-size`` (unless not ``vocab``), ``--run-timeout`` and
+    ``--workdir`` (``--work``);
+    :func:`check_run_flags` checks them."""
+    if repeats is not None:
+        p.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=repeats,
+                       help=f"rounds, every mode once each, interleaved (default {repeats})")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the median")
+    if vocab:
+        p.add_argument("--vocab-size", type=int, default=256,
+                       help="train.py vocabulary (peers choose their own)")
+    p.add_argument("--run-timeout", type=float, default=300.0,
+                   help="seconds before a run is killed")
+    p.add_argument("--workdir", "--work", dest="workdir",
+                   help="run directories (default runs/bench-<benchmark>/<time>)")
+
+
+def check_run_flags(p, args) -> None:
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least 1")
+
+
+def workdir(args, name: str) -> Path:
+    """``--workdir``, else ``runs/bench-<name>/<time>``."""
+    return Path(args.workdir) if args.workdir else (
+        REPO / "runs" / f"bench-{name}" / time.strftime("%Y%m%d-%H%M%S"))
 
 
 class SuiteError(Exception):
@@ -302,7 +355,10 @@ def command(module: str, argv: Optional[list[str]] = None) -> str:
     return shlex.join([exe, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
-def machine_line(mi: dict) -> str:
+def machine_line(mi) -> str:
+    """The machine of :func:`machine_info`, or as a result before it wrote it (a str)."""
+    if isinstance(mi, str):
+        return f"Machine: {mi}."
     return (f"Machine: {mi['cpu']}, {mi['cores']} cores, {mi['mem_gib']} GiB, Linux {mi['kernel']}, "
             f"Python {mi['python']}, torch {mi['torch']}, oases {mi['git']}, {mi['date']}.")
 
@@ -316,8 +372,10 @@ def command_line(meta: dict) -> str:
 
 
 def report_head(title: str, meta: dict) -> list[str]:
-    """A report's first lines: its title, the machine line and the command line."""
-    return [title, "", machine_line(meta["machine"]), "", command_line(meta), ""]
+    """A report's first lines: its title, the machine line (where the result has one),
+    the command line and the result's ``note`` (how it was converted, ...)."""
+    return [title, "", *([machine_line(meta["machine"]), ""] if meta.get("machine") else []),
+            command_line(meta), "", *([meta["note"], ""] if meta.get("note") else [])]
 
 
 def mode_row(mode: str, r: dict, last: Callable[[dict], str]) -> str:
@@ -348,6 +406,18 @@ def load_line(loads: list[float], text: str) -> list[str]:
         return []
     return [f"{text} min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
             f"max {max(loads):.1f}"]
+
+
+def analysis(meta: dict) -> str:
+    """The hand-written notes on a result, ``<stem>-analysis.md`` beside the JSON its run
+    wrote (``meta["json"]``), appended to its report as they are ("" where none)."""
+    if not meta.get("json"):
+        return ""
+    parts = Path(meta["json"]).parts  # an absolute path of another checkout: from benchmarks/
+    if "benchmarks" in parts:
+        parts = parts[len(parts) - 1 - parts[::-1].index("benchmarks"):]
+    notes = REPO.joinpath(*parts).with_name(Path(meta["json"]).stem + "-analysis.md")
+    return notes.read_text() if notes.is_file() else ""
 
 
 def save(out: Path, data: dict, render: Callable[[Path, dict], Optional[str]],

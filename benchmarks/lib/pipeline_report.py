@@ -129,8 +129,8 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
         for key, png in tl.items():
             L.append(f"- {key}: `{Path(png).name}`")
         L.append("")
-    if meta.get("analysis"):
-        L += ["## What the timelines show", "", *meta["analysis"], ""]
+    if driver.analysis(meta):
+        L += ["## What the timelines show", "", *driver.analysis(meta).splitlines(), ""]
     loads = [r["loadavg_1min_before"] for r in runs if "loadavg_1min_before" in r]
     others = [r["others_cpu_cores"] for r in runs if "others_cpu_cores" in r]
     if loads:
@@ -186,12 +186,8 @@ def write_plot(path: Path, summary: dict) -> Optional[str]:
     return None
 
 
-def render(out: Path, data: dict, analysis: bool = False) -> Optional[str]:
-    """``<out>.md`` and ``<out>.png`` from the results JSON; with ``analysis`` the .md also
-    quotes the hand-written notes of ``meta["analysis_file"]`` when that file exists."""
-    meta = dict(data["meta"])
-    af = driver.REPO / meta.get("analysis_file", "")
-    if analysis and meta.get("analysis_file") and af.is_file():
-        meta["analysis"] = af.read_text().splitlines()
-    write_markdown(out.with_suffix(".md"), meta, data["summary"], data["runs"])
+def render(out: Path, data: dict) -> Optional[str]:
+    """``<out>.md`` and ``<out>.png`` from the results JSON (with the hand-written notes
+    of :func:`driver.analysis`)."""
+    write_markdown(out.with_suffix(".md"), data["meta"], data["summary"], data["runs"])
     return write_plot(out.with_suffix(".png"), data["summary"])

@@ -11,7 +11,6 @@ records the most telling line of its nodes' output.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import re
@@ -33,16 +32,17 @@ def cluster_flags(cluster: str, model: dict, tp: int, steps: int = 10, warmup: i
     """A Suite's ``flags`` for train.py modes on one emulated cluster."""
     def flags(p) -> None:
         p.add_argument("--cluster", default=cluster, help="cluster file")
-        p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run")
-        p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the median")
-        p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
-                       help="shape overrides (default "
-                            f"{' '.join(f'{k}={v}' for k, v in model.items())})")
-        p.add_argument("--vocab-size", type=int, default=256, help="train.py vocabulary")
+        driver.run_flags(p, steps, warmup, repeats=None)
+        model_flag(p, model)
         p.add_argument("--tp", type=int, default=tp)
-        p.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
-        p.add_argument("--workdir", help="run directories (default runs/bench-<name>/<time>)")
     return flags
+
+
+def model_flag(p, model: dict, flag: str = "--model", what: str = "shape") -> None:
+    """``--model KEY=VALUE ...`` over the shape ``model`` (:func:`driver.parse_shape`)."""
+    p.add_argument(flag, nargs="*", default=[], metavar="KEY=VALUE",
+                   help=f"{what} overrides: {', '.join(model)} (default "
+                        f"{' '.join(f'{k}={v}' for k, v in model.items())})")
 
 
 def cluster_setup(name: str, model: dict):
@@ -51,8 +51,7 @@ def cluster_setup(name: str, model: dict):
     @contextlib.contextmanager
     def setup(args):
         args.model_shape = driver.parse_shape(None, args.model, model, "--model")
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        args.workdir = args.workdir or str(driver.REPO / "runs" / f"bench-{name}" / stamp)
+        args.workdir = str(driver.workdir(args, name))
         check_prerequisites()
         with EmulatedCluster(ClusterSpec.load(args.cluster)) as cluster:
             yield cluster
@@ -133,11 +132,13 @@ def train_overrides(overrides: list[str], model: dict, args, out_dir: Path, tp: 
                                  out_dir)]
 
 
-def peer_args(model: dict, args, out_json: Path) -> list[str]:
+def peer_args(model: dict, args, out_json: Path, *extra: str) -> list[str]:
+    """A peer script's command line (benchmarks.peers): the shape, the steps, where its
+    JSON goes, then the peer's own ``extra`` options."""
     return ["--d-model", str(model["d_model"]), "--n-layer", str(model["n_layer"]),
             "--n-head", str(model["n_head"]), "--seq-len", str(model["seq_len"]),
             "--micro-batch-size", str(model["micro_batch_size"]), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out-json", str(out_json)]
+            "--warmup", str(args.warmup), "--out-json", str(out_json), *extra]
 
 
 def timed_run(cluster: EmulatedCluster, mode: str, overrides: Optional[list[str]], model: dict,

@@ -6,7 +6,9 @@ the loop over cluster files."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import platform
 import statistics
 import sys
 import time
@@ -68,22 +70,6 @@ def repeat_consistency(plans: list[dict]) -> list[float]:
     return [spearman(list(a), list(b)) for i, a in enumerate(reps) for b in reps[i + 1:]]
 
 
-def measure_clusters(clusters: list[str], measure, write) -> Optional[list[dict]]:
-    """``measure(path)`` for each cluster file in turn, ``write(results so far)`` after
-    each (partial results survive a later failure); None, with the reason printed, when
-    this host cannot run the emulated cluster."""
-    try:
-        check_prerequisites()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
-    results: list[dict] = []
-    for path in clusters:
-        results.append(measure(path))
-        write(results)
-    return results
-
-
 def measure_plans(c: EmulatedCluster, cluster_name: str, names: list[str], repeats: int,
                   train: Callable[[str, int], list[float]],
                   describe: Callable[[str], tuple[str, float]]) -> dict[str, list[float]]:
@@ -107,28 +93,73 @@ def measure_plans(c: EmulatedCluster, cluster_name: str, names: list[str], repea
     return {k: [r["measured_s"] for r in runs if r["mode"] == k] for k in names}
 
 
-def add_flags(ap, model: dict) -> None:
-    """The planner benchmarks' options; ``model``: the GPT's defaults (``--d-model`` ...)."""
-    ap.add_argument("--clusters", nargs="+", help="cluster files")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds, plans round-robin")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+@dataclasses.dataclass
+class Validation:
+    """A planner benchmark: ``topology(cluster file, args, work dir)`` measures one
+    cluster's plans into its result, ``render(prefix, data)`` writes the report from
+    ``{"meta", <key>: [results]}`` alone (``refresh(data, args)``: the summaries
+    recomputed first, for ``--from-json``)."""
+    name: str                      # benchmarks/results/<name>.{json,md,png}
+    module: str
+    key: str                       # the results' key in the JSON
+    model: dict                    # the GPT's defaults, one ``--<key>`` option each
+    clusters: list[str]
+    topology: Callable[..., dict]
+    render: Callable[[Path, dict], Optional[str]]
+    refresh: Optional[Callable[[dict, object], dict]] = None
+    quick: bool = False            # --quick: 1 repeat, 4 steps, 3 random plans, 1 cluster
+
+
+def main(v: Validation, doc: str, argv=None) -> int:
+    """Parse the options, measure every cluster in turn and save the results after each
+    (partial results survive a later failure); ``--from-json``: the report again."""
+    ap = driver.parser(doc)
+    ap.add_argument("--clusters", nargs="+", default=v.clusters, help="cluster files")
+    driver.run_flags(ap, steps=6, warmup=2, vocab=False)
     ap.add_argument("--random", type=int, default=5, help="random plans per cluster")
     ap.add_argument("--seed", type=int, default=0)
-    for k, v in model.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=v)
-    ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work", help="run directories (default /tmp/<benchmark>/<time>)")
-    ap.add_argument("--out", help="output prefix")
+    for k, val in v.model.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=val)
+    if v.quick:
+        ap.add_argument("--quick", action="store_true",
+                        help="1 repeat, 4 steps, 3 random plans, the first cluster only")
+    driver.report_flags(ap, v.name)
+    args = ap.parse_args(argv)
+    if args.from_json:
+        refresh = v.refresh and (lambda data: v.refresh(data, args.workdir))
+        return driver.rerender(Path(args.from_json), v.render, refresh, out=args.out)
+    if getattr(args, "quick", False):
+        args.repeats, args.steps, args.warmup, args.random = 1, 4, 1, 3
+        args.clusters = args.clusters[:1]
+    driver.check_run_flags(ap, args)
+    out, work = driver.out_prefix(args, v.name), driver.workdir(args, v.name)
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {"machine": f"{platform.node()} ({platform.machine()}, 2 cores shared)",
+            "command": driver.command(v.module, argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "model": {k: getattr(args, k) for k in v.model},
+            **{k: getattr(args, k) for k in ("steps", "warmup", "repeats", "random")},
+            "json": str(out.with_suffix(".json"))}   # notes beside it: driver.analysis
+    results: list[dict] = []
+    for path in args.clusters:
+        results.append(v.topology(path, args, work))
+        driver.save(out, {"meta": meta, v.key: results}, v.render, show=False)
+    for r in results:
+        print(f"{r['cluster']}: spearman {r['spearman']:.3f}, mean rel error "
+              f"{100 * r['mean_rel_error']:.1f}%")
+    print(f"wrote {out.with_suffix('.md')}")
+    return 0
 
 
-def plot(results: list[dict], png: Path, picks: Callable[[str], bool]) -> None:
+def plot(results: list[dict], png: Path, picks: Callable[[str], bool]) -> Optional[str]:
     """Predicted against measured per cluster, one panel each: ``picks`` in red, the
     uniform plans in blue."""
     plt = driver.matplotlib_pyplot()
     if plt is None:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return
+        return "matplotlib is not installed (pip install -e '.[bench]'): no chart"
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.4), squeeze=False)
     for ax, r in zip(axes[0], results):
         for p in r["plans"]:
@@ -147,3 +178,4 @@ def plot(results: list[dict], png: Path, picks: Callable[[str], bool]) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return None

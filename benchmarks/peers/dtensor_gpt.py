@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 
-from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
+from benchmarks.peers.common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
                                       train_loop, write_json)
 
 

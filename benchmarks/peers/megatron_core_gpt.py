@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.peers._common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
+from benchmarks.peers.common import (adamw_groups, batch, init_gloo, padded_vocab, parse_args,
                                       train_loop, write_json)
 
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x4

@@ -60,7 +60,7 @@ def run_peer(script: str, tp: int, out: Path, tag: str, fixed: bool) -> dict:
 def oases_loss(init_path: str) -> tuple[float, float, int]:
     """oases' GPT at tp=1 with the peer's weights: loss and gradient norm on the step-0
     batch, and the parameter count."""
-    from benchmarks.peers._common import batch
+    from benchmarks.peers.common import batch
     from oases.models import build_model
     from oases.config import load_config
     from oases.runtime.optim import grad_norm
