@@ -58,6 +58,13 @@ MODES: dict[str, tuple[str, Optional[list[str]]]] = {
     "reshard:1f1b": ("reshard", [*ENGINES["oases+fine"], "parallel.pp_schedule=1f1b"]),
     "reshard:eager-1f1b": ("reshard", [*ENGINES["oases+fine"],
                                        "parallel.pp_schedule=eager-1f1b"]),
+    "oases+fine+zb-h1": ("uniform", [*ENGINES["oases+fine"], "parallel.pp_schedule=zb-h1"]),
+    "oases+fine+eager-zb-h1": ("uniform", [*ENGINES["oases+fine"],
+                                           "parallel.pp_schedule=eager-zb-h1"]),
+    # pp 4 x tp 1 over the four nodes: one stage per node, three boundaries
+    **{f"pp4:{k}": ("pp4", ["parallel.tp=1", "parallel.pp=4", "parallel.schedule=megatron",
+                            "parallel.recompute=none", f"parallel.pp_schedule={k}"])
+       for k in ("1f1b", "eager-1f1b", "zb-h1", "eager-zb-h1")},
     "reshard:1f1b+send": ("reshard", [*ENGINES["oases+fine"], "parallel.pp_schedule=1f1b",
                                       "parallel.pp_transfer=send"]),
     "reshard:eager-1f1b+send": ("reshard", [*ENGINES["oases+fine"],
@@ -74,6 +81,13 @@ TARGETS = [
     ("oases+fine+1F1B >= 1.25x megatron+full+1F1B", "oases+fine+1f1b", "megatron+full+1f1b", 1.25),
     ("eager-1F1B >= 1.1x 1F1B, resharding on the critical path", "reshard:eager-1f1b",
      "reshard:1f1b", 1.1),
+    ("zb-h1 >= 1.1x 1F1B at pp=4 (run with m = 2pp = 8 micro-batches)", "pp4:zb-h1",
+     "pp4:1f1b", 1.1),
+    ("(info) eager-zb-h1 vs 1F1B at pp=4", "pp4:eager-zb-h1", "pp4:1f1b", None),
+    ("(info) eager-1F1B vs 1F1B at pp=4", "pp4:eager-1f1b", "pp4:1f1b", None),
+    ("(info) zb-h1 vs 1F1B, pp 2 x tp 2", "oases+fine+zb-h1", "oases+fine+1f1b", None),
+    ("(info) eager-zb-h1 vs eager-1F1B, pp 2 x tp 2", "oases+fine+eager-zb-h1",
+     "oases+fine+eager-1f1b", None),
     ("(info) eager-1F1B vs 1F1B, same layouts", "oases+fine+eager-1f1b", "oases+fine+1f1b", None),
     ("(info) oases+fine+1F1B vs the no-TP-comm bound", "oases+fine+1f1b", "nocomm+1f1b", None),
     ("(info) oases+fine+1F1B vs torch Schedule1F1B", "oases+fine+1f1b", "torch-1f1b", None),
@@ -350,7 +364,7 @@ def main(argv=None) -> int:
     def one(ctx, mode, rnd):
         cluster, quota = ctx
         case = MODES[mode][0]
-        shape = args.model_shape if case == "uniform" else args.reshard_shape
+        shape = args.reshard_shape if case == "reshard" else args.model_shape
         rdir = workdir / cluster.spec.name / slug(mode) / f"r{rnd}"
         return run_one(cluster, quota, mode, shape, args, rdir,
                        plan if case == "reshard" else None,

@@ -19,7 +19,7 @@ from oases.planner.fit import analytic_profile
 from oases.planner.online import resolve_layout
 from oases.planner.plan_file import check_plan, check_run, load_plan
 from oases.planner.profile import profile_key, save_db
-from oases.planner.search import search
+from oases.planner.search import CHOOSABLE, search
 from oases.planner.uniap import evaluate
 
 SHAPE = ModelShape("gpt", 4, 256, 8, 8, 1024, 512, 64)
@@ -259,8 +259,19 @@ def test_cli_searches_write_plans_the_runtime_accepts(tmp_path, capsys, kind):
     # the wrong batch for a searched plan: one line naming the overrides that run it
     cfg, _ = _run_cfg(tmp_path / "plan.yaml", TINY)
     cfg.train.grad_accum += 1
-    with pytest.raises(UserError, match=r"was made for parallel.pp=2 .*train.grad_accum=\d+; "
-                                        r"this run has train.grad_accum"):
+    with pytest.raises(UserError, match=r"was made for parallel.pp=2 .*train.grad_accum=\d+ "
+                                        r"parallel.pp_schedule=\S+; this run has "
+                                        r"train.grad_accum"):
+        resolve_layout(cfg, 4)
+    # the pipeline schedule is chosen with the layout: recorded, run, and enforced
+    plan = load_plan(str(tmp_path / "plan.yaml"))
+    assert plan.pp_schedule in CHOOSABLE, plan.pp_schedule
+    assert f"parallel.pp_schedule={plan.pp_schedule}" in plan.predicted["run"].split()
+    cfg, _ = _run_cfg(tmp_path / "plan.yaml", TINY)
+    other = "gpipe" if plan.pp_schedule != "gpipe" else "1f1b"
+    cfg.parallel.pp_schedule = other
+    with pytest.raises(UserError, match=rf"parallel.pp_schedule={plan.pp_schedule}; this run "
+                                        rf"has parallel.pp_schedule={other}"):
         resolve_layout(cfg, 4)
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 from benchmarks.lib import driver
 from benchmarks.lib.machine import fmt_mbit
 
-BASELINE = {"uniform": "megatron+full+1f1b", "reshard": "reshard:1f1b"}
+BASELINE = {"uniform": "megatron+full+1f1b", "reshard": "reshard:1f1b", "pp4": "pp4:1f1b"}
 RESHARD_ORDERS = {  # name -> ((dp, tp) of stage 0, (dp, tp) of stage 1)
     "tp2-dp2": ((1, 2), (2, 1)),
     "dp2-tp2": ((2, 1), (1, 2)),
@@ -29,6 +29,33 @@ def write_plan(path: Path, n_layer: int, order: str, split: int) -> Path:
                     f"  - {{layers: [0, {h}], dp: {d0}, tp: {t0}}}\n"
                     f"  - {{layers: [{h}, {n_layer}], dp: {d1}, tp: {t1}}}\n")
     return path
+
+
+SPLIT_SCHEDULES = ("zb-h1", "eager-zb-h1")  # oases.pipeline.schedules.SPLIT_KINDS
+
+
+def predicted_bubbles(rows: list[str], per: dict, case: str, meta: dict) -> list[str]:
+    """The simulator's bubble of each mode's schedule beside the measured one: F = B = W
+    = 1 (a schedule without W runs B for B + W), no transfer cost (``python -m
+    oases.schedule``)."""
+    from oases.pipeline.actions import simulate
+    from oases.pipeline.schedules import pipeline_actions
+
+    pp = 4 if case == "pp4" else 2
+    m = meta["reshard_microbatches"] if case == "reshard" else meta["microbatches"]
+    out = []
+    for mode in rows:
+        kind = mode.rsplit(":", 1)[-1].split("+")[-1]
+        if kind not in ("1f1b", "eager-1f1b", *SPLIT_SCHEDULES) or not per[mode]["ok"]:
+            continue
+        t = simulate(pipeline_actions(kind, pp, m), f_cost=1.0, b_cost=1.0, w_cost=1.0)
+        out.append(f"| {mode} | {100 * t.bubble_fraction:.0f}% | {_bubble(per[mode])} |")
+    if not out:
+        return []
+    return [f"Bubble predicted by the simulator (pp {pp}, m = {m}; F = B = W = 1, no "
+            f"transfer cost) and measured (`pipeline_bubble`, which also counts "
+            f"transfer waits and the step's clipping):", "",
+            "| mode | predicted | measured |", "|---|---|---|", *out, ""]
 
 
 def _bubble(r: dict) -> str:
@@ -92,13 +119,15 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
         rows = [x for x in s["modes"] if per[x]["case"] == case]
         if not rows:
             return
-        title = ("same layouts, pp 2 x tp 2" if case == "uniform"
-                 else f"stages of different layouts: dp {d0} x tp {t0} -> dp {d1} x tp {t1}")
+        title = {"uniform": "same layouts, pp 2 x tp 2",
+                 "pp4": "pp 4 x tp 1, one stage per node (megatron engine, no recompute)"}.get(
+            case, f"stages of different layouts: dp {d0} x tp {t0} -> dp {d1} x tp {t1}")
         L.extend([f"### {name}: {title}", "",
                   f"| mode | step (s) | repeats (s) | tokens/s | vs {BASELINE[case]} | bubble |",
                   "|---|---|---|---|---|---|"])
         L.extend(driver.mode_row(mode, per[mode], _bubble) for mode in rows)
         L.append("")
+        L.extend(predicted_bubbles(rows, per, case, meta))
         tp_ = per.get("torch-1f1b", {})
         if case == "uniform" and "max_loss_diff_vs_megatron" in tp_:
             L.append(f"The torch peer's losses match megatron+full+1f1b's over "
@@ -116,6 +145,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
         L += [f"## {name}: {fmt_mbit(s['fast_gbps'])} inside a pair, {fmt_mbit(s['slow_gbps'])} "
               f"between the pairs (`{s['file']}`)", ""]
         table(name, s, "uniform")
+        table(name, s, "pp4")
         table(name, s, "reshard")
         if s["targets"]:
             L += [f"### {name}: targets", "", *driver.target_rows(s["targets"], per_round=True), ""]
@@ -123,7 +153,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
     if tl:
         L += ["## Timelines", "",
               "One traced step (step 3 of round 0; left out of the timing) per mode, drawn by "
-              "benchmarks.timeline: per rank a pipeline row (F/B actions; red = waiting for a "
+              "benchmarks.timeline: per rank a pipeline row (F/B/W actions; red = waiting for a "
               "transfer, purple = waiting for the step's sends), the engine's compute row (blue "
               "/ orange: the oases engine's two sub-batches) and its collectives (green).", ""]
         for key, png in tl.items():

@@ -5,7 +5,8 @@ orange; the megatron engine's forward grey, backward dark grey)
 and collectives (green; their overlap with compute is the hidden communication).
 A pipelined run's trace also has a "pipeline" lane (oases.pipeline.runner): it is
 drawn as a third row per rank, forwards ``F<m>`` light blue, backwards ``B<m>``
-light orange (labelled with their micro-batch), waits for a transfer (``wait F<m>``,
+light orange, a zero-bubble schedule's weight gradients ``W<m>`` plum (labelled with
+their micro-batch), waits for a transfer (``wait F<m>``,
 ``wait B<m>``) red and the end-of-step ``wait sends`` purple; the white gaps of that
 row are the rank's pipeline bubble. Traces without that lane draw as before.
 The traces are also plain Chrome trace JSON (chrome://tracing, Perfetto).
@@ -42,6 +43,8 @@ def _pipeline_color(name: str) -> str:
         return "lightskyblue"
     if name[:1] == "B":
         return "navajowhite"
+    if name[:1] == "W":
+        return "plum"
     return "lightgray"
 
 
@@ -71,8 +74,8 @@ def render(paths: list[Path], out: Path, title: str = "") -> None:
             for t0, d, c, label in spans:
                 ax.broken_barh([(t0, d)], (y, 0.8), facecolors=c, edgecolor="black",
                                linewidth=0.2)
-                # label F<m>/B<m> where the bar is wide enough to hold it
-                if label[:1] in ("F", "B") and d > 0.012 * t_end:
+                # label F<m>/B<m>/W<m> where the bar is wide enough to hold it
+                if label[:1] in ("F", "B", "W") and d > 0.012 * t_end:
                     ax.text(t0 + d / 2, y + 0.4, label, ha="center", va="center", fontsize=7)
             yticks.append(y + 0.4)
             ylabels.append(f"rank {r} {lane}")
@@ -87,7 +90,7 @@ def render(paths: list[Path], out: Path, title: str = "") -> None:
     if piped:
         from matplotlib.patches import Patch
 
-        legend = [("F<m>", "lightskyblue"), ("B<m>", "navajowhite"),
+        legend = [("F<m>", "lightskyblue"), ("B<m>", "navajowhite"), ("W<m>", "plum"),
                   ("wait for a transfer", "tab:red"), ("wait sends", "tab:purple"),
                   ("sub-batch a", "tab:blue"), ("sub-batch b", "tab:orange"),
                   ("forward / backward (megatron)", "tab:gray"), ("all-reduce", "tab:green")]
@@ -106,8 +109,8 @@ def slug(mode: str) -> str:
 
 def render_timelines(runs: list[dict], out_dir: Path, prefix: str, multi: bool) -> dict:
     """The first traced run of each (cluster and) mode drawn to
-    ``<out_dir>/<prefix>[<cluster>-]<mode>.png`` (a pipelined run: ranks 0-1 = stage 0,
-    ranks 2-3 = stage 1); returns key -> PNG."""
+    ``<out_dir>/<prefix>[<cluster>-]<mode>.png``, titled with the stages train.py
+    printed (the run's ``layout``); returns key -> PNG."""
     out = {}
     for r in runs:
         key = f"{r['cluster']} {r['mode']}" if multi else r["mode"]
@@ -116,9 +119,9 @@ def render_timelines(runs: list[dict], out_dir: Path, prefix: str, multi: bool) 
         png = out_dir / (f"{prefix}{r['cluster']}-{slug(r['mode'])}.png" if multi
                          else f"{prefix}{slug(r['mode'])}.png")
         try:
+            stages = r.get("layout") or "ranks 0-1 = stage 0, ranks 2-3 = stage 1"
             render([Path(p) for p in r["traces"]], png,
-                   f"{r['mode']} on {r['cluster']}: one step (step 3); ranks 0-1 = "
-                   f"stage 0, ranks 2-3 = stage 1")
+                   f"{r['mode']} on {r['cluster']}: one step (step 3); {stages}")
             out[key] = str(png)
         except Exception as e:  # a chart must not lose the numbers
             print(f"warning: timeline of {key}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -37,7 +37,7 @@ from oases.planner.cluster import load_cluster
 from oases.planner.comm_memory import config_bytes, for_backend
 from oases.planner.figures import plot_degrees, plot_stages
 from oases.planner.profile import DEFAULT_DB, get_profile
-from oases.planner.search import search
+from oases.planner.search import choosable, search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
 SEARCHES = ("uniap", "amp", "tp-only")
@@ -134,7 +134,7 @@ def _layouts(args, cfg, cluster, device, db, out: Path) -> None:
     prof = get_profile(cfg, base, device, db, force=args.reprofile)
     limit = args.memory_gib * 2**30 if args.memory_gib else None
     res = search(job, cluster.world, cluster, prof, base, args.search, args.time_budget,
-                 args.gap, memory_limit=limit)
+                 args.gap, memory_limit=limit, schedules=choosable(cfg.parallel.overlap_fb))
     best = res.best
     for line in rep.summary(res, best):
         print(line)

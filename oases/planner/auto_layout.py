@@ -42,7 +42,7 @@ from oases.planner.comm_memory import for_backend
 from oases.planner.online import (fit_sub_batches, measure_profile, resolve_layout, resolve_plan,
                                   stage_logger)
 from oases.planner.plan_file import batch_divisor
-from oases.planner.search import search
+from oases.planner.search import choosable, search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
 TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
@@ -139,13 +139,16 @@ def _search(cfg: Config, world: int, job, base, profile, log) -> list[str]:
     # what a communicator costs the run (stages.build takes them off a derived limit)
     cluster = for_backend(load_cluster(p.cluster), backend_for(pick_device(p.device), p.backend))
     limit = p.memory_limit_gib * 2**30 if p.memory_limit_gib else None
-    res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log)
+    kinds = choosable(p.overlap_fb)  # the pipeline schedule is chosen with the layout
+    res = search(job, world, cluster, profile, base, p.plan_search, memory_limit=limit, log=log,
+                 schedules=kinds)
     if not job.sequence_parallel and base.tp > 1:
         # SP priced at the profiled sub-batches, in step: kept only where it wins even so
         log("plan=auto: the layout search again with sequence parallelism")
         try:
             with_sp = search(dataclasses.replace(job, sequence_parallel=True), world, cluster,
-                             profile, base, p.plan_search, memory_limit=limit, log=log)
+                             profile, base, p.plan_search, memory_limit=limit, log=log,
+                             schedules=kinds)
         except ConfigError:  # no layout with SP fits
             with_sp = None
         if with_sp is not None:
@@ -182,6 +185,7 @@ def pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "parallel.tp": int(d["tp"]), "train.micro_batch_size": int(d["micro_batch_size"]),
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
+        **({"parallel.pp_schedule": d["pp_schedule"]} if d.get("pp_schedule") else {}),
         **extra})
     chosen = fit_sub_batches(chosen, plan_divisor(d))
     if chosen.parallel.sub_batches == "auto":  # the count the layout was priced at runs

@@ -165,6 +165,39 @@ class CostModel:
             return self._stream_bytes(t) + self._act_bytes(t)
         return self._stream_bytes(t) / (t if sp else 1) if kind == "attn" else 0.0
 
+    def wgrad_share(self, kind: str) -> float:
+        """The W part of a block's backward under a zero-bubble schedule: the linear
+        layers' dW matmuls over all the backward's matmul FLOPs. Per token the linears
+        take 2M FLOPs forward (M = :meth:`ModelShape.matrix_params`), 4M backward (dX,
+        dW), half of it W; causal attention's score and value matmuls take about
+        2 seq d forward and twice that backward, all of it B. So W = M / (2 (M + seq d))
+        of an attention block's backward, 1/2 of an MLP's; the backward's other kernels
+        (norms, softmax, activation) are charged in proportion (measured as one time)."""
+        if kind != "attn":
+            return 0.5
+        m = self.shape.matrix_params(kind)
+        return m / (2 * (m + self.shape.seq_len * self.shape.d_model))
+
+    def wgrad_time(self, kind: str, t: int) -> float:
+        """One micro-batch's W of a block at degree t: :meth:`wgrad_share` of its
+        profiled backward (without the recompute forward, which B runs), and no more
+        than its forward (the dW matmuls are as many FLOPs as the forward's linears;
+        the pipeline's closed form needs W <= F)."""
+        prof = self.profile.blocks[kind][str(t)]
+        return self.run.sub_batches * min(self.wgrad_share(kind) * prof["bwd"], prof["fwd"])
+
+    def wgrad_bytes(self, kind: str, t: int) -> float:
+        """What one micro-batch's pending W keeps of a block at degree t: every linear's
+        input X and output gradient dY (:mod:`oases.parallel.wgrad`), in the compute
+        dtype. Column-parallel layers take the whole d-wide input and give 1/t of their
+        width, row-parallel ones the reverse (their d-wide dY a sequence chunk under
+        sequence parallelism)."""
+        s = self.shape
+        split = s.matrix_params(kind) / (s.d_model * t)  # the t-split widths, summed
+        whole = s.d_model * (1 + (1 / t if self.run.sequence_parallel else 1))
+        rows = self.run.sub_batches * self.rows(t)
+        return rows * s.seq_len * (whole + split) * self.run.act_bytes
+
     def ar_time(self, t: int, nbytes: float) -> float:
         """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
         if t == 1:

@@ -65,6 +65,7 @@ class Plan:
     pp: int = 0               # 0: not recorded
     micro_batches: int = 0    # per step (train.grad_accum); 0: not recorded
     sequence_parallel: bool = False  # the run turns parallel.sequence_parallel on
+    pp_schedule: str = ""     # the pipeline schedule it was priced for ("": not recorded)
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 
@@ -123,8 +124,8 @@ def check_model(plan: Plan, model_cfg, path: str = "plan") -> None:
 
 def check_run(plan: Plan, cfg, path: str = "plan") -> None:
     """A searched plan runs only with the layout and batch it was priced for: the same
-    pp, tp, micro-batch size and count (so the same global batch). One line naming
-    the overrides that run it."""
+    pp, tp, micro-batch size and count (so the same global batch), and the pipeline
+    schedule it chose. One line naming the overrides that run it."""
     if not plan.micro_batches:
         return
     want = {"parallel.pp": plan.pp or 1, "parallel.tp": plan.tp,
@@ -133,6 +134,9 @@ def check_run(plan: Plan, cfg, path: str = "plan") -> None:
     have = {"parallel.pp": cfg.parallel.pp, "parallel.tp": cfg.parallel.tp,
             "train.micro_batch_size": cfg.train.micro_batch_size,
             "train.grad_accum": cfg.train.grad_accum}
+    if plan.pp_schedule and (plan.pp or 1) > 1:  # its time and memory rows are the schedule's
+        want["parallel.pp_schedule"] = plan.pp_schedule
+        have["parallel.pp_schedule"] = cfg.parallel.pp_schedule
     wrong = [f"{k}={have[k]}" for k in want if want[k] != have[k]]
     if wrong:
         raise UserError(f"{path} was made for {' '.join(f'{k}={v}' for k, v in want.items())}; "

@@ -20,7 +20,8 @@ def run_overrides(c: Candidate) -> list[str]:
     """The dotted overrides a run of this layout needs besides ``parallel.plan``."""
     ch = c.choice
     return [f"parallel.pp={ch.pp}", f"parallel.tp={ch.tp}", f"train.micro_batch_size={ch.rows}",
-            f"train.grad_accum={ch.micro_batches}"]
+            f"train.grad_accum={ch.micro_batches}",
+            *([f"parallel.pp_schedule={c.schedule}"] if ch.pp > 1 else [])]
 
 
 def _brief(c: Optional[Candidate], ref: Candidate) -> Optional[dict]:
@@ -54,7 +55,8 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
                 recompute=cfg.parallel.recompute, micro_batch_size=ch.rows,
                 sub_batches=cfg.sub_batches, pp=ch.pp, micro_batches=ch.micro_batches,
                 cluster=cluster_name, predicted=predicted,
-                sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models))
+                sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models),
+                pp_schedule=c.schedule if ch.pp > 1 else "")
 
 
 def _line(name: str, c: Optional[Candidate], ref: Candidate) -> str:

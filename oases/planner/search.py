@@ -29,18 +29,29 @@ devices about 10^21.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from oases.errors import ConfigError
 from oases.planner import amp, uniap
 from oases.planner.cost import Profile, RunShape
-from oases.planner.stages import Job, Problem, build, enumerate_choices, even_starts
+from oases.pipeline.schedules import KINDS, VIRTUAL_KINDS
+from oases.planner.stages import Job, Problem, build, enumerate_choices, even_starts, with_schedule
 
 METHODS = ("uniap", "amp")
+# The schedules a search may choose: those a run executes (no virtual stages at runtime yet)
+CHOOSABLE = tuple(k for k in KINDS if k not in VIRTUAL_KINDS)
+
+
+def choosable(overlap_fb: bool) -> tuple[str, ...]:
+    """The schedules a run's search may choose: :data:`CHOOSABLE`, or with
+    ``parallel.overlap_fb`` the one schedule that pairs a backward with a forward in a
+    pipeline (eager-1f1b: the config refuses the others with it)."""
+    return ("eager-1f1b",) if overlap_fb else CHOOSABLE
 
 
 @dataclass
@@ -61,6 +72,11 @@ class Candidate:
         return self.problem.choice
 
     @property
+    def schedule(self) -> str:
+        """The pipeline schedule it was priced for ("1f1b" at pp = 1)."""
+        return self.problem.inst.schedule
+
+    @property
     def degrees(self) -> list[int]:
         """TP degree per layer."""
         return [self.choice.degrees[s] for s in self.strat]
@@ -78,14 +94,16 @@ class Candidate:
 
     def key(self) -> tuple:
         return (self.choice.pp, self.choice.dp, self.choice.tp, self.choice.micro_batches,
-                tuple(self.starts), tuple(self.strat))
+                tuple(self.starts), tuple(self.strat), self.schedule)
 
     def describe(self) -> str:
         ch = self.choice
         parts = []
         for (a, b), d in zip(self.ranges(), self.stage_degrees()):
             parts.append(f"layers {a}-{b - 1} @ {d}")
-        return f"pp {ch.pp} x dp {ch.dp} x tp {ch.tp}, {self.batches()}: " + " | ".join(parts)
+        sched = f" ({self.schedule})" if ch.pp > 1 else ""
+        return (f"pp {ch.pp} x dp {ch.dp} x tp {ch.tp}{sched}, {self.batches()}: "
+                + " | ".join(parts))
 
     def batches(self) -> str:
         """"8 micro-batches of 4 sequences" (the whole pipeline's micro-batch)."""
@@ -151,10 +169,14 @@ def amp_plan(prob: Problem) -> Optional[Candidate]:
 def lower_bound(prob: Problem) -> float:
     """No plan of this choice is faster (module docstring)."""
     inst = prob.inst
+    alpha, beta, kappa = inst.time_weights()
     least = [min(min(inst.t[p][l]) for p in range(inst.stages)) for l in range(inst.L)]
     total = sum(least)
     peak = max(total / inst.stages, max(least))
-    return total + (inst.micro_batches - 1) * peak + prob.constant
+    if (alpha, kappa) != (1.0, 0.0):  # the sum part weighs each layer alpha t - kappa w
+        total = sum(min(alpha * t - kappa * w for p in range(inst.stages)
+                        for t, w in zip(inst.t[p][l], inst.wgrad[p][l])) for l in range(inst.L))
+    return total + beta * peak + prob.constant
 
 
 def solve_milp(prob: Problem, start: Optional[Candidate], limit: float, gap: float
@@ -173,22 +195,27 @@ def solve_milp(prob: Problem, start: Optional[Candidate], limit: float, gap: flo
 def search(job: Job, world: int, cluster, profile: Profile, base: RunShape,
            method: str = "uniap", budget_s: float = 6.0, gap: float = 0.01,
            min_limit_s: float = 0.5, memory_limit: Optional[float] = None,
-           log: Callable[[str], None] = print) -> SearchResult:
+           log: Callable[[str], None] = print,
+           schedules: Optional[Sequence[str]] = None) -> SearchResult:
     """Search every outer choice up to ``base.tp`` (the profiled degrees) on ``world``
-    ranks; raises :class:`ConfigError` when no layout fits."""
+    ranks, under each pipeline schedule of ``schedules`` (default: the job's
+    ``pp_schedule`` alone; :data:`CHOOSABLE` lets the search choose); raises
+    :class:`ConfigError` when no layout fits."""
     if method not in METHODS:
         raise ConfigError(f"unknown search {method!r} (one of {', '.join(METHODS)})")
     t0 = time.perf_counter()
-    choices = enumerate_choices(job, world, max_tp=base.tp)
-    if not choices:
+    problems = _problems(job, world, cluster, profile, base, memory_limit,
+                         schedules or (job.pp_schedule,))
+    choices = len({p.choice for p in problems})
+    if not problems:
         raise ConfigError(f"no (pp, dp, tp, micro-batches) layout of {world} devices runs the "
                           f"global batch of {job.global_batch} sequences")
-    log(f"planning over {len(choices)} layouts (pp, dp x tp, micro-batches) of {world} devices")
-    problems = [build(job, ch, cluster, profile, base, memory_limit) for ch in choices]
+    log(f"planning over {choices} layouts (pp, dp x tp, micro-batches) of {world} devices"
+        + (f" x {len(schedules)} schedules" if schedules and len(schedules) > 1 else ""))
     megatron = [c for c in map(megatron_plan, problems) if c is not None]
     amps = {id(p): amp_plan(p) for p in problems}
     found = [c for c in amps.values() if c is not None]
-    res = SearchResult([], _min(megatron), _min(found), len(choices), method=method)
+    res = SearchResult([], _min(megatron), _min(found), choices, method=method)
     if method == "uniap":
         found += _uniap(problems, amps, res, budget_s, gap, min_limit_s, log)
     ranked, seen = [], set()
@@ -201,6 +228,28 @@ def search(job: Job, world: int, cluster, profile: Profile, base: RunShape,
     res.ranked = ranked
     res.total_s = time.perf_counter() - t0
     return res
+
+
+def _problems(job: Job, world: int, cluster, profile: Profile, base: RunShape,
+              memory_limit: Optional[float], schedules: Sequence[str]) -> list[Problem]:
+    """One problem per (choice, schedule), each choice's stages built once; a choice of
+    one stage once (it runs no pipeline schedule)."""
+    unknown = [k for k in schedules if k not in KINDS]
+    if unknown:
+        raise ConfigError(f"unknown pipeline schedule(s) {', '.join(unknown)} "
+                          f"(one of {', '.join(KINDS)})")
+    built: dict = {}
+    out = []
+    for kind in schedules:
+        kjob = dataclasses.replace(job, pp_schedule=kind,
+                                   pp_virtual=job.pp_virtual if kind in VIRTUAL_KINDS else 1)
+        for ch in enumerate_choices(kjob, world, max_tp=base.tp):
+            if ch not in built:
+                built[ch] = build(kjob, ch, cluster, profile, base, memory_limit)
+                out.append(built[ch])
+            elif ch.pp > 1:
+                out.append(with_schedule(built[ch], kjob))
+    return out
 
 
 def _uniap(problems, amps, res: SearchResult, budget_s, gap, min_limit_s, log) -> list:

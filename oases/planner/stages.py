@@ -41,6 +41,14 @@ the pairing and the resharding add, >= 0) is ``e``. Hence, per micro-batch:
                     l-1's output from degree r to tp and of l's input from tp to s
     m[p][l][s]   = weights, gradients and Adam state of both blocks at s
     a[p][l][s]   = activations both blocks keep for one micro-batch in flight
+    w[p][l][s]   = (zero-bubble schedules) the W part of t: both blocks' linear dW
+                   (:meth:`CostModel.wgrad_time`)
+    b[p][l][s]   = (zero-bubble schedules) what one pending W keeps: the linears' X and
+                   dY (:meth:`CostModel.wgrad_bytes`)
+
+The pipeline schedule (``parallel.pp_schedule``) sets how these make a time and memory
+rows (:mod:`oases.planner.pipe_cost`); :func:`with_schedule` re-prices a built choice
+under another schedule without rebuilding its stages.
 
 The embedding goes with stage 0, the head and the loss with the last stage: their
 compute is charged to layer L-1 (always on the last stage; the embedding lookup
@@ -78,6 +86,7 @@ from typing import Optional
 
 from oases.errors import ConfigError
 from oases.parallel.layout import even_split
+from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.planner.comm_memory import choice_bytes
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
@@ -94,11 +103,12 @@ class Job:
     sub_batches: int
     schedule: str              # "oases" | "megatron"
     recompute: str
-    pp_schedule: str = "1f1b"  # "1f1b" | "eager-1f1b" | "gpipe"
+    pp_schedule: str = "1f1b"  # one of oases.pipeline.schedules.KINDS
     pp_transfer: str = "broadcast"
     act_bytes: int = 4
     residual_bytes: int = 4
     sequence_parallel: bool = False  # then only a tp that divides the sequence
+    pp_virtual: int = 1        # chunks per rank under interleaved-1f1b
 
     @property
     def splits(self) -> int:
@@ -119,7 +129,7 @@ def job_from_config(cfg) -> Job:
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
                2 if run_precision(cfg) == "bf16" else 4,
-               sequence_parallel=p.sequence_parallel)
+               sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual)
 
 
 def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:
@@ -167,6 +177,8 @@ def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> lis
             for c in _divisors(job.global_batch // dp):
                 rows = job.global_batch // (dp * c)
                 if rows % job.splits or (pp > 1 and job.pp_schedule != "gpipe" and c < pp):
+                    continue
+                if pp > 1 and job.pp_virtual > 1 and c % pp:  # Megatron's groups of pp
                     continue
                 degrees = tuple(t for t in job.shape.valid_degrees(tp)
                                 if (rows // job.splits) % (tp // t) == 0)
@@ -370,9 +382,6 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
                for d in ch.degrees]
         m.append([stat] * L)
         a.append([act] * L)
-    if job.pp_schedule == "gpipe":  # every micro-batch in flight: the MILP's 1F1B k_p -> c
-        c = ch.micro_batches
-        a = [[[v * c / min(c, P - p) for v in row] for row in a[p]] for p in range(P)]
     x = []
     for p in range(P - 1):
         # the activation and its gradient: two calls of the step's per-call cost
@@ -385,13 +394,40 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
     limits = [(memory_limit if memory_limit is not None else cluster.plan_bytes_of(r) - c) - k
               for r, k, c in zip(ranks, const, comms)]
     inst = Instance([f"tp{d}" for d in ch.degrees], P, ch.micro_batches, t, m, a, limits,
-                    e=e, x=x or None,
-                    schedule="eager-1f1b" if job.pp_schedule == "eager-1f1b" else "1f1b")
+                    e=e, x=x or None, **_schedule_fields(job, ch, cms))
     # the optimizer steps of the stages run side by side: the slowest node's sets it
     step = profile.constant.get("step", 0.0) * base.tp / (ch.tp * P) / \
         cluster.speed_of(range(P * size))
     tp_index = ch.degrees.index(ch.tp) if ch.tp in ch.degrees else None
     return Problem(ch, inst, step, const, cms, tp_index)
+
+
+def _schedule_fields(job: Job, ch: Choice, cms: list[CostModel]) -> dict:
+    """The :class:`Instance` fields the pipeline schedule sets: its name, the chunks per
+    rank, and under a zero-bubble kind each layer's W time and pending-W bytes (one
+    micro-batch, both blocks). A single stage runs no pipeline schedule."""
+    if ch.pp == 1:
+        return dict(schedule="1f1b")
+    out = dict(schedule=job.pp_schedule,
+               virtual=job.pp_virtual if job.pp_schedule in VIRTUAL_KINDS else 1)
+    if job.pp_schedule in SPLIT_KINDS:
+        L = job.shape.n_layer
+        out["wgrad"] = [[[sum(cm.wgrad_time(k, d) for k in ("attn", "mlp"))
+                          for d in ch.degrees]] * L for cm in cms]
+        out["stash"] = [[[sum(cm.wgrad_bytes(k, d) for k in ("attn", "mlp"))
+                          for d in ch.degrees]] * L for cm in cms]
+    return out
+
+
+def with_schedule(prob: Problem, job: Job) -> Problem:
+    """``prob`` (one choice, built for another schedule) priced under ``job``'s
+    ``pp_schedule``: the stages' t, m, a, e, x do not depend on it."""
+    i = prob.inst
+    inst = Instance(i.strategies, i.stages, i.micro_batches, i.t, i.m, i.a, i.memory_limit,
+                    e=i.e, x=i.x if i.stages > 1 else None,
+                    **_schedule_fields(job, prob.choice, prob.models))
+    return Problem(prob.choice, inst, prob.constant, prob.memory_const, prob.models,
+                   prob.tp_index)
 
 
 def even_starts(n_layer: int, pp: int) -> list[int]:

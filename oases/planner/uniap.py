@@ -12,8 +12,10 @@ stage and ``x`` per cut, or once for all):
   e[p][l][r][s]  resharding when l-1 (strategy r) and l (strategy s) share stage p
   x[p][l][r][s]  transfer when l-1 ends stage p (strategy r) and l starts p+1 (s)
                  (p < P - 1: stage p's cut; a heterogeneous cluster's links differ)
-  M[p], c micro-batches, k_p = in-flight micro-batches of stage p:
-  1F1B min(c, P - p), eager-1F1B min(c, 2(P - p) - 1).
+  w[p][l][s]  (zero-bubble kinds) the W part of t: the linear layers' weight gradients
+  b[p][l][s]  (zero-bubble kinds) bytes a pending W keeps: its linears' X and dY
+  M[p], c micro-batches; the schedule's memory states (f, q) of stage p, f micro-batches
+  between F and B, q between B and W (:mod:`oases.planner.pipe_cost`).
 
 Variables: z[l][p] (layer l on stage p), y[l][s] (layer l takes s), binary;
 w[l][p][s] = z[l][p] y[l][s]; for l >= 1, v[l][p][r][s] = w[l-1][p][r] w[l][p][s]
@@ -34,7 +36,10 @@ are then implied, and are written only for the ablation without the pair margins
     minimise   sum_p T_p + sum_p O_p + (c - 1) C                  (UniAP's TPI)
     subject to C >= T_p,  C >= O_p
                sum_p z[l][p] = 1,  sum_s y[l][s] = 1
-               sum_{l,s} (m[p][l][s] + k_p a[p][l][s]) w[l][p][s] <= M[p]
+               sum_{l,s} (m[p][l][s] + f a[p][l][s] + q b[p][l][s]) w[l][p][s] <= M[p]
+                                                     (every memory state (f, q) of p)
+(the 1F1B family; other schedules weigh the objective's parts and subtract W's:
+alpha sum_p T_p + sum_p O_p + beta C - kappa sum_p W_p, ``pipe_cost.time_weights``).
 
 Order preservation. UniAP (appendix B, for a DAG) makes each stage's layers a
 contiguous set with an auxiliary Z[l][p] in [0, 1]:
@@ -83,8 +88,10 @@ from typing import Optional, Sequence
 import pulp
 
 from oases.errors import ConfigError, UserError
+from oases.pipeline.schedules import KINDS
+from oases.planner.pipe_cost import pipeline_states, time_weights
 
-SCHEDULES = ("1f1b", "eager-1f1b")
+SCHEDULES = KINDS
 
 
 def _depth(x) -> int:
@@ -108,6 +115,9 @@ class Instance:
     e: Optional[list] = None  # [l][r][s] or [p][l][r][s]; row l = 0 unused
     x: Optional[list] = None  # [l][r][s] or [cut p < P - 1][l][r][s]; row l = 0 unused
     schedule: str = "1f1b"
+    wgrad: Optional[list] = None  # w[.][l][s] of the module docstring (zero-bubble kinds)
+    stash: Optional[list] = None  # b[.][l][s]: a pending W's bytes (zero-bubble kinds)
+    virtual: int = 1              # chunks per rank (interleaved-1f1b)
     L: int = field(init=False)
     S: int = field(init=False)
 
@@ -120,8 +130,11 @@ class Instance:
         if self.micro_batches < 1 or self.schedule not in SCHEDULES:
             raise ConfigError(f"bad micro-batches {self.micro_batches} or schedule "
                               f"{self.schedule!r} (one of {SCHEDULES})")
-        for name in ("t", "m", "a"):
+        zero = [[0.0] * S for _ in range(L)]
+        self.wgrad, self.stash = self.wgrad or zero, self.stash or zero
+        for name in ("t", "m", "a", "wgrad", "stash"):
             setattr(self, name, self._per_stage(name, getattr(self, name)))
+        self.states  # a schedule the generators refuse fails here, by name
         zero = [[[0.0] * S for _ in range(S)] for _ in range(L)]
         for name, n in (("e", P), ("x", P - 1)):
             setattr(self, name, self._pairs(name, getattr(self, name) or zero, n))
@@ -155,10 +168,24 @@ class Instance:
             raise ConfigError(f"{name} must be [layers={L}][{S}][{S}] or [{n}][{L}][{S}][{S}]")
         return [[[[float(v) for v in q] for q in r] for r in tab] for tab in val]
 
-    def in_flight(self, p: int) -> int:
-        """Micro-batches whose activations stage p holds at its peak."""
-        P, c = self.stages, self.micro_batches
-        return min(c, P - p) if self.schedule == "1f1b" else min(c, 2 * (P - p) - 1)
+    @property
+    def states(self) -> list[list[tuple]]:
+        """Per stage, its (f, q) memory states (of the schedule and count as they are now)."""
+        return pipeline_states(self.schedule, self.stages, self.micro_batches, self.virtual)
+
+    def in_flight(self, p: int) -> float:
+        """Micro-batches whose activations stage p holds at its peak (in stages' worth:
+        chunks / v under interleaving)."""
+        return max(f for f, _ in self.states[p])
+
+    def time_weights(self) -> tuple[float, float, float]:
+        """(alpha, beta, kappa) of the objective (module docstring)."""
+        return time_weights(self.schedule, self.stages, self.micro_batches, self.virtual)
+
+    def layer_memory(self, p: int, l: int, s: int, state: tuple[float, float]) -> float:
+        """Layer l's bytes on stage p at strategy s in memory state (f, q)."""
+        f, q = state
+        return self.m[p][l][s] + f * self.a[p][l][s] + q * self.stash[p][l][s]
 
 
 # ---- evaluating one plan (shared by the DP, brute force and the MILP's report) ----
@@ -170,8 +197,9 @@ def stage_cost(inst: Instance, p: int, lo: int, hi: int, strat: Sequence[int]) -
 
 
 def stage_memory(inst: Instance, p: int, lo: int, hi: int, strat: Sequence[int]) -> float:
-    k = inst.in_flight(p)
-    return sum(inst.m[p][l][strat[l]] + k * inst.a[p][l][strat[l]] for l in range(lo, hi))
+    """Stage p's peak over its memory states."""
+    return max(sum(inst.layer_memory(p, l, strat[l], st) for l in range(lo, hi))
+               for st in inst.states[p])
 
 
 def pipeline_time(stage_costs: Sequence[float], transfer_costs: Sequence[float], c: int) -> float:
@@ -186,7 +214,12 @@ def evaluate(inst: Instance, starts: Sequence[int], strat: Sequence[int]):
     costs = [stage_cost(inst, p, lo, hi, strat) for p, (lo, hi) in enumerate(zip(starts, ends))]
     trans = [inst.x[p][lo][strat[lo - 1]][strat[lo]] for p, lo in enumerate(starts[1:])]
     mems = [stage_memory(inst, p, lo, hi, strat) for p, (lo, hi) in enumerate(zip(starts, ends))]
-    return pipeline_time(costs, trans, inst.micro_batches), mems
+    alpha, beta, kappa = inst.time_weights()
+    if (alpha, kappa) == (1.0, 0.0):  # the 1F1B family: UniAP's TPI as it stands
+        return pipeline_time(costs, trans, inst.micro_batches), mems
+    place = [sum(lo <= l for lo in starts[1:]) for l in range(inst.L)]
+    wgrad = sum(inst.wgrad[place[l]][l][strat[l]] for l in range(inst.L))
+    return (alpha * sum(costs) + sum(trans) + beta * max(costs + trans) - kappa * wgrad), mems
 
 
 @dataclass
@@ -343,9 +376,13 @@ def _lp(inst: Instance, order_preserving: bool):
                         O[p].append(inst.x[p][l][r][s] * g[l][p][r][s])
         if order_preserving:  # layer l sits on l-1's stage or the next: the pairs add up
             _pair_margins(prob, w, v, g, l, P, S)
-    mem = [pulp.lpSum((inst.m[p][l][s] + inst.in_flight(p) * inst.a[p][l][s]) * w[l][p][s]
-                      for l in range(L) for s in range(S)) for p in range(P)]
-    var = dict(z=z, y=y, w=w, v=v, g=g)
+    # per stage, one row per memory state (module docstring)
+    mem = [[pulp.lpSum(inst.layer_memory(p, l, s, st) * w[l][p][s]
+                       for l in range(L) for s in range(S)) for st in inst.states[p]]
+           for p in range(P)]
+    W = pulp.lpSum(inst.wgrad[p][l][s] * w[l][p][s] for l in range(L) for p in range(P)
+                   for s in range(S) if inst.wgrad[p][l][s])
+    var = dict(z=z, y=y, w=w, v=v, g=g, W=W)
     return prob, var, [pulp.lpSum(q) for q in T], [pulp.lpSum(q) for q in O], mem
 
 
@@ -378,10 +415,15 @@ def lp_model(inst: Instance, order_preserving: bool = True):
     C = pulp.LpVariable("C_max", 0)
     for q in T + O:
         prob += C >= q
-    prob += pulp.lpSum(T) + pulp.lpSum(O) + (inst.micro_batches - 1) * C
+    alpha, beta, kappa = inst.time_weights()
+    if (alpha, kappa) == (1.0, 0.0):
+        prob += pulp.lpSum(T) + pulp.lpSum(O) + (inst.micro_batches - 1) * C
+    else:
+        prob += alpha * pulp.lpSum(T) + pulp.lpSum(O) + beta * C - kappa * var["W"]
     unit = _memory_unit(inst)
     for p in range(inst.stages):
-        prob += (1 / unit) * mem[p] <= inst.memory_limit[p] / unit
+        for row in mem[p]:
+            prob += (1 / unit) * row <= inst.memory_limit[p] / unit
     return prob, var, C, mem
 
 
@@ -427,7 +469,7 @@ def _solve(inst, time_limit, gap, order_preserving, log_path, start, explain) ->
         tpi, mems = evaluate(inst, starts, strat)
         ranges = list(zip(starts, starts[1:] + [inst.L]))
     else:  # the ablation's placement need not be contiguous: report the model's numbers
-        tpi, mems = objective, [pulp.value(q) for q in mem]
+        tpi, mems = objective, [max(pulp.value(q) for q in rows) for rows in mem]
         ranges = [(place.index(p), len(place) - place[::-1].index(p)) for p in range(P)]
     rel = None if bound is None else max(0.0, objective - bound) / max(abs(objective), 1e-12)
     return Result(ranges, [inst.strategies[s] for s in strat], tpi, mems, status, objective,
@@ -446,8 +488,9 @@ def min_memory(inst: Instance, time_limit: float = 10.0, order_preserving: bool 
         warnings.simplefilter("ignore", DeprecationWarning)
         prob, _, _, _, mem = _lp(inst, order_preserving)
         peak = pulp.LpVariable("peak", 0)
-        for q in mem:
-            prob += peak >= q
+        for rows in mem:
+            for q in rows:
+                prob += peak >= q
         prob += peak
         prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
