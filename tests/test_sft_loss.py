@@ -113,6 +113,7 @@ def test_packed_chat_loss_is_each_conversation_alone(tmp_path, kind, schedule):
     run_distributed(_body, world=4, tp=None, args=(kind, schedule, hf_dir, data))
 
 
+@pytest.mark.slow  # two whole runs
 def test_resume_over_chat_data_is_exact(tmp_path):
     """Four steps at pp=2 over chat data (validation on the held-out conversations),
     and the same run resumed from its step-2 checkpoint: steps 3 and 4 are bit for

@@ -101,6 +101,7 @@ def test_zb_h1_with_dropout_and_zero_is_1f1b():
     ],))
 
 
+@pytest.mark.slow  # a torchrun start-up
 def test_a_run_refuses_interleaved_1f1b(tmp_path):
     """The schedule exists as data; a run says in one line that it cannot run it."""
     from tests.support.runs import run_train
@@ -115,6 +116,7 @@ def test_a_run_refuses_interleaved_1f1b(tmp_path):
     assert "(exitcode: 2)" in proc.stderr, proc.stderr  # the workers' status: bad input
 
 
+@pytest.mark.slow  # two whole runs each
 @pytest.mark.parametrize("before,after", [("1f1b", "zb-h1"), ("eager-zb-h1", "eager-1f1b")])
 def test_a_checkpoint_resumes_under_another_schedule(tmp_path, before, after):
     """Saved at step 2 under one schedule, resumed under another: steps 3 and 4 give the
