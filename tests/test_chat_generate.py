@@ -177,10 +177,10 @@ def test_bad_chat_input_is_one_line_exit_2(tiny, tmp_path, capsys):
         (["--chat", "--conversations", str(bad)],
          '{"messages": [{"role": "user", "content": "a"}]}\n'
          '{"messages": [{"role": "robot", "content": "a"}]}\n',
-         f"{bad}:2: message 0 has role 'robot'"),
+         f"{bad}:2: messages[0] has the role 'robot'"),
         (["--chat", "--conversations", str(bad)],
          '{"messages": [{"role": "user", "content": ["a"]}]}\n',
-         f"{bad}:1: message 0 (user) has a content that is not a string"),
+         f"{bad}:1: messages[0] (user) has a list content, not text"),
         (["--chat", "--conversations", str(bad)], "{nope\n", f"{bad}:1: not a JSON object"),
         (["--chat", "--prompt", "x", "--chat-template", str(tmp_path / "raise.jinja")], None,
          "the chat template failed on a conversation of 2 messages (user, assistant): "

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Optional
 
 from oases.cli import tokenizer as toks
+from oases.cli.prepare_chat_rows import message_list
 from oases.errors import UserError
 
 PROBE = "OASES_PROBE_REPLY"
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def template_text(t: toks.Tok, path: Optional[str], recorded: Optional[str] = None) -> str:
@@ -114,26 +114,6 @@ class Conversation:
     reference: Optional[str] = None       # the row's own final assistant reply, if any
 
 
-def check_messages(messages, where: str) -> list[dict]:
-    """``messages`` as a list of {role, content} dicts, or one error naming ``where``."""
-    if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of "
-                        f"{{\"role\", \"content\"}} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise UserError(f"{where}: message {i} is not an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise UserError(f"{where}: message {i} has role {role!r}, not one of "
-                            f"{', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise UserError(f"{where}: message {i} ({role}) has a content that is not a "
-                            f"string ({type(content).__name__})")
-        out.append({"role": role, "content": content})
-    return out
-
-
 def read_conversations(path: str) -> list[Conversation]:
     """``--conversations FILE``: jsonl rows of ``messages`` (a final assistant message is
     the reference reply: the model answers in its place) or of ``prompt`` (one user
@@ -157,7 +137,7 @@ def read_conversations(path: str) -> list[Conversation]:
             continue
         if not isinstance(row, dict) or "messages" not in row:
             raise UserError(f"{where}: a row needs 'messages' (or 'prompt')")
-        messages = check_messages(row["messages"], where)
+        messages = message_list(row["messages"], "messages", where)
         reference = None
         if messages[-1]["role"] == "assistant":
             reference = messages.pop()["content"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from oases.cli.prepare_sources import Input, arrow_errors, hf_parts, open_bytes
+from oases.cli.prepare_sources import Input, arrow_errors, open_bytes, open_hf_parts
 from oases.errors import DataError, first_line
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -49,7 +49,7 @@ def messages_of(row, key: str, where: str) -> list[dict]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: the row is a {type(row).__name__}, not an object")
     if row.get(key) is not None:
-        msgs = _message_list(row[key], key, where)
+        msgs = message_list(row[key], key, where)
     elif row.get("prompt") is not None and row.get("completion") is not None:
         msgs = (_turns(row["prompt"], "user", "prompt", where)
                 + _turns(row["completion"], "assistant", "completion", where))
@@ -66,10 +66,12 @@ def _turns(v, role: str, name: str, where: str) -> list[dict]:
     """A prompt or completion: a text (one ``role`` message) or a list of messages."""
     if isinstance(v, str):
         return [{"role": role, "content": v}]
-    return _message_list(v, name, where)
+    return message_list(v, name, where)
 
 
-def _message_list(v, name: str, where: str) -> list[dict]:
+def message_list(v, name: str, where: str) -> list[dict]:
+    """``v`` (the row's ``name`` field) as a list of {role, content} messages, or one
+    DataError naming ``where``: prepare's rows and generate's conversations alike."""
     if not isinstance(v, list) or not v:
         what = "an empty list" if isinstance(v, list) else f"a {type(v).__name__}"
         raise DataError(f"{where}: {name!r} is {what}, not a list of {{role, content}} messages")
@@ -168,16 +170,7 @@ def _parquet(path: Path, key: str) -> Iterator[tuple[Conversation, int]]:
 
 
 def _hf(path: Path, key: str) -> Iterator[tuple[Conversation, int]]:
-    try:
-        import datasets  # deferred: optional and slow to import, HF dataset inputs only
-    except ImportError:
-        raise DataError(f"{path} needs the 'datasets' package: pip install datasets") from None
-    try:
-        parts = hf_parts(datasets, path)
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - datasets and pyarrow: any failure is a bad file
-        raise DataError(f"HF dataset {path} cannot be read: {first_line(e)}") from None
+    parts = open_hf_parts(path)
     size = Input(path, "hf").size() or 1
     total = sum(len(d) for d in parts)
     errors = arrow_errors()

@@ -276,17 +276,22 @@ def _parquet(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]
                         path.stat().st_size, skip_bad)
 
 
-def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
+def open_hf_parts(path: Path) -> list:
+    """An HF ``datasets`` saved directory's datasets (each split), or one DataError."""
     try:
         import datasets  # deferred: optional and slow to import, HF dataset inputs only
     except ImportError:
         raise DataError(f"{path} needs the 'datasets' package: pip install datasets") from None
     try:
-        parts = hf_parts(datasets, path)
+        return hf_parts(datasets, path)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow: any failure is a bad file
         raise DataError(f"HF dataset {path} cannot be read: {first_line(e)}") from None
+
+
+def _hf(path: Path, key: str, skip_bad: bool) -> Iterator[tuple[tuple, int]]:
+    parts = open_hf_parts(path)
     size = Input(path, "hf").size() or 1
     total = sum(len(d) for d in parts)
     for ds in parts:
