@@ -129,6 +129,8 @@ def test_generate_chat_matches_transformers_on_the_export(tiny, tmp_path, capsys
     with world_of_one(tmp_path) as ctx:
         trainer.check_out_dir(cfg)
         trainer.train(cfg, ctx)
+    # the start-up line names the model it trains: the HF directory's, not model.name's
+    assert f"oases: hf:{tiny} (llama, " in capsys.readouterr().out
     convs = tmp_path / "convs.jsonl"
     convs.write_text(json.dumps({"messages": CONVERSATIONS[1] + [
         {"role": "assistant", "content": "tac"}]}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")

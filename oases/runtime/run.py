@@ -221,7 +221,9 @@ def _degrees(cfg: Config, ctx: ParallelContext,
 def _describe(cfg: Config, ctx: ParallelContext, n_params: int, split: str) -> str:
     par = cfg.parallel
     layout = f"pp {ctx.pp} x " if ctx.pp > 1 else ""
-    return (f"oases: {cfg.model.name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
+    # a model from init_from is that directory's, whatever model.name says
+    name = cfg.model.init_from or cfg.model.name
+    return (f"oases: {name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
             f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
             f"schedule {par.schedule}, recompute {par.recompute}"
             f"{f', {split}' if split else ''}"
