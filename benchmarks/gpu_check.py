@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from benchmarks.lib.gpu_env import REPO, describe, environment, run_cuda_tests, slug
+from benchmarks.lib.driver import rerender
 from benchmarks.lib.gpu_report import write_report
 from benchmarks.lib.kernel_overlap import trace_hidden_fraction
 from oases.config import load_config
@@ -321,9 +322,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                    help="folder of gpu-<device>.md/.json")
+    p.add_argument("--from-json", help="write the .md of a saved results JSON again (no "
+                   "runs), beside it or to the --out prefix")
     p.add_argument("--trace-worker", help=argparse.SUPPRESS)
     p.add_argument("--trace-mode", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.from_json:
+        out = args.out if args.out != p.get_default("out") else None
+        return rerender(Path(args.from_json), lambda prefix, data: write_report(
+            data, prefix, json_too=False), out=out)
     if args.trace_worker:
         trace_worker(args.trace_worker, args.trace_mode, args.mbs)
         return 0

@@ -108,7 +108,8 @@ def _host(h) -> list[str]:
     return out + [""]
 
 
-def write_report(res: dict, out: Path) -> None:
+def write_report(res: dict, out: Path, json_too: bool = True) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    if json_too:
+        out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
     out.with_suffix(".md").write_text("\n".join(lines(res)) + "\n")
