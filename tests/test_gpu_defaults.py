@@ -143,8 +143,14 @@ def test_peak_memory_counts_from_the_reset():
     y = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     got = metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"]
     assert 64 / 1024 <= got < 256 / 1024, got
-    del y  # the read resets the peak: the next one counts from here
-    assert metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"] < 64 / 1024
+    # The read resets the peak to what is allocated then (y), so the next read counts
+    # from there: y's 64 MiB, not x's 256, however little is allocated after.
+    del y
+    again = metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"]
+    assert 64 / 1024 <= again < 256 / 1024, again
+    z = torch.empty(16 * 2**20, dtype=torch.uint8, device="cuda")  # y freed at that reset
+    assert 16 / 1024 <= metrics.memory_gib(torch.device("cuda"))["peak_mem_gib"] < 64 / 1024
+    del z
 
 
 # ---------------------------------------------------------------------------
