@@ -96,6 +96,9 @@ class ParallelConfig(Section):
     # start ahead of DP/ZeRO traffic queued on the GPU (docs/overlap.md)
     nccl_high_priority_tp: bool = False
     dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
+    # the dtype DP/ZeRO gradients are summed in on the wire; they accumulate in fp32
+    # either way (bf16: half the bytes, a coarser sum; docs/zero.md)
+    grad_reduce_dtype: str = "fp32"
     # Sharded data parallelism over the dp ranks (and the replicas of a block below the
     # full TP degree): 0 replicated; 1 Adam state sharded; 2 + gradients (reduce-scatter
     # instead of all-reduce); 3 + parameters (all-gathered before each block, freed
@@ -167,6 +170,7 @@ class ParallelConfig(Section):
             raise ConfigError("parallel.nccl_high_priority_tp needs NCCL on CUDA (parallel."
                               f"backend={self.backend}, parallel.device={self.device})")
         positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
+        choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
         choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
         positive("parallel.plan_trials", self.plan_trials)

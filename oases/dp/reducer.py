@@ -66,11 +66,20 @@ from oases.parallel.comm import (all_reduce, comm_scope, current_scope, group_si
                                  require_default_stream)
 
 
+# parallel.grad_reduce_dtype: the dtype buckets are summed in (None: the gradients' own)
+REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, device, dtype,
-                 prescale: Optional[float] = None, level: int = 0) -> None:
+                 prescale: Optional[float] = None, level: int = 0,
+                 wire: Optional[torch.dtype] = None) -> None:
         self.params = params
         self.group = group
+        # the dtype the gradients cross the links in (None: the buffer's): the buffer keeps
+        # accumulating in its own dtype, a copy in ``wire`` is summed and copied back
+        self.wire = wire if wire is not None and wire != dtype else None
+        self.sent: Optional[torch.Tensor] = None  # that copy, while its sum is in flight
         self.prescale = prescale  # multiply before the sum instead of dividing by dp after
         G = group_size(group)
         self.level = level if G > 1 and prescale is None else 0
@@ -86,7 +95,8 @@ class _Bucket:
             self.views.append(self.buffer[off: off + p.numel()].view_as(p))
             p.grad = self.views[-1]
             off += p.numel()
-        self.zero = ShardedFlat(params, self.buffer, group, self.level) if self.level else None
+        self.zero = (ShardedFlat(params, self.buffer, group, self.level, self.wire)
+                     if self.level else None)
 
     def attach(self) -> None:
         for p, v in zip(self.params, self.views):
@@ -111,7 +121,7 @@ class GradReducer:
                  then: Optional[Callable[[], None]] = None,
                  level_of: Optional[Callable[[nn.Parameter], int]] = None,
                  tied_head: bool = False, prefetch: bool = True,
-                 zero: bool = False) -> None:
+                 zero: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
@@ -120,8 +130,11 @@ class GradReducer:
         ZeRO level of the parameter's block (default 0); ``tied_head``: the head uses
         the embedding block's table (level 3 gathers it for the head too). ``zero``: the
         run asks for ZeRO anywhere (the same on every rank, every stage): clipping then
-        measures the owned pieces, with the same collectives everywhere."""
+        measures the owned pieces, with the same collectives everywhere. ``reduce_dtype``
+        (``parallel.grad_reduce_dtype``): the dtype DP buckets are summed in (default:
+        the gradients'); gradients still accumulate in theirs, and the sum lands there."""
         self._then = then
+        self._reduce_dtype = reduce_dtype
         self.norm_by_terms = zero  # clip_grads: measure through grad_terms
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -177,8 +190,10 @@ class GradReducer:
         self.ownership.close()
 
     def _add(self, params, group) -> None:
-        b = _Bucket(params, group, params[0].device, params[0].dtype,
-                    self._prescale_of(params[0]), self._level_of(params[0]))
+        prescale = self._prescale_of(params[0])
+        # the tied table's bucket (prescaled, summed over two stages) stays in its dtype
+        b = _Bucket(params, group, params[0].device, params[0].dtype, prescale,
+                    self._level_of(params[0]), None if prescale is not None else self._reduce_dtype)
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b
@@ -231,7 +246,9 @@ class GradReducer:
             return
         if b.prescale is not None:
             b.buffer.mul_(b.prescale)
-        b.work = all_reduce(b.buffer, b.group, async_op=True)
+        if b.wire is not None:
+            b.sent = b.buffer.to(b.wire)
+        b.work = all_reduce(b.buffer if b.sent is None else b.sent, b.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and average over dp (then run ``then``)."""
@@ -268,6 +285,9 @@ class GradReducer:
             if b.work is not None:
                 b.work.wait()  # the current (default) stream: the optimizer's
                 b.work = None
+            if b.sent is not None:
+                b.buffer.copy_(b.sent)
+                b.sent = None
             if b.prescale is None and self.dp > 1:
                 b.buffer.div_(self.dp)
 

@@ -31,7 +31,7 @@ buffer is re-gathered, which :class:`~oases.dp.store.ParamStore` guarantees befo
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -110,8 +110,12 @@ class ShardedFlat:
     optimizer segments with their flat Adam state."""
 
     def __init__(self, params: list[nn.Parameter], grads: torch.Tensor, group,
-                 level: int) -> None:
+                 level: int, wire: Optional[torch.dtype] = None) -> None:
+        """``wire``: the dtype the gradients are reduce-scattered in (None: theirs)."""
         self.params, self.group, self.level = params, group, level
+        self.wire = wire
+        self._sent: Optional[torch.Tensor] = None      # the full gradients in ``wire``
+        self._summed: Optional[torch.Tensor] = None    # the owned range's sum in ``wire``
         self.G, self.r = group_size(group), group_rank(group)
         n = grads.numel()
         assert n % self.G == 0, "the bucket's flat length is padded to the group size"
@@ -172,7 +176,13 @@ class ShardedFlat:
             self.grads.zero_()
 
     def launch_reduce(self):
-        self.rs_work = reduce_scatter_flat(self.grad_shard, self.grads, self.group)
+        if self.wire is None:
+            self.rs_work = reduce_scatter_flat(self.grad_shard, self.grads, self.group)
+            return self.rs_work
+        self._sent = self.grads.to(self.wire)
+        free_(self.grads)  # stream-ordered: the cast above reads it first
+        self._summed = torch.empty(self.s, device=self._sent.device, dtype=self.wire)
+        self.rs_work = reduce_scatter_flat(self._summed, self._sent, self.group)
         return self.rs_work
 
     def finish_reduce(self, dp: int) -> None:
@@ -181,7 +191,11 @@ class ShardedFlat:
             # and reuse the freed buffer, all run on the default stream
             self.rs_work.wait()
             self.rs_work = None
-            if dist.get_backend(self.group) == "gloo":  # an all-reduce: keep the owned range
+            gloo = dist.get_backend(self.group) == "gloo"  # an all-reduce: keep the owned range
+            if self._sent is not None:
+                self.grad_shard.copy_(self._sent[self.lo: self.hi] if gloo else self._summed)
+                self._sent = self._summed = None
+            elif gloo:
                 self.grad_shard.copy_(self.grads[self.lo: self.hi])
         free_(self.grads)
         if dp > 1:

@@ -53,7 +53,8 @@ def run_shape(cfg):
                     grad_accum=cfg.train.grad_accum, sub_batches=cfg.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
                     act_bytes=2 if run_precision(cfg) == "bf16" else 4,
-                    overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel)
+                    overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel,
+                    grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4)
 
 
 def report(plan, cm, uni, log=print) -> None:

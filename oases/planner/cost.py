@@ -94,6 +94,7 @@ class RunShape:
     residual_bytes: int = 4      # bytes per element of the residual stream (fp32 either way)
     overlap_fb: bool = False     # oases: each backward paired with the next forward
     sequence_parallel: bool = False  # activations outside the matmuls split over TP
+    grad_reduce_bytes: int = 4   # bytes per gradient element summed over dp (parallel.grad_reduce_dtype)
 
 
 class CostModel:
@@ -217,7 +218,7 @@ class CostModel:
         """Summing a degree-t block's gradients over its tp/t replicas x dp (one call)."""
         if self.run.dp * self.tp // t < 2:
             return 0.0
-        nbytes = self.shape.rank_params(kind, t) * 4
+        nbytes = self.shape.rank_params(kind, t) * self.run.grad_reduce_bytes
         groups = grad_groups(t, self.tp, self.run.dp)
         fit = self.comm.fitted("grad_all_reduce", str(t), nbytes, groups)
         wire = fit if fit is not None else max(self.comm.all_reduce(nbytes, g) for g in groups)
@@ -332,7 +333,8 @@ class CostModel:
         compute under oases, where it overlaps the backward."""
         if not self.sync[k, t] or self.run.schedule != "oases":
             return 0.0
-        return self.shape.rank_params(k, t) * 4 * self.sync_cpu_per_byte()
+        return self.shape.rank_params(k, t) * self.run.grad_reduce_bytes * \
+            self.sync_cpu_per_byte()
 
     def calls(self, t: int) -> float:
         """The per-call cost of one activation collective at degree t (none at 1). Under

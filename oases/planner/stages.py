@@ -109,6 +109,7 @@ class Job:
     residual_bytes: int = 4
     sequence_parallel: bool = False  # then only a tp that divides the sequence
     pp_virtual: int = 1        # chunks per rank under interleaved-1f1b
+    grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: 4 fp32, 2 bf16
 
     @property
     def splits(self) -> int:
@@ -120,7 +121,8 @@ class Job:
                         sub_batches=self.sub_batches, schedule=self.schedule,
                         recompute=self.recompute, act_bytes=self.act_bytes,
                         residual_bytes=self.residual_bytes,
-                        sequence_parallel=self.sequence_parallel)
+                        sequence_parallel=self.sequence_parallel,
+                        grad_reduce_bytes=self.grad_reduce_bytes)
 
 
 def job_from_config(cfg) -> Job:
@@ -129,7 +131,8 @@ def job_from_config(cfg) -> Job:
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
                2 if run_precision(cfg) == "bf16" else 4,
-               sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual)
+               sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual,
+               grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4)
 
 
 def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:

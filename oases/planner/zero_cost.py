@@ -22,6 +22,8 @@ Owned ranges are padded to a multiple of G (a few elements per bucket).
 
 from __future__ import annotations
 
+from typing import Optional
+
 _FACTOR = {0: (1, 1, 1), 1: (1, 1, 0), 2: (1, 0, 0), 3: (0, 0, 0)}  # 1: whole, 0: / G
 _MOVED = {0: 2, 1: 3, 2: 2, 3: 3}  # (G-1)/G n e units
 
@@ -36,15 +38,21 @@ def zero_memory(n: int, elem: int, level: int, dp: int) -> dict[str, float]:
             "optim": 8 * n / div(whole_o)}
 
 
-def zero_traffic(n: int, elem: int, level: int, dp: int) -> float:
-    """Bytes a rank sends per step for the block's data parallelism at ``level``."""
+def zero_traffic(n: int, elem: int, level: int, dp: int,
+                 reduce_elem: Optional[int] = None) -> float:
+    """Bytes a rank sends per step for the block's data parallelism at ``level``;
+    ``reduce_elem``: bytes per gradient element on the wire (default ``elem``;
+    ``parallel.grad_reduce_dtype``), the parameter gathers stay at ``elem``."""
     if dp <= 1:
         return 0.0
-    return _MOVED[level] * (dp - 1) / dp * n * elem
+    r = elem if reduce_elem is None else reduce_elem
+    reduced = 2 if level < 2 else 1        # all-reduce, or reduce-scatter (units below)
+    return (reduced * r + (_MOVED[level] - reduced) * elem) * (dp - 1) / dp * n
 
 
 def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,
-                   fwd_compute_s: float, bwd_compute_s: float) -> float:
+                   fwd_compute_s: float, bwd_compute_s: float,
+                   reduce_elem: Optional[int] = None) -> float:
     """Seconds per step a block's data parallelism adds at ``level`` on a link of
     ``link_Bps`` bytes/s, overlap-aware as the TP collectives are: level 3's forward
     all-gather hides behind the previous block's forward (prefetch), its backward
@@ -54,7 +62,8 @@ def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,
     if dp <= 1:
         return 0.0
     piece = (dp - 1) / dp * n * elem / link_Bps       # one all-gather or reduce-scatter
-    reduce = 2 * piece                                # all-reduce (or RS on NCCL: piece)
+    r = elem if reduce_elem is None else reduce_elem
+    reduce = 2 * piece * r / elem                     # all-reduce (or RS on NCCL: piece)
     if level == 0:
         return max(0.0, reduce - bwd_compute_s)
     if level in (1, 2):

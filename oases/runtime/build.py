@@ -10,7 +10,7 @@ import torch
 from oases.models import Parallelism, arch_class, build
 from oases.config import Config
 from oases.pipeline.schedules import SPLIT_KINDS
-from oases.dp.reducer import GradReducer, TiedTableSync
+from oases.dp.reducer import REDUCE_DTYPES, GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
 from oases.overlap.engines import build_engine
 from oases.parallel.groups import ParallelContext
@@ -103,7 +103,7 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
                           prescale_of=prescale_of, level_of=level_of,
                           then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch,
-                          zero=any_zero)
+                          zero=any_zero, reduce_dtype=REDUCE_DTYPES[par.grad_reduce_dtype])
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
     reducer.ownership.seed_optimizer(opt)
     schedule = build_engine(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
