@@ -22,7 +22,9 @@ oases sets **2**: waits never block the host, the watchdog times every collectiv
 (synchronous ones included), and a hung collective gets its group's communicators
 aborted; the next collective the run issues on an aborted communicator raises ("NCCL
 communicator was aborted"), and the run ends as on any collective failure, with one
-line and exit status 4, about ``parallel.timeout_s`` plus the dump wait after the hang.
+line and exit status 4. The watchdog is slow to get there (it sleeps 4 x the dump wait
+per queued collective first), so the trainer's :mod:`~oases.parallel.nccl_watch` ends
+the run ``parallel.timeout_s`` plus the dump's few seconds after the hang.
 The flight recorder keeps the last :data:`FLIGHT_RECORDER` collectives of each rank
 (``TORCH_FR_BUFFER_SIZE``) and dumps them on a timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
 to ``<out_dir>/nccl_trace/rank_<r>`` (``TORCH_FR_DUMP_TEMP_FILE``), as torchtitan does.

@@ -24,6 +24,7 @@ from oases.errors import CollectiveError, UserError
 from oases.parallel.groups import (ParallelContext, backend_for, init_distributed, init_kwargs,
                                    join_world, pick_device)
 from oases.parallel.nccl_env import error_handling, kernel_order, prepare_backend
+from oases.parallel.nccl_watch import watch_run
 from oases.planner import auto_layout
 from oases.planner.online import resolve_layout
 from oases.runtime import checkpoint as ckpt
@@ -163,6 +164,8 @@ def _claimer(cfg: Config, ctx: ParallelContext, lock: RunLock):
 def _run_in_world(cfg: Config, ctx: ParallelContext, lock: RunLock,
                   cuda_note: str = "") -> None:
     failed = False
+    # NCCL: a hung collective ends the run at once, not after the watchdog's sleeps
+    watch = watch_run(ctx.rank, cfg.parallel.timeout_s) if dist.get_backend() == "nccl" else None
     try:
         train(cfg, ctx, _claimer(cfg, ctx, lock), cuda_note)
     except (RuntimeError, ckpt.CheckpointException) as e:
@@ -174,6 +177,8 @@ def _run_in_world(cfg: Config, ctx: ParallelContext, lock: RunLock,
             f"parallel.timeout_s={cfg.parallel.timeout_s:g}: a peer rank died or hangs "
             f"({ckpt.first_line(ckpt.cause(e), None)})") from e
     finally:
+        if watch is not None:
+            watch.stop()
         if dist.is_initialized() and failed and dist.get_backend() == "nccl":
             # NCCL's graceful teardown flushes every communicator's work in flight, which
             # waits on the peer that is gone, before the one line is printed: abort
