@@ -73,7 +73,8 @@ REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.b
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, device, dtype,
                  prescale: Optional[float] = None, level: int = 0,
-                 wire: Optional[torch.dtype] = None) -> None:
+                 wire: Optional[torch.dtype] = None,
+                 gather_dtype: Optional[torch.dtype] = None) -> None:
         self.params = params
         self.group = group
         # the dtype the gradients cross the links in (None: the buffer's): the buffer keeps
@@ -95,8 +96,8 @@ class _Bucket:
             self.views.append(self.buffer[off: off + p.numel()].view_as(p))
             p.grad = self.views[-1]
             off += p.numel()
-        self.zero = (ShardedFlat(params, self.buffer, group, self.level, self.wire)
-                     if self.level else None)
+        self.zero = (ShardedFlat(params, self.buffer, group, self.level, self.wire,
+                                 gather_dtype) if self.level else None)
 
     def attach(self) -> None:
         for p, v in zip(self.params, self.views):
@@ -121,7 +122,8 @@ class GradReducer:
                  then: Optional[Callable[[], None]] = None,
                  level_of: Optional[Callable[[nn.Parameter], int]] = None,
                  tied_head: bool = False, prefetch: bool = True,
-                 zero: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 zero: bool = False, reduce_dtype: Optional[torch.dtype] = None,
+                 gather_dtype: Optional[torch.dtype] = None) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
@@ -132,9 +134,11 @@ class GradReducer:
         run asks for ZeRO anywhere (the same on every rank, every stage): clipping then
         measures the owned pieces, with the same collectives everywhere. ``reduce_dtype``
         (``parallel.grad_reduce_dtype``): the dtype DP buckets are summed in (default:
-        the gradients'); gradients still accumulate in theirs, and the sum lands there."""
+        the gradients'); gradients still accumulate in theirs, and the sum lands there.
+        ``gather_dtype``: the compute dtype, which level 3 gathers parameters in."""
         self._then = then
         self._reduce_dtype = reduce_dtype
+        self._gather_dtype = gather_dtype
         self.norm_by_terms = zero  # clip_grads: measure through grad_terms
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -193,7 +197,8 @@ class GradReducer:
         prescale = self._prescale_of(params[0])
         # the tied table's bucket (prescaled, summed over two stages) stays in its dtype
         b = _Bucket(params, group, params[0].device, params[0].dtype, prescale,
-                    self._level_of(params[0]), None if prescale is not None else self._reduce_dtype)
+                    self._level_of(params[0]), None if prescale is not None else self._reduce_dtype,
+                    self._gather_dtype)
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b

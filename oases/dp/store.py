@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from oases.dp.zero import ShardedFlat, free_, is_freed
+from oases.dp.zero import ShardedFlat, free_
 from oases.parallel.comm import comm_scope, current_scope
 from oases.parallel.engine import HEAD
 from oases.parallel.timing import IntervalTimer
@@ -170,8 +170,8 @@ class ParamStore:
                 if fl.work is not None:
                     fl.work.wait()
                     fl.work = None
-                elif is_freed(fl.flat):
-                    fl.gather(async_op=False)
+                # the exact parameters (not the compute dtype's rounding of them)
+                fl.gather(async_op=False, exact=True)
             self._gathered[u] = self._clock
 
     def install_hooks(self, model: nn.Module) -> list:

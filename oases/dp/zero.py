@@ -104,16 +104,35 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group):
                                                               async_op=True))
 
 
+class Widen:
+    """A gather in a narrower dtype: ``wait()`` waits for it (the current stream) and
+    copies the gathered values into the parameters' flat buffer, on that stream."""
+
+    def __init__(self, work, full: torch.Tensor, sent: torch.Tensor, flat: torch.Tensor):
+        self.work, self.full, self.sent, self.flat = work, full, sent, flat
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.flat.copy_(self.full)
+            self.work = self.full = self.sent = None  # the sent copy lived until here
+        return True
+
+
 class ShardedFlat:
     """The ZeRO state of one bucket: its flat parameters (parameters become views into
     them), the owned parameter range, the owned gradient range (level >= 2) and the
     optimizer segments with their flat Adam state."""
 
     def __init__(self, params: list[nn.Parameter], grads: torch.Tensor, group,
-                 level: int, wire: Optional[torch.dtype] = None) -> None:
-        """``wire``: the dtype the gradients are reduce-scattered in (None: theirs)."""
+                 level: int, wire: Optional[torch.dtype] = None,
+                 gather_dtype: Optional[torch.dtype] = None) -> None:
+        """``wire``: the dtype the gradients are reduce-scattered in (None: theirs);
+        ``gather_dtype``: the dtype level 3 gathers the parameters in for compute (None:
+        theirs; the owned range stays the exact master either way)."""
         self.params, self.group, self.level = params, group, level
         self.wire = wire
+        self.gather_dtype = gather_dtype if level >= 3 and gather_dtype != grads.dtype else None
         self._sent: Optional[torch.Tensor] = None      # the full gradients in ``wire``
         self._summed: Optional[torch.Tensor] = None    # the owned range's sum in ``wire``
         self.G, self.r = group_size(group), group_rank(group)
@@ -202,9 +221,20 @@ class ShardedFlat:
             self.grad_shard.div_(dp)
 
     # -- parameters ----------------------------------------------------------
-    def gather(self, async_op: bool):
+    def gather(self, async_op: bool, exact: bool = False):
+        """All-gather the parameters into ``flat``; at level 3 with a ``gather_dtype``, in
+        that dtype (half the bytes for bf16), widened into ``flat`` when the returned
+        work is waited for. ``exact``: in the parameters' own dtype (inspection)."""
         alloc_(self.flat)
-        return gather_flat(self.flat, self.shard, self.group, async_op)
+        if self.gather_dtype is None or exact:
+            return gather_flat(self.flat, self.shard, self.group, async_op)
+        full = torch.empty(self.flat.numel(), device=self.flat.device, dtype=self.gather_dtype)
+        sent = self.shard.to(self.gather_dtype)
+        work = Widen(gather_flat(full, sent, self.group, async_op=True), full, sent, self.flat)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def sync_params(self) -> None:
         """After the optimizer updated the owned range (level 1, 2): start the all-gather

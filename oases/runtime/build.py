@@ -9,6 +9,7 @@ import torch
 
 from oases.models import Parallelism, arch_class, build
 from oases.config import Config
+from oases.config.schema import resolve_precision
 from oases.pipeline.schedules import SPLIT_KINDS
 from oases.dp.reducer import REDUCE_DTYPES, GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
@@ -103,7 +104,9 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
                           prescale_of=prescale_of, level_of=level_of,
                           then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch,
-                          zero=any_zero, reduce_dtype=REDUCE_DTYPES[par.grad_reduce_dtype])
+                          zero=any_zero, reduce_dtype=REDUCE_DTYPES[par.grad_reduce_dtype],
+                          gather_dtype=torch.bfloat16 if resolve_precision(
+                              cfg.train.precision, ctx.device.type) == "bf16" else None)
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
     reducer.ownership.seed_optimizer(opt)
     schedule = build_engine(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
