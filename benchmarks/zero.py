@@ -15,7 +15,10 @@ fine), level 0-3; and ``oases+z3-noprefetch`` (parallel.zero_prefetch=false: eac
 block's all-gather waited where it is needed). The hidden fraction of ZeRO-3's
 all-gather time is 1 - wait(oases+z3) / wait(oases+z3-noprefetch), where wait is
 rank 0's time blocked on all-gathers per step (``zero_gather_wait_s`` in
-metrics.jsonl): without prefetch the whole gather time is exposed.
+metrics.jsonl): without prefetch the whole gather time is exposed. The wire dtypes
+(megatron engine, levels 0 and 3; each compared with z0 at the same dtypes):
+``+reduce-bf16`` (``parallel.grad_reduce_dtype=bf16``: gradient sums in bf16) and
+``+bf16`` (``train.precision=bf16``: bf16 compute, and level 3 gathers in bf16).
 
 Target: oases+z3 within 10% of oases+z0's tokens/s.
 Writes benchmarks/results/zero.{md,json}.
@@ -32,6 +35,11 @@ ENGINES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"]
            "oases": ["parallel.schedule=oases", "parallel.recompute=fine"]}
 MODES = {f"{e}+z{z}": [*ov, f"parallel.zero={z}"] for e, ov in ENGINES.items() for z in range(4)}
 MODES["oases+z3-noprefetch"] = [*MODES["oases+z3"], "parallel.zero_prefetch=false"]
+# the wire dtypes (docs/zero.md): bf16 gradient sums; bf16 compute, whose level 3 gathers bf16
+for z in (0, 3):
+    MODES[f"megatron+z{z}+reduce-bf16"] = [*MODES[f"megatron+z{z}"],
+                                           "parallel.grad_reduce_dtype=bf16"]
+    MODES[f"megatron+z{z}+bf16"] = [*MODES[f"megatron+z{z}"], "train.precision=bf16"]
 # deeper than the overlap benchmark's default, so a block's gather has a block's compute to hide behind
 DEFAULT_MODEL = {"d_model": 512, "n_layer": 4, "n_head": 8, "seq_len": 128, "micro_batch_size": 8,
                  "grad_accum": 1}
@@ -46,7 +54,8 @@ def render(out: Path, data: dict) -> None:
              "| mode | s/step | tokens/s | vs z0 (same engine) | gather wait s/step |",
              "|---|---:|---:|---:|---:|"]
     for mode, r in per.items():
-        base = per.get(mode.split("+")[0] + "+z0")
+        wire = mode.split("+")[2:]  # a wire-dtype mode: against z0 at the same dtypes
+        base = per.get("+".join([mode.split("+")[0], "z0", *wire]))
         ratio = f"{base['step_time_s'] / r['step_time_s']:.2f}x" if base else "-"
         wait = r["zero_gather_wait_s"]
         lines.append(f"| {mode} | {r['step_time_s']:.3f} | "

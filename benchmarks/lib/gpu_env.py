@@ -53,7 +53,36 @@ def environment() -> dict:
         env["nccl"] = None
     env["peak_bf16_flops"] = peak_for(name, "bf16")
     env["peak_fp32_flops"] = peak_for(name, "fp32")
+    env["launch_us"] = launch_us(torch.device("cuda", 0))
     return env
+
+
+def launch_us(device: torch.device, n: int = 2000) -> dict:
+    """The host's microseconds to issue one tiny kernel (an add into a 16-element tensor)
+    and one small bf16 matmul (8 x 256 by 256 x 256): what every op of a step costs the
+    host before the GPU sees it, whatever its size (medians of 3 runs of ``n``)."""
+    a, b = torch.ones(16, device=device), torch.ones(16, device=device)
+    c = torch.empty(16, device=device)
+    x = torch.ones(8, 256, device=device, dtype=torch.bfloat16)
+    w = torch.ones(256, 256, device=device, dtype=torch.bfloat16)
+    out = {}
+    for name, op in (("add", lambda: torch.add(a, b, out=c)),
+                     ("linear_bf16", lambda: torch.nn.functional.linear(x, w))):
+        runs = []
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                op()
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize(device)
+        out[name] = sorted(runs)[1]
+    return out
+
+
+def launch_line(us: dict) -> str:
+    return (f"host: {us['add']:.1f} us to issue a tiny kernel, {us['linear_bf16']:.1f} us a "
+            f"small bf16 matmul")
 
 
 def describe(env: dict) -> list[str]:
@@ -66,6 +95,8 @@ def describe(env: dict) -> list[str]:
     lines.append(f"{len(env['gpus'])} GPU(s): {', '.join(names)}, "
                  f"{env['gpus'][0]['memory_gib']:.1f} GiB each; driver {env['driver'] or '?'}, "
                  f"NCCL {env['nccl'] or '?'}")
+    if env.get("launch_us"):
+        lines.append(launch_line(env["launch_us"]))
     peak = env["peak_bf16_flops"]
     lines.append("assumed dense bf16 peak: " + (f"{peak / 1e12:.0f} TFLOP/s" if peak else
                  "unknown for this GPU (MFU not reported; add it to "

@@ -43,12 +43,12 @@ MODES = ["megatron+full", "oases+fine+1", "oases+fine+2"]
 def _config(model: str, mode: str, tp: int, mbs: int, device: str = "cuda"):
     from oases.config import load_config  # deferred: the parent process only spawns
 
-    engine, recompute, *n = mode.split("+")
+    engine, recompute, *rest = mode.split("+")
     over = [f"model.name={model}", f"parallel.tp={tp}", f"parallel.schedule={engine}",
             f"parallel.recompute={recompute}", f"train.micro_batch_size={mbs}",
             "train.precision=bf16", f"parallel.device={device}", "data.kind=synthetic"]
-    if n:
-        over.append(f"parallel.sub_batches={n[0]}")
+    for r in rest:  # a sub-batch count, or "compile" (parallel.compile: fewer, fused kernels)
+        over.append("parallel.compile=true" if r == "compile" else f"parallel.sub_batches={r}")
     return load_config(None, over).validate(tp)
 
 

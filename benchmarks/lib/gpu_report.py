@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.lib.gpu_env import launch_line
+
 
 def _pct(x) -> str:
     return f"{100 * x:.1f}%" if x is not None else "n/a"
@@ -26,6 +28,8 @@ def lines(res: dict) -> list[str]:
            f"{env.get('driver') or '?'}, CUDA {env['cuda']}, NCCL {env.get('nccl') or '?'}, "
            f"torch {env['torch']}; MFU against a dense bf16 peak of "
            + (f"{peak / 1e12:.0f} TFLOP/s." if peak else "(unknown: no MFU)."), ""]
+    if env.get("launch_us"):  # the host's cost per op (older results lack it)
+        out += [launch_line(env["launch_us"]).capitalize() + ".", ""]
     out += _waits(res.get("waits")) + _host(res.get("host"))
     tests = res.get("tests")
     if tests:
