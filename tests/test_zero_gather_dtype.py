@@ -72,6 +72,7 @@ def test_zero3_bf16_gathers_track_zero0(schedule, recompute, world, tp):
     run_distributed(_parity_body, world=world, tp=tp, args=(schedule, recompute))
 
 
+@pytest.mark.slow
 def test_zero3_bf16_resume_is_exact(tmp_path):
     """The checkpoint holds the fp32 master (the owned ranges), not the bf16 gathers: a
     resume at the same layout gives the same losses and norms, bit for bit."""
