@@ -286,6 +286,11 @@ class GradReducer:
             if b.level >= 2:
                 b.zero.finish_reduce(self.dp)
                 b.work = None
+                # the whole gradient buffer is freed: a .grad still viewing it would read
+                # freed memory; the optimizer reads the owned range (its segments' .grad),
+                # and zero_grad() gives every parameter its view back before the backward
+                for p in b.params:
+                    p.grad = None
                 continue
             if b.work is not None:
                 b.work.wait()  # the current (default) stream: the optimizer's
