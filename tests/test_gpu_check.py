@@ -24,7 +24,7 @@ def _k(name, ts, dur, dev=0):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path needs a machine "
                     "without CUDA")
-def test_without_a_gpu_it_skips_with_the_reason_and_writes_nothing(tmp_path):
+def test_without_a_gpu_it_skips_with_the_reason_and_writes_nothing(tmp_path, monkeypatch):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
@@ -33,6 +33,8 @@ def test_without_a_gpu_it_skips_with_the_reason_and_writes_nothing(tmp_path):
     assert f"torch {torch.__version__}" in proc.stdout
     assert "gpu-check: skipped: no CUDA device is visible" in proc.stdout
     assert not out.exists()
+    # in this process main() sets CUDA_DEVICE_MAX_CONNECTIONS: gone again at teardown
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     assert main(["--out", str(out), "--skip-tests"]) == 0 and not out.exists()
     assert environment()["gpus"] == []
 

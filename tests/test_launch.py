@@ -28,8 +28,11 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
 
 
 def launch(env: dict, *args: str) -> subprocess.CompletedProcess:
+    # what an earlier test in this process set (a trainer's kernel order, NCCL's error
+    # handling) would read as the user's choice: only ``env`` chooses here
     full = {k: v for k, v in os.environ.items()
-            if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")}
+            if not k.startswith(("SLURM_", "TORCH_NCCL_", "NCCL_"))
+            and k not in ("MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")}
     full.update(env)
     return subprocess.run([sys.executable, "-m", "oases.launch", "slurm", *args], cwd=ROOT,
                           env=full, capture_output=True, text=True, timeout=60)
