@@ -1,0 +1,322 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a
+context-parallel (cp) group, key/value blocks passed around the ring.
+
+Each rank holds its head-tail tokens (:mod:`oases.parallel.cp_chunks`): queries, keys
+and values of ``Tl = T / cp`` tokens. At step s = 0 .. cp-1 rank r holds the kv block
+of rank ``src = (r - s) mod cp`` and computes its queries' attention against it: a
+partial output ``o_s`` (normalised over that block) and its log-sum-exp ``l_s``. The
+partials merge exactly, whatever their order, by
+
+    l = log(exp(l_a) + exp(l_b)),   o = exp(l_a - l) o_a + exp(l_b - l) o_b
+
+so after cp steps the output is softmax attention over the whole sequence. Only the
+kv heads travel (GQA: each query head group reads its kv head locally), as one
+(2, B, Hkv, Tl, D) message per step. Which parts of a block are computed under the
+causal mask (full, diagonal, skipped) is :func:`oases.parallel.cp_chunks.block_plan`.
+
+**Backward** (the standard ring backward): the rank recomputes each block's
+probabilities from q, k, the block's keys and the saved *global* output and lse,
+``P = exp(q k^T s - lse)``, ``dS = P (dO v^T - rowsum(dO o))``; dq accumulates
+locally, and each block's dk/dv accumulator travels with it: rank r adds its share to
+the accumulator of the block it holds and passes it on, so after the cp-th hop every
+accumulator is home with every rank's share. Accumulators travel in fp32.
+
+**Overlap.** The receive of the next kv block (and in backward, of the next dk/dv
+accumulator) is posted before the current block's attention is computed and waited
+only when the next step needs it, so the transfer runs behind the compute.
+``overlap=False`` waits at once (the reference for measuring how much hides).
+``trace`` (a list) records the order: ``("post_recv", s)`` when the receive of step s's
+block is posted, ``("attend", s)`` when step s's attention starts, ``("wait", s)`` when
+step s's block is waited for; backward records ``("bwd_post_recv", s)``,
+``("bwd_attend", s)``, ``("bwd_wait", s)``, and ``("bwd_wait_dkv", s)`` when the
+accumulator of step s's block has arrived.
+
+**NCCL's rules.** Every exchange is one ``batch_isend_irecv`` of [send to r+1, receive
+from r-1] on the cp group, and every rank issues the same sequence of exchanges
+(forward: kv of steps 1 .. cp-1; backward: kv of step s+1 then the accumulator of step
+s, for each s, the last accumulator going home), so the n-th batch of each rank meets
+the n-th batch of both neighbours on the group's one stream.
+
+**Document masks.** ``doc`` is the (B, T) document number of every token of the whole
+sequence, on every rank (:attr:`oases.models.documents.Documents.doc`). A rank slices
+the ids of the block it holds at each step from it rather than ring them along: they
+are one integer per token against the 2 Hkv D values of k and v, every rank has the
+whole row from the data loader anyway, and no second message per step has to be
+ordered on the group. A query attends a key of its own document only (and causally).
+
+**Kernels.** On CPU, and wherever a mask beyond the causal one is needed, each block is
+plain matmul + softmax in fp32 that returns the lse (the score matrix of one block is
+materialised: (B, Hq, Tq, Tk)). On CUDA without documents the forward uses the fused
+kernel SDPA would pick that returns an lse (flash in fp16/bf16, memory-efficient
+otherwise), with kv heads expanded for it; the backward is the fp32 math above on
+every device. Attention dropout is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.parallel.comm import group_rank, group_size
+from oases.parallel.cp_chunks import Block, block_plan, shard_sequence
+
+# the fused CUDA forward (flash / memory-efficient kernels returning an lse); False
+# keeps every device on the fp32 math path
+FUSED_ON_CUDA = True
+
+
+class _Ring:
+    """The cp group's ring: this rank sends to the next and receives from the previous."""
+
+    def __init__(self, group, cp: int, rank: int) -> None:
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Post [send ``send`` to next, receive ``recv`` from prev] as one batch: the same
+        order on every rank, so NCCL pairs each rank's batch with its neighbours'."""
+        # dist.isend/irecv looked up per call: tests swap them for NCCL's semantics
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, Hq, T, D) -> (B, Hkv, Hq/Hkv, T, D): query head h reads kv head h // (Hq/Hkv),
+    as ``repeat_interleave`` of the kv heads (and SDPA's ``enable_gqa``) pairs them."""
+    B, hq, T, D = q.shape
+    return q.view(B, hkv, hq // hkv, T, D)
+
+
+def _block_mask(blk: Block, doc_q: Optional[torch.Tensor], doc_k: Optional[torch.Tensor],
+                device) -> Optional[torch.Tensor]:
+    """Bool (B or 1, 1, 1, Tq, Tk), True where a query may attend, or None (every pair)."""
+    mask = None
+    if blk.causal:
+        tq, tk = blk.q.stop - blk.q.start, blk.k.stop - blk.k.start
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=device).tril()[None, None, None]
+    if doc_q is not None:
+        same = (doc_q[:, blk.q, None] == doc_k[:, None, blk.k])[:, None, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _math_forward(q, k, v, mask, scale: float):
+    """fp32 attention of q (B, Hq, Tq, D) over k, v (B, Hkv, Tk, D): (out (B, Hq, Tq, D),
+    lse (B, Hq, Tq)); a row with no key allowed has lse -inf and out 0."""
+    B, hq, tq, D = q.shape
+    qg = _grouped(q.float(), k.shape[1])
+    s = qg @ k.float().unsqueeze(2).transpose(-1, -2) * scale       # (B, Hkv, g, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                 # (B, Hkv, g, Tq)
+    p = torch.exp(s - _finite(lse)[..., None])
+    out = p @ v.float().unsqueeze(2)                                 # (B, Hkv, g, Tq, D)
+    return out.reshape(B, hq, tq, D), lse.reshape(B, hq, tq)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (no key) as 0: exp(-inf - 0) = 0 where exp(-inf - -inf) is NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _fused_forward(q, k, v, causal: bool, scale: float):
+    """The CUDA kernels' (out, lse), or None where neither takes the call."""
+    r = q.shape[1] // k.shape[1]
+    if r > 1:  # the kernels want equal head counts: expand locally, only kv heads travel
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
+    if torch.backends.cuda.can_use_flash_attention(params, False):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                 scale=scale)
+        return res[0], res[1]
+    if torch.backends.cuda.can_use_efficient_attention(params, False):
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :q.shape[2]]  # the kernel pads the lse rows to 32
+    return None
+
+
+def _attend(q, k, v, blk: Block, doc_q, doc_k, scale: float):
+    """One block's (out fp32, lse fp32) of the rows ``blk.q`` against keys ``blk.k``, or
+    None when the documents leave no pair to compute."""
+    q, k, v = q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k]
+    if q.is_cuda and FUSED_ON_CUDA and doc_q is None:
+        res = _fused_forward(q, k, v, blk.causal, scale)
+        if res is not None:
+            return res[0].float(), res[1].float()
+    mask = _block_mask(blk, doc_q, doc_k, q.device)
+    if mask is not None and doc_q is not None and not bool(mask.any()):
+        return None
+    return _math_forward(q, k, v, mask, scale)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor,
+           rows: slice) -> None:
+    """Merge a block's (o_b, l_b) of query ``rows`` into the running (out, lse), in place."""
+    o_a, l_a = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l_a, l_b)
+    base = _finite(new)
+    o_a.mul_(torch.exp(l_a - base)[..., None]).add_(torch.exp(l_b - base)[..., None] * o_b)
+    l_a.copy_(new)
+
+
+def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: float):
+    """fp32 (dq, dk, dv) of one block, from the global out/lse: dq for rows ``blk.q``,
+    dk/dv for keys ``blk.k``; None when the documents leave nothing."""
+    mask = _block_mask(blk, doc_q, doc_k, q.device)
+    if mask is not None and doc_q is not None and not bool(mask.any()):
+        return None
+    hkv = k.shape[1]
+    qg = _grouped(q[:, :, blk.q].float(), hkv)                        # (B, Hkv, g, Tq, D)
+    dog = _grouped(dout[:, :, blk.q], hkv)
+    kb = k[:, :, blk.k].float().unsqueeze(2)                          # (B, Hkv, 1, Tk, D)
+    vb = v[:, :, blk.k].float().unsqueeze(2)
+    B, hq, tq, D = dout[:, :, blk.q].shape
+    lse_g = lse[:, :, blk.q].reshape(B, hkv, hq // hkv, tq)
+    delta_g = delta[:, :, blk.q].reshape(B, hkv, hq // hkv, tq)
+    s = qg @ kb.transpose(-1, -2) * scale                             # (B, Hkv, g, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse_g[..., None])
+    dv = (p.transpose(-1, -2) @ dog).sum(2)                           # (B, Hkv, Tk, D)
+    ds = p * (dog @ vb.transpose(-1, -2) - delta_g[..., None])
+    dq = (ds @ kb * scale).reshape(B, hq, tq, D)
+    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, doc, scale, trace, overlap):
+        cp, rank = group_size(group), group_rank(group)
+        ring = _Ring(group, cp, rank) if cp > 1 else None
+        Tl = q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
+        kv = torch.stack([k, v]).contiguous()          # one message: (2, B, Hkv, Tl, D)
+        for s in range(cp):
+            src = (rank - s) % cp
+            works = []
+            if s + 1 < cp:
+                nxt = torch.empty_like(kv)
+                works = ring.exchange(kv, nxt)
+                _note(trace, "post_recv", s + 1)
+                if not overlap:
+                    _wait(works)
+                    _note(trace, "wait", s + 1)
+            blk = block_plan(cp, rank, src, Tl, causal)
+            doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
+            _note(trace, "attend", s)
+            res = _attend(q, kv[0], kv[1], blk, doc_q, doc_k, scale)
+            if res is not None:
+                _merge(out, lse, res[0], res[1], blk.q)
+            if s + 1 < cp:
+                if overlap:
+                    _wait(works)
+                    _note(trace, "wait", s + 1)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, doc, scale, trace, overlap)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, doc, scale, trace, overlap = ctx.args
+        cp, rank = group_size(group), group_rank(group)
+        ring = _Ring(group, cp, rank) if cp > 1 else None
+        Tl = q.shape[2]
+        dout = dout.float()
+        delta = (dout * out.float()).sum(-1)            # rowsum(dO o): (B, Hq, Tl)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
+        kv = torch.stack([k, v]).contiguous()
+        acc_works: list = []       # the accumulator of this step's block, from rank r-1
+        acc_in = acc_out = None    # its receive buffer; what this rank sent on (kept alive)
+        for s in range(cp):
+            src = (rank - s) % cp
+            kv_works = []
+            if s + 1 < cp:
+                nxt = torch.empty_like(kv)
+                kv_works = ring.exchange(kv, nxt)
+                _note(trace, "bwd_post_recv", s + 1)
+                if not overlap:
+                    _wait(kv_works)
+                    _note(trace, "bwd_wait", s + 1)
+            blk = block_plan(cp, rank, src, Tl, causal)
+            doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
+            _note(trace, "bwd_attend", s)
+            grads = _block_grads(q, kv[0], kv[1], dout, lse, delta, blk, doc_q, doc_k, scale)
+            mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            if grads is not None:
+                dq[:, :, blk.q] += grads[0]
+                mine[0][:, :, blk.k] = grads[1]
+                mine[1][:, :, blk.k] = grads[2]
+            if s > 0:
+                _wait(acc_works)
+                _note(trace, "bwd_wait_dkv", s)
+                mine += acc_in
+            if ring is not None:
+                # pass the accumulator on: at s = cp-1 that is the hop home
+                acc_out, acc_in = mine, torch.empty_like(mine)
+                acc_works = ring.exchange(acc_out, acc_in)
+            else:
+                acc_in = mine
+            if s + 1 < cp:
+                if overlap:
+                    _wait(kv_works)
+                    _note(trace, "bwd_wait", s + 1)
+                kv = nxt
+        _wait(acc_works)
+        del acc_out
+        dk, dv = acc_in[0].to(k.dtype), acc_in[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+
+
+def _note(trace: Optional[list], what: str, step: int) -> None:
+    if trace is not None:
+        trace.append((what, step))
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
+                   causal: bool = True, doc: Optional[torch.Tensor] = None,
+                   scale: Optional[float] = None, trace: Optional[list] = None,
+                   overlap: bool = True) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence held by the cp ``group``.
+
+    q (B, Hq, Tl, D); k, v (B, Hkv, Tl, D) with Hkv dividing Hq; Tl: this rank's tokens,
+    its two head-tail chunks (:func:`oases.parallel.cp_chunks.shard_sequence`), with
+    positions already applied at their global values. ``doc``: (B, T = cp Tl) document
+    numbers of the whole sequence, the same on every rank (None: one document).
+    ``scale``: of the scores, 1/sqrt(D) by default. ``group`` None: one rank. Returns
+    (B, Hq, Tl, D) in q's dtype; see the module doc for ``trace`` and ``overlap``."""
+    cp = group_size(group)
+    B, hq, Tl, D = q.shape
+    if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (Tl, D)):
+        raise ValueError(f"ring attention: q {tuple(q.shape)} and k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} must be (B, H, Tl, D) with the same B, Tl, D")
+    if hq % k.shape[1]:
+        raise ValueError(f"ring attention: {k.shape[1]} kv heads do not divide {hq} query "
+                         f"heads")
+    if cp > 1 and Tl % 2:
+        raise ValueError(f"ring attention: {Tl} local tokens are not two equal head-tail "
+                         f"chunks")
+    if doc is not None and tuple(doc.shape) != (B, cp * Tl):
+        raise ValueError(f"ring attention: documents of shape {tuple(doc.shape)}, expected "
+                         f"the whole sequence's ({B}, {cp * Tl}) = (B, cp * Tl) at cp={cp}")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    return _RingAttention.apply(q, k, v, group, causal, doc, scale, trace, overlap)
