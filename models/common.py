@@ -16,6 +16,7 @@ head; the runtime sums the two copies' gradients, so they stay equal.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -62,6 +63,7 @@ class CausalLM(nn.Module):
         self.home_degree = 1  # TP degree of the (stage's) input and output
         self.resharder = None  # DegreeGroups when blocks run at several degrees
         self.wgrad = None  # a WeightGradStore: the blocks' dW deferrable (zero-bubble)
+        self.chunks = None  # interleaved-1f1b: a view per chunk (a plain list, not modules)
         self.embed = TokenEmbedding(cfg, padded_vocab, None, self.learned_positions)
         rotary = self.make_rotary(cfg)
         self.layers = LayerStack([
@@ -84,17 +86,56 @@ class CausalLM(nn.Module):
         """A pipeline stage: only layers [a, b) stay, with the embedding on the first
         stage (on the last one too, as a tied head's copy) and the final norm and head
         on the last."""
+        self.keep_chunks([(a, b)])
+
+    def keep_chunks(self, ranges: list[tuple[int, int]]) -> None:
+        """The layers of every range in ``ranges`` (ascending, disjoint) stay: one rank's
+        chunks under interleaved-1f1b (several virtual stages, :meth:`chunk` runs each),
+        or one stage's range. The embedding stays when layer 0 does, the final norm and
+        head when the last layer does (and the tied table's copy with them)."""
         cfg = self.cfg
-        for i in [*range(0, a), *range(b, cfg.n_layer)]:
-            self.layers.pop(str(i))
-        self.layer_range = (a, b)
-        self.is_first, self.is_last = a == 0, b == cfg.n_layer
+        kept = {i for a, b in ranges for i in range(a, b)}
+        for i in range(cfg.n_layer):
+            if i not in kept:
+                self.layers.pop(str(i))
+        self.layer_range = (ranges[0][0], ranges[-1][1])
+        self.is_first, self.is_last = 0 in kept, cfg.n_layer - 1 in kept
         if not self.is_first:
             with torch.device(self.param_device()):
                 self.embed = TiedEmbedding(cfg, self.padded_vocab, None) \
                     if self.is_last and cfg.tie_embeddings else None
         if not self.is_last:
             self.norm = self.head = None
+
+    def chunk(self, a: int, b: int) -> "CausalLM":
+        """The virtual stage of layers [a, b) of this rank's model (:meth:`keep_chunks`): a
+        model that shares this one's modules and runs only that chunk, with the
+        embedding if a is 0 and the final norm, head and loss if b is the last layer.
+        Its hooks are its own; the parameters, and everything the optimizer, the DP
+        reducer and checkpoints see, stay this model's."""
+        view = copy.copy(self)  # nn.Module's __dict__, shallow: modules and buffers shared
+        for name in ("_modules", "_parameters", "_buffers"):
+            view.__dict__[name] = dict(self.__dict__[name])
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                     "_backward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            if name in self.__dict__:
+                view.__dict__[name] = type(self.__dict__[name])()
+        view.chunks = None
+        view.layers = LayerStack([self.layers[i] for i in range(a, b)], first=a)
+        view.layer_range = (a, b)
+        view.is_first, view.is_last = a == 0, b == self.cfg.n_layer
+        if not (view.is_first or view.is_last):
+            view.embed = None
+        if not view.is_last:
+            view.norm = view.head = None
+        return view
+
+    def train(self, mode: bool = True) -> "CausalLM":
+        super().train(mode)
+        for view in self.chunks or ():  # they share the modules, not the flag
+            view.training = mode
+        return self
 
     def param_device(self) -> torch.device:
         return next(self.parameters()).device

@@ -43,7 +43,12 @@ class Parallelism:
     the oases engine's own recompute is not the model's). ``compile``: False, True or
     "strict" (:func:`oases.parallel.compile.compile_blocks`). ``defer_weight_grads``: the
     blocks' linear layers compute through one :class:`~oases.parallel.wgrad.WeightGradStore`
-    (``model.wgrad``), so a zero-bubble pipeline's B defers their dW to its W."""
+    (``model.wgrad``), so a zero-bubble pipeline's B defers their dW to its W.
+    ``chunks`` (interleaved-1f1b, instead of ``stage``): the layer ranges of this rank's
+    virtual stages; the model keeps them all and ``model.chunks`` holds a view per range
+    (:meth:`~oases.models.common.CausalLM.chunk`), whose layers draw their dropout from
+    that chunk's tracker in ``chunk_trackers`` (a virtual stage's random stream is the
+    one a stage of those layers would have at pp x pp_virtual)."""
     tp_group: Optional[object] = None
     tracker: Optional[TPRNGTracker] = None
     recompute: str = "none"
@@ -53,13 +58,21 @@ class Parallelism:
     sequence_parallel: bool = False
     compile: Union[bool, str] = False
     defer_weight_grads: bool = False  # the blocks' linear dW left to W actions (zb-h1)
+    chunks: Optional[tuple[tuple[int, int], ...]] = None
+    chunk_trackers: Optional[tuple[TPRNGTracker, ...]] = None
 
 
 def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     """Apply ``par`` to ``model`` (built unsharded, not yet initialised: sharding keeps no
     values) in place; returns it. Raises ValueError for a plan the model cannot take."""
+    if par.stage is not None and par.chunks is not None:
+        raise ValueError("a model is one stage or several chunks, not both")
     if par.stage is not None:
         model.keep_layers(*par.stage)
+    if par.chunks is not None:
+        if par.degrees is not None:
+            raise ValueError("per-block TP degrees are for one stage's layers, not chunks")
+        model.keep_chunks(list(par.chunks))
     a, b = model.layer_range
     degrees = list(par.degrees) if par.degrees is not None else None
     if degrees is not None and len(degrees) != 2 * (b - a):
@@ -100,7 +113,24 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
                 layer.wgrad = model.wgrad
     if par.compile:  # each block's segments; compiled at their first call
         compile_blocks(model, strict=par.compile == "strict")
+    if par.chunks is not None:
+        _split_chunks(model, par)
     return model
+
+
+def _split_chunks(model: CausalLM, par: Parallelism) -> None:
+    """``model.chunks``: a view per virtual stage, its layers on that chunk's tracker."""
+    trackers = par.chunk_trackers or (par.tracker,) * len(par.chunks)
+    if len(trackers) != len(par.chunks):
+        raise ValueError(f"{len(trackers)} trackers for {len(par.chunks)} chunks")
+    views = []
+    for (a, b), tracker in zip(par.chunks, trackers):
+        view = model.chunk(a, b)
+        view.tracker = tracker
+        for layer in view.layers:
+            layer.attn.tracker = tracker
+        views.append(view)
+    model.chunks = views
 
 
 def _tag(model: CausalLM, tp: int) -> None:

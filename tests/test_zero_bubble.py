@@ -101,21 +101,6 @@ def test_zb_h1_with_dropout_and_zero_is_1f1b():
     ],))
 
 
-@pytest.mark.slow  # a torchrun start-up
-def test_a_run_refuses_interleaved_1f1b(tmp_path):
-    """The schedule exists as data; a run says in one line that it cannot run it."""
-    from tests.support.runs import run_train
-
-    proc = run_train(["--config", "configs/gpt-tiny.yaml", f"out_dir={tmp_path / 'run'}",
-                      "parallel.pp=2", "parallel.tp=1", "parallel.pp_schedule=interleaved-1f1b",
-                      "parallel.pp_virtual=2", "train.grad_accum=2", "model.n_layer=4",
-                      "data.kind=synthetic", "data.val_path=", "wandb.mode=disabled"],
-                     expect_rc=None)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert lines and "the runtime does not run virtual stages yet" in lines[0], proc.stderr
-    assert "(exitcode: 2)" in proc.stderr, proc.stderr  # the workers' status: bad input
-
-
 @pytest.mark.slow  # two whole runs each
 @pytest.mark.parametrize("before,after", [("1f1b", "zb-h1"), ("eager-zb-h1", "eager-1f1b")])
 def test_a_checkpoint_resumes_under_another_schedule(tmp_path, before, after):

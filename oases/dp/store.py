@@ -17,6 +17,7 @@ import torch.nn as nn
 from oases.dp.zero import ShardedFlat, free_
 from oases.parallel.comm import comm_scope, current_scope
 from oases.parallel.engine import HEAD
+from oases.parallel.model_view import view_of
 from oases.parallel.timing import IntervalTimer
 
 
@@ -194,6 +195,13 @@ class ParamStore:
             last = len(blocks) - 1
         handles.append(model.register_forward_hook(
             lambda m, args, out: self._on_output(out, last, len(blocks) - 1)))
+        for chunk in view_of(model).chunks or ():  # interleaved: each chunk is called
+            first = chunk.blocks()[0]
+            a = next(i for i, b in enumerate(blocks) if b is first)
+            z = a + len(chunk.blocks()) - 1  # its last block, in the model's numbering
+            u, nxt = (self.head, z) if chunk.is_last else (z, z - 1 if z > a else None)
+            handles.append(chunk.register_forward_hook(
+                lambda m, args, out, u=u, nxt=nxt: self._on_output(out, u, nxt)))
         return handles
 
     def _on_output(self, out, u: int, nxt: int) -> None:

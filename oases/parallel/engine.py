@@ -109,3 +109,36 @@ class WholeParams:
 
 
 WHOLE = WholeParams()
+
+
+class ShiftedParams:
+    """The :class:`BlockParams` of one chunk of a model that holds several
+    (interleaved-1f1b, :meth:`oases.models.common.CausalLM.chunk`): the engine counts the
+    chunk's blocks from 0, the hook the whole model's (``offset`` blocks before them).
+    A prefetch past the chunk's last block goes to the head on the last chunk, else
+    nowhere: the next chunk this rank runs is not the next in the model."""
+
+    def __init__(self, inner: BlockParams, offset: int, n_blocks: int, last: bool) -> None:
+        self.inner, self.offset, self.n, self.last = inner, offset, n_blocks, last
+
+    @classmethod
+    def of(cls, inner: BlockParams, model, chunk) -> BlockParams:
+        """``inner`` as ``chunk`` (a view sharing ``model``'s blocks) sees it."""
+        if inner is WHOLE:
+            return WHOLE
+        first = chunk.blocks()[0]
+        offset = next(i for i, b in enumerate(model.blocks()) if b is first)
+        return cls(inner, offset, len(chunk.blocks()), chunk.is_last)
+
+    def _shift(self, block: Optional[int]) -> Optional[int]:
+        if block is None or block == HEAD:
+            return block
+        if 0 <= block < self.n or (block == self.n and self.last):
+            return block + self.offset  # the model's head unit follows its last block
+        return None
+
+    def use(self, block: int, prefetch: Optional[int] = None) -> None:
+        self.inner.use(self._shift(block), self._shift(prefetch))
+
+    def two_passes(self) -> ContextManager:
+        return self.inner.two_passes()

@@ -45,6 +45,9 @@ class EngineModel(Protocol):
     wgrad: object
     """Its :class:`~oases.parallel.wgrad.WeightGradStore` when its blocks' weight gradients
     may be deferred (zero-bubble pipelines), else None."""
+    chunks: Optional[list]
+    """Interleaved pipelines: a model per virtual stage this rank runs, sharing this
+    one's blocks (each an :class:`EngineModel`), else None."""
 
     def recompute_groups(self) -> list[tuple[int, int]]:
         """Block ranges [a, b) recomputed together under recompute=full."""
@@ -78,6 +81,7 @@ class ModelView:
     loss_tokens: Optional[Callable[[torch.Tensor], Count]]
     documents: Optional[object] = None  # None: the model takes no documents
     wgrad: Optional[object] = None      # None: weight gradients computed in backward
+    chunks: Optional[list] = None       # None: one stage (or the whole model)
 
     @property
     def split_loss(self) -> bool:
@@ -111,4 +115,5 @@ def view_of(model: EngineModel) -> ModelView:
         loss_combine=getattr(model, "loss_combine", None),
         loss_tokens=getattr(model, "loss_tokens", None),
         documents=getattr(model, "documents", None),
-        wgrad=getattr(model, "wgrad", None))
+        wgrad=getattr(model, "wgrad", None),
+        chunks=getattr(model, "chunks", None))

@@ -87,3 +87,53 @@ class TPRNGTracker:
         torch.set_rng_state(states["cpu"])
         _set_state(states["default"], self.device)
         self._state = None if states["tp"] is None else states["tp"].clone()
+
+
+class ChunkRNG:
+    """The random streams of a rank that runs several virtual stages (interleaved-1f1b):
+    one :class:`TPRNGTracker` and one default-generator state per chunk, so each chunk
+    draws its dropout masks as a stage of its layers would alone (at pp x pp_virtual,
+    where each stage has its own seed and draws in micro-batch order), whichever
+    order the schedule runs the chunks in.
+
+    ``using(c)`` runs a chunk's compute on its default state and saves it back after;
+    the tp stream is the chunk's tracker's own. ``get_states``/``set_states`` cover every
+    chunk (checkpoints restore them under the same layout)."""
+
+    def __init__(self, device: torch.device, seeds: list[int], tp_rank: int,
+                 dp_rank: int = 0) -> None:
+        self.device = device
+        self.trackers, self.defaults = [], []
+        for seed in reversed(seeds):  # chunk 0 last: the generators are left at its base
+            t = TPRNGTracker(device)
+            t.seed(seed, tp_rank, dp_rank)  # leaves the default generator at its base
+            self.trackers.insert(0, t)
+            self.defaults.insert(0, _get_state(device).clone())
+
+    @contextlib.contextmanager
+    def using(self, chunk: int):
+        outer = _get_state(self.device)
+        _set_state(self.defaults[chunk], self.device)
+        try:
+            yield
+        finally:
+            self.defaults[chunk] = _get_state(self.device)
+            _set_state(outer, self.device)
+
+    def get_states(self) -> dict:
+        out = {"default": _get_state(self.device).clone(), "cpu": torch.get_rng_state().clone()}
+        for c, (t, d) in enumerate(zip(self.trackers, self.defaults)):
+            out[f"chunk{c}.default"] = d.clone()
+            out[f"chunk{c}.tp"] = t.tp_state.clone()
+        return out
+
+    def set_states(self, states: dict) -> None:
+        want = {f"chunk{c}.{k}" for c in range(len(self.trackers)) for k in ("default", "tp")}
+        if not want <= set(states):
+            raise ValueError(f"random states of {len(self.trackers)} chunks expected, got "
+                             f"keys {sorted(states)}")
+        torch.set_rng_state(states["cpu"])
+        _set_state(states["default"], self.device)
+        for c, t in enumerate(self.trackers):
+            self.defaults[c] = states[f"chunk{c}.default"].clone()
+            t.tp_state = states[f"chunk{c}.tp"].clone()

@@ -3,22 +3,23 @@ engine, the optimizer, the gradient reducer and, pipelined, the pipeline runner.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from oases.models import Parallelism, arch_class, build
 from oases.config import Config
 from oases.config.schema import resolve_precision
-from oases.pipeline.schedules import SPLIT_KINDS
+from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.dp.reducer import REDUCE_DTYPES, GradReducer, TiedTableSync
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
 from oases.overlap.engines import build_engine
 from oases.parallel.groups import ParallelContext
-from oases.parallel.random import TPRNGTracker
+from oases.parallel.engine import ShiftedParams
+from oases.parallel.random import ChunkRNG, TPRNGTracker
 from oases.parallel.ranks import destroy_groups, recording_groups
 from oases.parallel.reshard import grad_group_of, kv_group_of
-from oases.pipeline.runner import PipelineRunner
+from oases.pipeline.runner import Chunk, PipelineRunner
 from oases.planner.plan_file import check_zero, load_plan
 from oases.runtime.optim import build_optimizer
 from oases.runtime.state import TrainState
@@ -29,10 +30,33 @@ from oases.runtime.step import train_step
 _STAGE_SEED_STRIDE = 7_919
 
 
-def seed_tracker(cfg: Config, ctx: ParallelContext) -> TPRNGTracker:
+def seed_tracker(cfg: Config, ctx: ParallelContext) -> Union[TPRNGTracker, ChunkRNG]:
+    """This rank's random streams: its stage's tracker, or under interleaved-1f1b one per
+    chunk (:class:`~oases.parallel.random.ChunkRNG`), each seeded as the stage of its
+    layers at pp x pp_virtual would be."""
+    if interleaved(cfg, ctx):
+        return ChunkRNG(ctx.device, [cfg.seed + _STAGE_SEED_STRIDE * g
+                                     for g in virtual_stages(cfg, ctx)], ctx.tp_rank, ctx.dp_rank)
     tracker = TPRNGTracker(ctx.device)
     tracker.seed(cfg.seed + _STAGE_SEED_STRIDE * ctx.stage, ctx.tp_rank, ctx.dp_rank)
     return tracker
+
+
+def interleaved(cfg: Config, ctx: ParallelContext) -> bool:
+    """This rank runs several virtual stages (``pp_schedule=interleaved-1f1b``)."""
+    return ctx.layout is not None and cfg.parallel.pp_schedule in VIRTUAL_KINDS
+
+
+def virtual_stages(cfg: Config, ctx: ParallelContext) -> list[int]:
+    """The virtual stages of this rank, by chunk: chunk c is stage c * pp + rank's stage
+    (Megatron's assignment, :func:`oases.pipeline.actions.peer`)."""
+    return [c * ctx.pp + ctx.stage for c in range(cfg.parallel.pp_virtual)]
+
+
+def chunk_ranges(cfg: Config, ctx: ParallelContext) -> tuple[tuple[int, int], ...]:
+    """The layers [a, b) of each of this rank's chunks: pp x pp_virtual equal stages."""
+    per = cfg.model.n_layer // (ctx.pp * cfg.parallel.pp_virtual)
+    return tuple((g * per, (g + 1) * per) for g in virtual_stages(cfg, ctx))
 
 
 def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
@@ -43,20 +67,23 @@ def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     # the model does megatron's recompute, and selective under either engine
     recompute = par.recompute if par.schedule == "megatron" or par.recompute == "selective" \
         else "none"
-    vocab, stage = cfg.padded_vocab_size, None
-    if ctx.layout is not None:  # the stage's layers, with the stage's degrees
+    vocab, stage, chunks = cfg.padded_vocab_size, None, None
+    if interleaved(cfg, ctx):  # several chunks of layers, at the rank's one degree
+        vocab, chunks, degrees = cfg.padded_vocab(ctx.tp), chunk_ranges(cfg, ctx), None
+    elif ctx.layout is not None:  # the stage's layers, with the stage's degrees
         st = ctx.layout.stages[ctx.stage]
         vocab, stage = cfg.padded_vocab(ctx.tp), st.layers
         degrees = list(st.degrees) if st.degrees is not None else None
         if degrees is not None and set(degrees) == {ctx.tp}:
             degrees = None
-    plan = Parallelism(ctx.tp_group, tracker, recompute,
+    plan = Parallelism(ctx.tp_group, None if chunks else tracker, recompute,
                        tuple(degrees) if degrees is not None else None,
                        ctx.degree_groups() if degrees is not None else None, stage,
                        par.sequence_parallel, par.compile,
                        # a zero-bubble schedule's B leaves the linear layers' dW to its W
                        defer_weight_grads=ctx.layout is not None and
-                       par.pp_schedule in SPLIT_KINDS)
+                       par.pp_schedule in SPLIT_KINDS, chunks=chunks,
+                       chunk_trackers=tuple(tracker.trackers) if chunks else None)
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 
@@ -109,9 +136,17 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
                               cfg.train.precision, ctx.device.type) == "bf16" else None)
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
     reducer.ownership.seed_optimizer(opt)
+    chunks = None
+    if model.chunks:  # an engine per chunk: its tracker, its blocks' indices in the model's
+        rng = tracker
+        tracker = rng.trackers[0]
+        chunks = [Chunk(view, build_engine(par.schedule, ctx.tp_group, cfg.sub_batches,
+                                           par.recompute, t, ShiftedParams.of(
+                                               reducer.ownership.params, model, view)), c, rng)
+                  for c, (view, t) in enumerate(zip(model.chunks, rng.trackers))]
     schedule = build_engine(par.schedule, ctx.tp_group, cfg.sub_batches, par.recompute,
                               tracker, params=reducer.ownership.params)
-    pipe = PipelineRunner.from_config(ctx, cfg) if ctx.layout is not None else None
+    pipe = PipelineRunner.from_config(ctx, cfg, chunks) if ctx.layout is not None else None
     return TrainState(cfg, ctx, model, opt, reducer, schedule, pipe)
 
 

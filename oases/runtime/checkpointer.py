@@ -74,7 +74,8 @@ class Checkpointer:
                       flush=True)
             return None
         meta = {"step": step, "data": self.batches.state_dict(), "model_shape": model_shape(cfg),
-                "model": model_section(cfg), "corpus": self.batches.corpus, **layout_meta(ctx),
+                "model": model_section(cfg), "corpus": self.batches.corpus,
+                **layout_meta(ctx, cfg.parallel.pp_virtual),
                 "padded_vocab_size": cfg.padded_vocab_size, "skipped_steps": skipped,
                 "sub_batches": cfg.sub_batches}
         # each rank writes what it owns (ZeRO: its ranges of the buckets), nothing gathered

@@ -60,10 +60,12 @@ def chosen_checkpoint(cfg: Config, ctx: ParallelContext) -> Optional[Path]:
     return found
 
 
-def layout_meta(ctx: ParallelContext) -> dict:
+def layout_meta(ctx: ParallelContext, virtual: int = 1) -> dict:
     """The layout a checkpoint was written with (its RNG states are per rank, so they are
-    restored only under the same layout)."""
-    meta = {"world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp, "pp": ctx.pp}
+    restored only under the same layout). ``virtual``: ``parallel.pp_virtual`` (chunks per
+    rank change which layers, so which random streams, a rank holds)."""
+    meta = {"world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp, "pp": ctx.pp,
+            "pp_virtual": virtual}
     if ctx.layout is not None:
         meta["stages"] = [{"layers": list(s.layers), "dp": s.dp, "tp": s.tp,
                            "degrees": list(s.degrees) if s.degrees is not None else None}
@@ -99,7 +101,8 @@ def resume(cfg: Config, ctx: ParallelContext, model, opt, batches, tracker,
                   flush=True)
         return None
     check_corpus(path, ckpt.read_meta(path), cfg, batches.corpus)  # before the long read
-    meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx), shards)
+    meta, rng = ckpt.load(path, model, opt, ctx, model_shape(cfg),
+                          layout_meta(ctx, cfg.parallel.pp_virtual), shards)
     batches.load_state_dict(meta["data"])
     if rng is not None:
         tracker.set_states(rng)
@@ -140,8 +143,8 @@ def eval_only(cfg: Config, ctx: ParallelContext, model, opt, val, evaluate,
     step, src = 0, cfg.model.init_from or f"seed {cfg.seed}"
     path = chosen_checkpoint(cfg, ctx) if cfg.resume == "auto" else None
     if path is not None:
-        step = ckpt.load(path, model, opt, ctx, model_shape(cfg), layout_meta(ctx),
-                         shards)[0]["step"]
+        step = ckpt.load(path, model, opt, ctx, model_shape(cfg),
+                         layout_meta(ctx, cfg.parallel.pp_virtual), shards)[0]["step"]
         src = str(path)
     val_loss = evaluate()
     claim()  # before the one write, as a run's first write into out_dir
