@@ -191,3 +191,12 @@ def test_a_checkpoint_resumes_across_interleaving(tmp_path):
         for want, got in ((ra, rb), (rc, rd)):
             assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-6 * want[step]["loss"], \
                 (step, want[step]["loss"], got[step]["loss"])
+
+
+def test_the_start_up_line_names_each_ranks_chunks():
+    from oases.parallel.layout import uniform_layout
+
+    assert uniform_layout(4, 2, 1, 8).describe(2) == (
+        "stage 0: layers 0-1, 4-5 dp 2 x tp 1 | stage 1: layers 2-3, 6-7 dp 2 x tp 1")
+    assert uniform_layout(4, 2, 1, 8).describe() == (
+        "stage 0: layers 0-3 dp 2 x tp 1 | stage 1: layers 4-7 dp 2 x tp 1")

@@ -63,9 +63,18 @@ class PipelineLayout:
                 return i
         raise ValueError(f"rank {rank} is outside the layout's {self.world} ranks")
 
-    def describe(self) -> str:
-        return " | ".join(f"stage {i}: layers {s.layers[0]}-{s.layers[1] - 1} dp {s.dp} x tp "
-                          f"{s.tp}" for i, s in enumerate(self.stages))
+    def describe(self, virtual: int = 1) -> str:
+        """One line; ``virtual`` > 1 (interleaved-1f1b): each rank's chunks of layers, the
+        pp x virtual equal stages, chunk c of stage i being virtual stage c * pp + i."""
+        per = self.stages[-1].layers[1] // (self.pp * virtual)
+
+        def layers(i: int, s: StageLayout) -> str:
+            if virtual == 1:
+                return f"{s.layers[0]}-{s.layers[1] - 1}"
+            return ", ".join(f"{g * per}-{(g + 1) * per - 1}"
+                             for g in range(i, self.pp * virtual, self.pp))
+        return " | ".join(f"stage {i}: layers {layers(i, s)} dp {s.dp} x tp {s.tp}"
+                          for i, s in enumerate(self.stages))
 
 
 def even_split(n_layer: int, pp: int) -> list[tuple[int, int]]:

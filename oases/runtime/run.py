@@ -250,7 +250,7 @@ def build_run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = _no
     cfg, split = sub_batches.resolve(cfg, ctx, degrees)  # parallel.sub_batches=auto: decided
     par = cfg.parallel
     if ctx.layout is not None and ctx.is_main:
-        print(f"pipeline: {ctx.layout.describe()} | {par.pp_schedule}, "
+        print(f"pipeline: {ctx.layout.describe(par.pp_virtual)} | {par.pp_schedule}, "
               f"{cfg.train.grad_accum} micro-batches of {cfg.pipeline_batch} sequences",
               flush=True)
     model = build_rank_model(cfg, ctx, tracker, degrees, None if cfg.model.init_from else cfg.seed)
