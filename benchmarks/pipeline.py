@@ -62,9 +62,15 @@ MODES: dict[str, tuple[str, Optional[list[str]]]] = {
     "oases+fine+eager-zb-h1": ("uniform", [*ENGINES["oases+fine"],
                                            "parallel.pp_schedule=eager-zb-h1"]),
     # pp 4 x tp 1 over the four nodes: one stage per node, three boundaries
+    # interleaved-1f1b: two chunks per rank (the model's 8 layers as 4 x 2 or 2 x 2 x 2)
+    "oases+fine+interleaved-1f1b": ("uniform", [*ENGINES["oases+fine"],
+                                                "parallel.pp_schedule=interleaved-1f1b",
+                                                "parallel.pp_virtual=2"]),
+    # pp 4 x tp 1 over the four nodes: one stage per node, three boundaries
     **{f"pp4:{k}": ("pp4", ["parallel.tp=1", "parallel.pp=4", "parallel.schedule=megatron",
-                            "parallel.recompute=none", f"parallel.pp_schedule={k}"])
-       for k in ("1f1b", "eager-1f1b", "zb-h1", "eager-zb-h1")},
+                            "parallel.recompute=none", f"parallel.pp_schedule={k}",
+                            f"parallel.pp_virtual={2 if k == 'interleaved-1f1b' else 1}"])
+       for k in ("1f1b", "eager-1f1b", "zb-h1", "eager-zb-h1", "interleaved-1f1b")},
     "reshard:1f1b+send": ("reshard", [*ENGINES["oases+fine"], "parallel.pp_schedule=1f1b",
                                       "parallel.pp_transfer=send"]),
     "reshard:eager-1f1b+send": ("reshard", [*ENGINES["oases+fine"],
@@ -84,6 +90,9 @@ TARGETS = [
     ("zb-h1 >= 1.1x 1F1B at pp=4 (run with m = 2pp = 8 micro-batches)", "pp4:zb-h1",
      "pp4:1f1b", 1.1),
     ("(info) eager-zb-h1 vs 1F1B at pp=4", "pp4:eager-zb-h1", "pp4:1f1b", None),
+    ("(info) interleaved-1F1B (v=2) vs 1F1B at pp=4", "pp4:interleaved-1f1b", "pp4:1f1b", None),
+    ("(info) interleaved-1F1B (v=2) vs 1F1B, pp 2 x tp 2", "oases+fine+interleaved-1f1b",
+     "oases+fine+1f1b", None),
     ("(info) eager-1F1B vs 1F1B at pp=4", "pp4:eager-1f1b", "pp4:1f1b", None),
     ("(info) zb-h1 vs 1F1B, pp 2 x tp 2", "oases+fine+zb-h1", "oases+fine+1f1b", None),
     ("(info) eager-zb-h1 vs eager-1F1B, pp 2 x tp 2", "oases+fine+eager-zb-h1",

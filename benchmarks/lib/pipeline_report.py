@@ -46,9 +46,12 @@ def predicted_bubbles(rows: list[str], per: dict, case: str, meta: dict) -> list
     out = []
     for mode in rows:
         kind = mode.rsplit(":", 1)[-1].split("+")[-1]
-        if kind not in ("1f1b", "eager-1f1b", *SPLIT_SCHEDULES) or not per[mode]["ok"]:
+        if kind not in ("1f1b", "eager-1f1b", *SPLIT_SCHEDULES, "interleaved-1f1b") \
+                or not per[mode]["ok"]:
             continue
-        t = simulate(pipeline_actions(kind, pp, m), f_cost=1.0, b_cost=1.0, w_cost=1.0)
+        virtual = 2 if kind == "interleaved-1f1b" else 1  # the benchmark's pp_virtual
+        t = simulate(pipeline_actions(kind, pp, m, virtual=virtual), f_cost=1.0, b_cost=1.0,
+                     w_cost=1.0)
         out.append(f"| {mode} | {100 * t.bubble_fraction:.0f}% | {_bubble(per[mode])} |")
     if not out:
         return []
