@@ -48,3 +48,31 @@ def test_candidates_are_valid_plans(tmp_path):
         layout = resolve_layout(run, pl.WORLD)
         assert [list(s.layers) for s in layout.stages] == [list(r) for r in c.ranges()], name
         assert run.global_batch_size == args.batch
+
+
+def test_an_interleaved_pick_is_a_plan_the_runtime_accepts(tmp_path):
+    """The search's interleaved-1f1b candidates (even split, one degree, v = 2) save as
+    plans whose run overrides and layout give every rank its chunks."""
+    args = argparse.Namespace(d_model=256, n_layer=8, n_head=4, seq_len=64, batch=16)
+    cfg = pl.job_config(args)
+    job = job_from_config(cfg)
+    base = profile_run(job, 2, cfg.train.micro_batch_size)
+    prof = analytic_profile(job.shape, base, job.shape.valid_degrees(base.tp), flops_per_s=5e10)
+    cluster = load_cluster(REPO / "configs/cluster/four-nodes-halfspeed.yaml")
+    res = search(job, pl.WORLD, cluster, prof, base, "amp", log=lambda s: None,
+                 schedules=("1f1b", "interleaved-1f1b"))
+    picks = [c for c in res.ranked if c.schedule == "interleaved-1f1b"]
+    assert picks
+    for i, c in enumerate(picks):
+        path = tmp_path / f"inter-{i}.yaml"
+        rep.to_plan(c, res, cfg, cluster.name).save(path)
+        assert "parallel.pp_virtual=2" in rep.run_overrides(c)
+        run = load_config(str(REPO / "configs/gpt-tiny.yaml"),
+                          pl.model_overrides(args) + [f"parallel.plan={path}",
+                                                      *rep.run_overrides(c)]).validate(pl.WORLD)
+        assert (run.parallel.pp_schedule, run.parallel.pp_virtual) == ("interleaved-1f1b", 2)
+        layout = resolve_layout(run, pl.WORLD)
+        per = args.n_layer // (2 * layout.pp)
+        assert [layout.chunks(s, 2) for s in range(layout.pp)] == [
+            ((s * per, (s + 1) * per), ((layout.pp + s) * per, (layout.pp + s + 1) * per))
+            for s in range(layout.pp)]

@@ -182,10 +182,10 @@ def _search(schedules, **kw):
 
 
 def test_search_chooses_the_schedule():
-    """Over the runnable schedules (interleaved-1f1b is not one yet) the search prices
-    every pipelined layout under each; ZB-H1 beats 1F1B at the same layout, and the
-    best pipelined pick is a zero-bubble one, faster than the best 1F1B pipeline."""
-    assert "interleaved-1f1b" not in CHOOSABLE and set(VIRTUAL_KINDS) & set(CHOOSABLE) == set()
+    """The search prices every pipelined layout under each schedule it is given; ZB-H1
+    beats 1F1B at the same layout, and the best pipelined pick is a zero-bubble one,
+    faster than the best 1F1B pipeline."""
+    assert set(VIRTUAL_KINDS) <= set(CHOOSABLE)  # every schedule a run executes
     only = _search(None)
     assert {c.schedule for c in only.ranked} == {"1f1b"}
     both = _search(("1f1b", "zb-h1"))
@@ -200,3 +200,23 @@ def test_search_chooses_the_schedule():
                             key=lambda c: c.time)
     assert piped(both).schedule == "zb-h1" and piped(both).time < piped(only).time
     assert "(zb-h1)" in piped(both).describe()
+
+
+def test_search_prices_interleaving_on_the_even_split_only():
+    """interleaved-1f1b runs pp x v equal chunks at the stage's degree
+    (PipelineLayout.chunks): its candidates are exactly those (v = 2 unless the config
+    says), priced with the interleaved time weights, so at the same layout it beats 1F1B
+    (a v-fold smaller bubble; the planner prices no transfer, whose count it multiplies)."""
+    res = _search(("1f1b", "interleaved-1f1b"))
+    inter = [c for c in res.ranked if c.schedule == "interleaved-1f1b"]
+    assert inter and all(c.virtual == 2 and c.source == "megatron" for c in inter)
+    for c in inter:
+        ch = c.choice
+        assert c.starts == [SHAPE.n_layer // ch.pp * i for i in range(ch.pp)]
+        assert set(c.degrees) == {ch.tp} and ch.micro_batches % ch.pp == 0
+        assert SHAPE.n_layer % (ch.pp * 2) == 0
+    by = {(c.choice, tuple(c.starts), tuple(c.strat)): c for c in res.ranked
+          if c.schedule == "1f1b"}
+    same = [(c, by[k]) for c in inter if (k := (c.choice, tuple(c.starts), tuple(c.strat))) in by]
+    assert same and all(c.time < ref.time for c, ref in same)
+    assert all(c.virtual == 1 for c in res.ranked if c.schedule == "1f1b")

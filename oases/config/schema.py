@@ -360,11 +360,6 @@ class Config(Section):
                               f"at least pp micro-batches per step")
         if self.parallel.pp_virtual > 1:
             _interleaving_needs(pp, self.parallel.pp_virtual, m.n_layer, n_mb)
-            if self.parallel.plan:  # a plan's stage is one layer range at its own degrees
-                raise ConfigError(f"parallel.pp_schedule=interleaved-1f1b splits the layers "
-                                  f"into pp x pp_virtual equal chunks; parallel.plan="
-                                  f"{self.parallel.plan} gives each stage one layer range "
-                                  f"(drop the plan, or use another pp_schedule)")
         if self.parallel.overlap_fb:
             _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
         if pp > 1 and self.parallel.plan == "auto" and self.parallel.plan_search == "tp-only":

@@ -63,16 +63,33 @@ class PipelineLayout:
                 return i
         raise ValueError(f"rank {rank} is outside the layout's {self.world} ranks")
 
+    def chunks(self, stage: int, virtual: int) -> tuple[tuple[int, int], ...]:
+        """The layers [a, b) of each of ``stage``'s ``virtual`` chunks (interleaved-1f1b):
+        the model's layers as pp x virtual equal stages, chunk c being virtual stage
+        c * pp + stage (Megatron's). Raises ConfigError for a layout that is not that:
+        stages of another split (a plan's) or blocks below their stage's TP degree."""
+        n = self.stages[-1].layers[1]
+        if n % (self.pp * virtual):
+            raise ConfigError(f"{n} layers do not divide into pp={self.pp} x "
+                              f"pp_virtual={virtual} equal chunks")
+        for i, (s, even) in enumerate(zip(self.stages, even_split(n, self.pp))):
+            if s.layers != even or (s.degrees is not None and set(s.degrees) != {s.tp}):
+                raise ConfigError(
+                    f"interleaved-1f1b runs each stage's layers as {virtual} equal chunks at "
+                    f"the stage's TP degree; stage {i} has layers {s.layers[0]}-"
+                    f"{s.layers[1] - 1}" + (f" at degrees {list(s.degrees)}"
+                                            if s.degrees is not None else "")
+                    + f" (the even split gives {even[0]}-{even[1] - 1})")
+        per = n // (self.pp * virtual)
+        return tuple((g * per, (g + 1) * per) for g in range(stage, self.pp * virtual, self.pp))
+
     def describe(self, virtual: int = 1) -> str:
         """One line; ``virtual`` > 1 (interleaved-1f1b): each rank's chunks of layers, the
         pp x virtual equal stages, chunk c of stage i being virtual stage c * pp + i."""
-        per = self.stages[-1].layers[1] // (self.pp * virtual)
-
         def layers(i: int, s: StageLayout) -> str:
             if virtual == 1:
                 return f"{s.layers[0]}-{s.layers[1] - 1}"
-            return ", ".join(f"{g * per}-{(g + 1) * per - 1}"
-                             for g in range(i, self.pp * virtual, self.pp))
+            return ", ".join(f"{a}-{b - 1}" for a, b in self.chunks(i, virtual))
         return " | ".join(f"stage {i}: layers {layers(i, s)} dp {s.dp} x tp {s.tp}"
                           for i, s in enumerate(self.stages))
 

@@ -185,7 +185,9 @@ def pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "parallel.tp": int(d["tp"]), "train.micro_batch_size": int(d["micro_batch_size"]),
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
-        **({"parallel.pp_schedule": d["pp_schedule"]} if d.get("pp_schedule") else {}),
+        **({"parallel.pp_schedule": d["pp_schedule"],
+            "parallel.pp_virtual": int(d.get("pp_virtual") or 1)} if d.get("pp_schedule")
+           else {}),
         **extra})
     chosen = fit_sub_batches(chosen, plan_divisor(d))
     if chosen.parallel.sub_batches == "auto":  # the count the layout was priced at runs

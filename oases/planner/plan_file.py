@@ -66,6 +66,7 @@ class Plan:
     micro_batches: int = 0    # per step (train.grad_accum); 0: not recorded
     sequence_parallel: bool = False  # the run turns parallel.sequence_parallel on
     pp_schedule: str = ""     # the pipeline schedule it was priced for ("": not recorded)
+    pp_virtual: int = 1       # chunks per rank (interleaved-1f1b)
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 
@@ -99,7 +100,7 @@ def load_plan(path: str) -> Plan:
                                                 for d in degrees):
         raise UserError(f"plan file {path}: degrees must be a list of integers")
     for k, least in (("pp", 0), ("micro_batches", 0), ("micro_batch_size", 0), ("tp", 1),
-                     ("sub_batches", 1)):
+                     ("sub_batches", 1), ("pp_virtual", 1)):
         v = data.get(k, least)
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise UserError(f"plan file {path}: {k} must be an integer >= {least}, got {v!r}")
@@ -137,6 +138,9 @@ def check_run(plan: Plan, cfg, path: str = "plan") -> None:
     if plan.pp_schedule and (plan.pp or 1) > 1:  # its time and memory rows are the schedule's
         want["parallel.pp_schedule"] = plan.pp_schedule
         have["parallel.pp_schedule"] = cfg.parallel.pp_schedule
+        if plan.pp_virtual > 1:  # interleaved: its chunks too
+            want["parallel.pp_virtual"] = plan.pp_virtual
+            have["parallel.pp_virtual"] = cfg.parallel.pp_virtual
     wrong = [f"{k}={have[k]}" for k in want if want[k] != have[k]]
     if wrong:
         raise UserError(f"{path} was made for {' '.join(f'{k}={v}' for k, v in want.items())}; "

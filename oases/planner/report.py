@@ -21,7 +21,8 @@ def run_overrides(c: Candidate) -> list[str]:
     ch = c.choice
     return [f"parallel.pp={ch.pp}", f"parallel.tp={ch.tp}", f"train.micro_batch_size={ch.rows}",
             f"train.grad_accum={ch.micro_batches}",
-            *([f"parallel.pp_schedule={c.schedule}"] if ch.pp > 1 else [])]
+            *([f"parallel.pp_schedule={c.schedule}"] if ch.pp > 1 else []),
+            *([f"parallel.pp_virtual={c.virtual}"] if ch.pp > 1 and c.virtual > 1 else [])]
 
 
 def _brief(c: Optional[Candidate], ref: Candidate) -> Optional[dict]:
@@ -56,7 +57,8 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
                 sub_batches=cfg.sub_batches, pp=ch.pp, micro_batches=ch.micro_batches,
                 cluster=cluster_name, predicted=predicted,
                 sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models),
-                pp_schedule=c.schedule if ch.pp > 1 else "")
+                pp_schedule=c.schedule if ch.pp > 1 else "",
+                pp_virtual=c.virtual if ch.pp > 1 else 1)
 
 
 def _line(name: str, c: Optional[Candidate], ref: Candidate) -> str:

@@ -43,8 +43,10 @@ from oases.pipeline.schedules import KINDS, VIRTUAL_KINDS
 from oases.planner.stages import Job, Problem, build, enumerate_choices, even_starts, with_schedule
 
 METHODS = ("uniap", "amp")
-# The schedules a search may choose: those a run executes (no virtual stages at runtime yet)
-CHOOSABLE = tuple(k for k in KINDS if k not in VIRTUAL_KINDS)
+# The schedules a search may choose: every one a run executes
+CHOOSABLE = KINDS
+# chunks per rank the search prices interleaved-1f1b with, unless the config sets them
+SEARCH_VIRTUAL = 2
 
 
 def choosable(overlap_fb: bool) -> tuple[str, ...]:
@@ -75,6 +77,11 @@ class Candidate:
     def schedule(self) -> str:
         """The pipeline schedule it was priced for ("1f1b" at pp = 1)."""
         return self.problem.inst.schedule
+
+    @property
+    def virtual(self) -> int:
+        """Chunks per rank (interleaved-1f1b), else 1."""
+        return self.problem.inst.virtual
 
     @property
     def degrees(self) -> list[int]:
@@ -213,11 +220,15 @@ def search(job: Job, world: int, cluster, profile: Profile, base: RunShape,
     log(f"planning over {choices} layouts (pp, dp x tp, micro-batches) of {world} devices"
         + (f" x {len(schedules)} schedules" if schedules and len(schedules) > 1 else ""))
     megatron = [c for c in map(megatron_plan, problems) if c is not None]
-    amps = {id(p): amp_plan(p) for p in problems}
+    # interleaved-1f1b runs the even split at one degree only (PipelineLayout.chunks):
+    # its candidates are those; AMP and UniAP place layers freely, so not over them
+    free = [p for p in problems if p.inst.virtual == 1]
+    amps = {id(p): amp_plan(p) for p in free}
     found = [c for c in amps.values() if c is not None]
     res = SearchResult([], _min(megatron), _min(found), choices, method=method)
+    found += [c for c in megatron if c.virtual > 1]
     if method == "uniap":
-        found += _uniap(problems, amps, res, budget_s, gap, min_limit_s, log)
+        found += _uniap(free, amps, res, budget_s, gap, min_limit_s, log)
     ranked, seen = [], set()
     for c in sorted(found, key=lambda c: c.time):
         if c.key() not in seen:
@@ -241,9 +252,13 @@ def _problems(job: Job, world: int, cluster, profile: Profile, base: RunShape,
     built: dict = {}
     out = []
     for kind in schedules:
-        kjob = dataclasses.replace(job, pp_schedule=kind,
-                                   pp_virtual=job.pp_virtual if kind in VIRTUAL_KINDS else 1)
+        virtual = 1
+        if kind in VIRTUAL_KINDS:
+            virtual = job.pp_virtual if job.pp_virtual > 1 else SEARCH_VIRTUAL
+        kjob = dataclasses.replace(job, pp_schedule=kind, pp_virtual=virtual)
         for ch in enumerate_choices(kjob, world, max_tp=base.tp):
+            if ch.pp > 1 and job.shape.n_layer % (ch.pp * virtual):
+                continue  # no equal chunks
             if ch not in built:
                 built[ch] = build(kjob, ch, cluster, profile, base, memory_limit)
                 out.append(built[ch])

@@ -54,9 +54,10 @@ def virtual_stages(cfg: Config, ctx: ParallelContext) -> list[int]:
 
 
 def chunk_ranges(cfg: Config, ctx: ParallelContext) -> tuple[tuple[int, int], ...]:
-    """The layers [a, b) of each of this rank's chunks: pp x pp_virtual equal stages."""
-    per = cfg.model.n_layer // (ctx.pp * cfg.parallel.pp_virtual)
-    return tuple((g * per, (g + 1) * per) for g in virtual_stages(cfg, ctx))
+    """The layers [a, b) of each of this rank's chunks: pp x pp_virtual equal stages
+    (:meth:`~oases.parallel.layout.PipelineLayout.chunks`, which refuses a plan's layout
+    of other layer ranges or degrees)."""
+    return ctx.layout.chunks(ctx.stage, cfg.parallel.pp_virtual)
 
 
 def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
