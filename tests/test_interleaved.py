@@ -37,13 +37,15 @@ def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, *extra: str, vir
 
 
 def _unsharded_body(rank: int, cases: list) -> None:
-    from oases.parallel.layout import uniform_layout
+    from oases.parallel.layout import stages_layout, uniform_layout
 
-    for arch, engine, pp, tp, virtual, layers, extra, *accum in cases:
+    for arch, engine, pp, tp, virtual, layers, extra, *more in cases:
         cfg = _cfg(arch, engine, "interleaved-1f1b", pp, tp, *extra, virtual=virtual,
-                   layers=layers, accum=accum[0] if accum else 0)
-        run_case(rank, cfg, uniform_layout(WORLD, pp, tp, cfg.model.n_layer), 2,
-                 f"interleaved v{virtual} {arch} {engine} pp{pp} tp{tp} {extra}")
+                   layers=layers, accum=more[0] if more else 0)
+        layout = (stages_layout(more[1], WORLD, layers, "test", MBS) if len(more) > 1
+                  else uniform_layout(WORLD, pp, tp, cfg.model.n_layer))
+        run_case(rank, cfg, layout, 2,
+                 f"interleaved v{virtual} {arch} {engine} pp{pp} tp{tp} {extra} {more}")
 
 
 def test_interleaved_matches_unsharded():
@@ -76,6 +78,90 @@ def test_chunks_are_the_even_split_and_a_plan_of_other_ranges_is_refused():
         degrees.chunks(1, 2)
     with pytest.raises(ConfigError, match=r"^6 layers do not divide into pp=2 x pp_virtual=2"):
         uniform_layout(4, 2, 2, 6).chunks(0, 2)
+
+
+def _record_body(rank: int, args: tuple, out: str) -> None:
+    """Three steps of one layout; losses and norms (every rank alike) and this rank's
+    parameters after them, whole (tp 1, ZeRO's ranges gathered), written by DP rank 0."""
+    from oases.parallel.layout import uniform_layout
+    from oases.runtime.data import ValBatches
+    from oases.runtime.step import evaluate, train_step
+
+    arch, engine, kind, pp, dp, extra, layers, accum = args
+    cfg = _cfg(arch, engine, kind, pp, 1, *extra, layers=layers, world=pp * dp, accum=accum)
+    ctx, model, ts, batches = stage(cfg, uniform_layout(pp * dp, pp, 1, layers))
+    steps = [train_step(ts, batches, cfg.train.lr) for _ in range(3)]
+    val = ValBatches(f"{out}/val.bin", "uint16", SEQ, cfg.model.vocab_size, MBS, ctx.dp_rank,
+                     ctx.dp, 3)  # through every chunk (PipelineRunner.forward_only)
+    val_loss = evaluate(model, val, cfg, ctx, ts.pipe)
+    with ts.reducer.ownership.unsharded(ts.opt, model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if ctx.dp_rank == 0:
+        torch.save({"steps": steps, "params": params, "val": val_loss},
+                   f"{out}/{kind}-rank{rank}.pt")
+
+
+def _against_1f1b(tmp_path, arch, engine, pp, virtual, dp, zero):
+    """interleaved-1f1b at pp x v against 1f1b at pp*v stages, dropout on."""
+    from tests.support.zero_levels import PARAM_ATOL
+
+    extra = ("model.dropout=0.1", f"parallel.zero={zero}")
+    layers = 2 * pp * virtual
+    rows = np.random.default_rng(0).integers(0, 256, 3 * dp * MBS * (SEQ + 1) + 5)
+    rows.astype(np.uint16).tofile(tmp_path / "val.bin")  # two whole batches, one partial
+    run_distributed(_record_body, world=pp * virtual * dp, tp=None, args=(
+        (arch, engine, "1f1b", pp * virtual, dp, extra, layers, 2 * pp * virtual),
+        str(tmp_path)))
+    run_distributed(_record_body, world=pp * dp, tp=None, args=(
+        (arch, engine, "interleaved-1f1b", pp, dp, extra, layers, 2 * pp * virtual),
+        str(tmp_path)))
+
+    def read(kind):
+        files = sorted(tmp_path.glob(f"{kind}-rank*.pt"))
+        runs = [torch.load(f) for f in files]
+        assert len({r["val"] for r in runs}) == 1, [r["val"] for r in runs]  # every rank's
+        return runs[0]["steps"] + [runs[0]["val"]], \
+            {n: p for r in runs for n, p in r["params"].items()}
+
+    (*ref_steps, ref_val), ref_params = read("1f1b")
+    (*steps, val), params = read("interleaved-1f1b")
+    what = f"interleaved v{virtual} vs 1f1b at pp {pp * virtual}: {arch} {engine} zero{zero}"
+    losses, norms = zip(*steps)
+    ref_losses, ref_norms = zip(*ref_steps)
+    assert losses == ref_losses, (what, losses, ref_losses)
+    assert abs(val - ref_val) <= 1e-6 * ref_val, (what, val, ref_val)  # the norms' rounding
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6,
+                               atol=0, msg=lambda m: f"{what}: gradient norms: {m}")
+    assert sorted(params) == sorted(ref_params), what
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=0, atol=PARAM_ATOL,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+def test_interleaved_with_dropout_is_1f1b_at_pp_times_v(tmp_path):
+    _against_1f1b(tmp_path, "gpt", ("megatron", "none"), 2, 2, 1, 0)
+
+
+@pytest.mark.slow
+def test_interleaved_pp4_sp_and_zero1_match_unsharded():
+    run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
+        ("llama", ("megatron", "full"), 4, 1, 2, 8, ()),
+        ("gpt", ("oases", "full"), 4, 1, 2, 8, ()),
+        ("gpt", ("megatron", "selective"), 2, 1, 4, 8, ()),            # v = 4
+        ("llama", ("oases", "fine"), 2, 2, 2, 4, ("parallel.sequence_parallel=true",)),
+        ("gpt", ("oases", "fine"), 2, 1, 2, 4, ("parallel.zero=1",)),  # dp 2
+        # stages of different meshes: every boundary, the wraparound too, a cross-mesh
+        # reshard (tp 2 -> dp 2 and back)
+        ("llama", ("megatron", "none"), 2, 2, 2, 4, (), 4,
+         [{"layers": [0, 2], "dp": 1, "tp": 2}, {"layers": [2, 4], "dp": 2, "tp": 1}]),
+    ],))
+
+
+@pytest.mark.slow  # eight processes for the 1f1b reference
+@pytest.mark.parametrize("arch,engine,zero", [("gpt", ("megatron", "none"), 1),
+                                              ("llama", ("oases", "fine"), 3)])
+def test_interleaved_with_dropout_and_zero_is_1f1b_at_pp_times_v(tmp_path, arch, engine, zero):
+    _against_1f1b(tmp_path, arch, engine, 2, 2, 2, zero)
 
 
 _RUN = ["model.name=gpt-tiny", f"model.seq_len={SEQ}", "model.n_layer=4", "parallel.pp=2",
