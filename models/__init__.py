@@ -20,14 +20,16 @@ def build_model(cfg: ModelConfig, padded_vocab: int, tp_group=None,
                 tracker: Optional[TPRNGTracker] = None, recompute: str = "none",
                 seed: Optional[int] = 0, device: torch.device | str = "cpu",
                 degrees: Optional[list[int]] = None, degree_groups=None,
-                stage: Optional[tuple[int, int]] = None) -> CausalLM:
+                stage: Optional[tuple[int, int]] = None, cp_group=None) -> CausalLM:
     """Build the TP-sharded model for ``cfg`` (already resolved) and initialise it from
     ``seed`` (``None``: leave it uninitialised, e.g. before loading a checkpoint).
     ``degrees``: per-block TP degrees of a plan (``ctx.degree_groups()`` holds the groups).
     ``stage``: the layers [start, stop) of this rank's pipeline stage: only they (and the
-    embedding or head where the stage has them) are built and initialised."""
+    embedding or head where the stage has them) are built and initialised. ``cp_group``:
+    context parallelism (the model computes each row's head-tail tokens of this rank)."""
     par = Parallelism(tp_group, tracker, recompute,
-                      tuple(degrees) if degrees is not None else None, degree_groups, stage)
+                      tuple(degrees) if degrees is not None else None, degree_groups, stage,
+                      cp_group=cp_group)
     return build(arch_class(cfg.arch), cfg, padded_vocab, par, seed, device)
 
 

@@ -20,6 +20,7 @@ from oases.parallel.comm import group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
+from oases.parallel.ring_attention import ring_attention
 from oases.parallel.sequence import part_dropout, seq_part
 
 
@@ -91,6 +92,12 @@ class ParallelAttention(ResidualBlock):
     ``qkv_bias``: q/k/v biases without output/MLP biases (Qwen2); ``model.bias`` gives
     every projection one. ``model.sliding_window`` w > 0: each query sees its last w
     keys (itself included), combined with the document mask where that is on.
+
+    Context parallelism (``cp_group`` of cp > 1 ranks, those with this rank's TP rank):
+    the input is this rank's head-tail tokens of each row; q, k, v of its local heads
+    are rotated at the tokens' global positions and attend over the whole row through
+    :func:`~oases.parallel.ring_attention.ring_attention` on the cp group, with the
+    whole rows' document numbers (:class:`~oases.models.documents.DocumentSlot`).
     """
 
     def __init__(self, cfg: ModelConfig, norm: nn.Module, tp_group, tracker: Optional[TPRNGTracker],
@@ -114,6 +121,7 @@ class ParallelAttention(ResidualBlock):
         self.tracker = tracker
         self.attn_dropout = cfg.dropout
         self.selective = False  # recompute=selective: the core is recomputed in backward
+        self.cp_group = None    # context parallelism: the ring's group (None: cp 1)
         # the model's: the documents of the rows computed now (attention stays inside
         # each, positions restart at each under data.reset_position_ids)
         self.documents: Optional[DocumentSlot] = None
@@ -157,8 +165,17 @@ class ParallelAttention(ResidualBlock):
 
     def region(self, h):
         docs = self.documents
-        positions = None if docs is None else docs.positions(self.degree)
+        positions = None if docs is None else docs.local_positions(self.degree, h.shape[1],
+                                                                    h.device)
         q, k, v = self.heads_of(h, positions)
+        if group_size(self.cp_group) > 1:
+            # recompute=selective does not wrap the ring: it keeps no T^2 probabilities
+            # (its backward recomputes each block's from q, k, v and the saved output
+            # and log-sum-exp), so recomputing it would only send every kv block again
+            whole = None if docs is None else docs.at(self.degree)
+            y = ring_attention(q, k, v, self.cp_group, causal=True,
+                               doc=None if whole is None else whole.doc)
+            return self.out_partial(y)
         # the mask is taken here, once: a recompute of the core gets it as an input
         mask = self.train_mask(h.shape[1], h.device)
         if self.selective and self.training and torch.is_grad_enabled():

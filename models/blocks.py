@@ -73,13 +73,15 @@ class TokenEmbedding(TPBlock):
         """``positions``: (B, T) long position of each token (decoding), else the
         documents' (``data.reset_position_ids``), else 0..T-1. Under sequence
         parallelism ``reduced`` is this rank's chunk of the sequence: its positions, and
-        its chunk of the whole sequence's dropout mask."""
+        its chunk of the whole sequence's dropout mask. Under context parallelism
+        ``ids`` are this rank's head-tail tokens and the positions their global ones
+        (:meth:`~oases.models.documents.DocumentSlot.local_positions`)."""
         j, n = seq_part(self)
         T = reduced.shape[1]
         if positions is None and self.wpe is not None and self.documents is not None:
-            positions = self.documents.positions(self.degree)
-            if positions is not None:
-                positions = positions[:, j * T: (j + 1) * T]  # (B, T/n): this rank's chunk
+            positions = self.documents.local_positions(self.degree, T * n, reduced.device)
+            if positions is not None:  # (B, T/n) or (T/n,): this rank's chunk
+                positions = positions[..., j * T: (j + 1) * T]
         if self.wpe is not None:
             reduced = reduced + (self.wpe[j * T: (j + 1) * T] if positions is None
                                  else self.wpe[positions])

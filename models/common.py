@@ -58,6 +58,7 @@ class CausalLM(nn.Module):
         self.vocab_size, self.padded_vocab = cfg.vocab_size, padded_vocab
         # what parallelize sets: the whole model at tp = 1 until then
         self.tp_group, self.tracker, self.recompute = None, None, "none"
+        self.cp_group = None  # context parallelism's group: the model holds its rank's tokens
         self.layer_range = (0, cfg.n_layer)
         self.is_first = self.is_last = True
         self.home_degree = 1  # TP degree of the (stage's) input and output

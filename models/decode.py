@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from oases.models.attention import window_mask
-from oases.parallel.comm import gather_from_tp, reduce_from_tp
+from oases.parallel.comm import gather_from_tp, group_size, reduce_from_tp
 
 
 @dataclass
@@ -46,6 +46,9 @@ def _check(model) -> None:
         raise ValueError("decode needs one TP degree for every block (no per-block plan)")
     if model.sequence_parallel:
         raise ValueError("decode runs on whole sequences: set_sequence_parallel(False) first")
+    if group_size(model.cp_group) > 1:  # decoding attends the cache, not the ring
+        raise ValueError(f"decode runs on whole sequences: the model is context-parallel "
+                         f"(cp={group_size(model.cp_group)}); build it without a cp group")
 
 
 def new_kv_cache(model, batch: int, max_len: int) -> KVCache:

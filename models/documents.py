@@ -19,6 +19,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from oases.parallel.cp_chunks import global_positions, shard_sequence
+
 
 class Documents:
     """``doc`` (B, T) int64: a document number per token, non-decreasing along each row
@@ -92,17 +94,28 @@ class DocumentSlot:
     The slot holds the rows of the stage's home TP degree. A block at a lower degree
     computes a piece of them (its subgroup's rows, :mod:`oases.parallel.reshard`):
     ``pieces(degree)`` says which, (piece index, number of pieces), and
-    :meth:`mask`/:meth:`positions` give that piece's."""
+    :meth:`mask`/:meth:`positions` give that piece's.
+
+    Under context parallelism ``cp`` is (cp degree, this rank's index in its cp
+    group): the model computes this rank's head-tail tokens of each row
+    (:mod:`oases.parallel.cp_chunks`), while the slot holds the documents of the WHOLE
+    rows, (B, T), the same on every cp rank (the loader has the whole row): the ring
+    attention reads every rank's document numbers from them, and positions that
+    restart at documents are the whole row's. :meth:`local_positions` gives the
+    positions of this rank's tokens."""
 
     def __init__(self) -> None:
         self.current: Optional[Documents] = None
         self.home = 1
         self.pieces: Optional[Callable[[int], tuple[int, int]]] = None
+        self.cp = (1, 0)  # (cp degree, rank in the cp group): set by parallelize
         self._views: dict[int, Documents] = {}
+        self._local: dict[tuple, torch.Tensor] = {}
 
     def set(self, docs: Optional[Documents]) -> None:
         self.current = docs
         self._views = {}
+        self._local = {}
 
     def at(self, degree: int) -> Optional[Documents]:
         """The documents of the rows a block of TP degree ``degree`` computes."""
@@ -124,9 +137,34 @@ class DocumentSlot:
         return None if docs is None else docs.mask()
 
     def positions(self, degree: int) -> Optional[torch.Tensor]:
-        """(B', T) positions of the rows at ``degree``, or None (0..T-1)."""
+        """(B', T) positions of the (whole) rows at ``degree``, or None (0..T-1)."""
         docs = self.at(degree)
         return None if docs is None else docs.positions()
+
+    def local_positions(self, degree: int, tokens: int, device=None) -> Optional[torch.Tensor]:
+        """The positions of the ``tokens`` tokens of each row this rank computes: at cp 1
+        :meth:`positions` (None: 0..T-1); under cp their positions in the whole row,
+        (T/cp,) the same for every row (:func:`~oases.parallel.cp_chunks.global_positions`)
+        or, where positions restart at documents, the whole rows' (B', T) positions
+        sharded like the tokens, (B', T/cp). Made once per documents (every layer reads
+        them)."""
+        cp, rank = self.cp
+        if cp == 1:
+            return self.positions(degree)
+        key = (degree, tokens, device)
+        pos = self._local.get(key)
+        if pos is None:
+            whole = self.positions(degree)
+            if whole is None:
+                pos = global_positions(tokens * cp, cp, rank, device)
+            else:
+                if whole.shape[1] != tokens * cp:
+                    raise ValueError(f"documents of rows of {whole.shape[1]} tokens for a "
+                                     f"rank's {tokens} tokens at cp={cp}: the slot holds the "
+                                     f"whole rows, {tokens * cp} tokens")
+                pos = shard_sequence(whole, cp, rank, dim=1)
+            self._local[key] = pos
+        return pos
 
     @contextlib.contextmanager
     def use(self, docs: Optional[Documents]) -> Iterator[None]:

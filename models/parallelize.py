@@ -48,7 +48,15 @@ class Parallelism:
     virtual stages; the model keeps them all and ``model.chunks`` holds a view per range
     (:meth:`~oases.models.common.CausalLM.chunk`), whose layers draw their dropout from
     that chunk's tracker in ``chunk_trackers`` (a virtual stage's random stream is the
-    one a stage of those layers would have at pp x pp_virtual)."""
+    one a stage of those layers would have at pp x pp_virtual).
+
+    ``cp_group``: context parallelism (None: cp 1, the model unchanged). Its ranks are
+    those with this rank's TP rank (and stage); each computes its head-tail tokens of
+    every row (:func:`oases.parallel.cp_chunks.shard_sequence` of the ids and targets,
+    dim 1), at their global positions, while the documents in the model's slot are the
+    whole rows'; attention runs the ring (:mod:`oases.parallel.ring_attention`) over
+    this group, and the loss is the mean over this rank's counted targets
+    (docs/context-parallel.md). :func:`parallelize` refuses what the ring cannot do."""
     tp_group: Optional[object] = None
     tracker: Optional[TPRNGTracker] = None
     recompute: str = "none"
@@ -60,6 +68,7 @@ class Parallelism:
     defer_weight_grads: bool = False  # the blocks' linear dW left to W actions (zb-h1)
     chunks: Optional[tuple[tuple[int, int], ...]] = None
     chunk_trackers: Optional[tuple[TPRNGTracker, ...]] = None
+    cp_group: Optional[object] = None
 
 
 def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
@@ -67,6 +76,9 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     values) in place; returns it. Raises ValueError for a plan the model cannot take."""
     if par.stage is not None and par.chunks is not None:
         raise ValueError("a model is one stage or several chunks, not both")
+    cp = group_size(par.cp_group)
+    if cp > 1:
+        _refuse_under_cp(model, par, cp)
     if par.stage is not None:
         model.keep_layers(*par.stage)
     if par.chunks is not None:
@@ -84,6 +96,8 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     rs = model.resharder  # a block at a lower degree computes a piece of the documents' rows
     model.documents.home = tp
     model.documents.pieces = None if rs is None else (lambda t: rs.piece(tp, t))
+    model.cp_group = par.cp_group
+    model.documents.cp = (cp, group_rank(par.cp_group))
 
     def group(j: int):
         return par.tp_group if model.resharder is None else par.degree_groups.sub[degrees[j]]
@@ -98,6 +112,7 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
         layer.resharder = model.resharder
         layer.attn.tracker = par.tracker
         layer.attn.selective = par.recompute == "selective"
+        layer.attn.cp_group = par.cp_group
     if model.head is not None:
         model.head.shard(par.tp_group)
     _tag(model, tp)
@@ -116,6 +131,42 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     if par.chunks is not None:
         _split_chunks(model, par)
     return model
+
+
+def _refuse_under_cp(model: CausalLM, par: Parallelism, cp: int) -> None:
+    """What context parallelism does not take, one line each, naming the pair.
+    ``recompute`` is taken: under "full" each layer's ring runs again in backward (every
+    cp rank recomputes the same layers in the same order, so the exchanges pair up);
+    "selective" leaves the ring alone, whose backward already recomputes the
+    probabilities from q, k, v and the saved output and log-sum-exp."""
+    cfg, pair = model.cfg, f"context parallelism (cp={cp})"
+    if cfg.dropout > 0:
+        # the ring merges softmax blocks by log-sum-exp and recomputes them in backward:
+        # it has no dropout of the probabilities, and attention's rate is model.dropout
+        raise ValueError(f"{pair} with model.dropout={cfg.dropout}: ring attention has no "
+                         f"attention dropout")
+    if cfg.sliding_window and cfg.sliding_window < cfg.seq_len:
+        # the ring's blocks are causal or whole (cp_chunks.block_plan) with document masks;
+        # a window would mask parts of off-diagonal blocks by position, which it does not do
+        raise ValueError(f"{pair} with model.sliding_window={cfg.sliding_window}: ring "
+                         f"attention has no sliding window")
+    if par.sequence_parallel:
+        # SP would split the cp rank's T/cp tokens over the TP ranks (the region gathers
+        # them back before the ring), but SP's own checks and paths (model.seq_len
+        # divisible by tp, the engines' chunked stages) are of the whole sequence and
+        # have not been carried over to cp
+        raise ValueError(f"{pair} with parallel.sequence_parallel: the two splits of the "
+                         f"sequence are not composed")
+    if par.degrees is not None:
+        # a plan's per-block degrees come from the planner, which does not model cp
+        raise ValueError(f"{pair} with per-block TP degrees (a plan): the planner does not "
+                         f"know cp")
+    if par.compile:
+        # the ring breaks a compiled segment: its data-dependent skip of blocks the
+        # documents mask whole is a graph break, so the attention region compiles in
+        # pieces around it; not yet made compile-friendly
+        raise ValueError(f"{pair} with parallel.compile={par.compile!r}: ring attention "
+                         f"is not compiled")
 
 
 def _split_chunks(model: CausalLM, par: Parallelism) -> None:

@@ -55,7 +55,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """Rotary embeddings, rotate-half convention (as HF LLaMA): no weight permutation.
     Tables for positions 0 .. max_len-1; a forward rotates positions 0..T-1, or the
-    (B, T) ``positions`` it is given (decoding with a cache, left padding)."""
+    (B, T) ``positions`` it is given (decoding with a cache, left padding; documents),
+    or (T,) ones shared by every row (context parallelism's global positions)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_len: int) -> None:
         super().__init__()
@@ -75,16 +76,19 @@ class Rotary(nn.Module):
         return torch.cat([-x2, x1], dim=-1)
 
     def tables(self, T: int, positions: Optional[torch.Tensor], dtype) -> tuple:
-        """(cos, sin) of positions 0..T-1, (T, hd), or of the (B, T) ``positions``,
-        (B, 1, T, hd): what every layer of one forward uses."""
+        """(cos, sin) of positions 0..T-1, (T, hd), of (T,) ``positions`` shared by every
+        row (a context-parallel rank's global ones), (T, hd), or of the (B, T)
+        ``positions``, (B, 1, T, hd): what every layer of one forward uses."""
         if positions is None:
             return self.cos[:T].to(dtype), self.sin[:T].to(dtype)
+        if positions.dim() == 1:
+            return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         return (self.cos[positions].to(dtype).unsqueeze(1),
                 self.sin[positions].to(dtype).unsqueeze(1))
 
     def forward(self, q, k, positions: Optional[torch.Tensor] = None,
                 tables: Optional[tuple] = None):
-        """q (B, nh, T, hd), k (B, nkv, T, hd); ``positions`` (B, T) long or None;
+        """q (B, nh, T, hd), k (B, nkv, T, hd); ``positions`` (B, T) or (T,) long, or None;
         ``tables``: :meth:`tables` made once for all layers (decoding)."""
         cos, sin = tables if tables is not None else self.tables(q.shape[-2], positions,
                                                                  q.dtype)
