@@ -359,7 +359,9 @@ def main(argv=None) -> int:
                       "fast_gbps": mat[0][1] if mat else spec.inter_node_bandwidth_gbps,
                       "slow_gbps": mat[0][2] if mat else spec.inter_node_bandwidth_gbps})
     out = driver.out_prefix(args, "pipeline")
-    tl_prefix = "timeline-pipeline-quick-" if args.quick else "timeline-pipeline-"
+    # named by the results (timeline-pipeline-<mode>.png by default): another run's
+    # --out does not draw over this report's timelines
+    tl_prefix = f"timeline-{out.name}-"
     workdir = driver.workdir(args, "pipeline").resolve()
     plan = write_plan(workdir / "plan-reshard.yaml", args.reshard_shape["n_layer"],
                       args.reshard_order, args.reshard_split)
