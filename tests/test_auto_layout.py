@@ -83,3 +83,19 @@ def test_a_searched_plan_with_sequence_parallelism_runs_it(tmp_path):
         run = pointed_at(cfg, path, 4)
         assert run.parallel.sequence_parallel and run.sub_batches == n
     assert not cfg.parallel.sequence_parallel  # the config itself is left as it is
+
+
+def test_a_searched_interleaved_plan_runs_its_chunks(tmp_path):
+    """plan=auto's pick of interleaved-1f1b: the run takes the plan's schedule and its
+    pp_virtual; a plan of another schedule leaves pp_virtual at 1."""
+    from oases.planner.auto_layout import pointed_at
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "train.grad_accum=2"]).validate(4)
+    stages = [{"layers": [0, 2], "dp": 1, "tp": 2}, {"layers": [2, 4], "dp": 1, "tp": 2}]
+    for kind, virtual in (("interleaved-1f1b", 2), ("zb-h1", 1)):
+        path = tmp_path / f"plan-{kind}.yaml"
+        path.write_text(yaml.safe_dump({
+            "tp": 2, "pp": 2, "micro_batch_size": 4, "micro_batches": 2, "stages": stages,
+            "pp_schedule": kind, "pp_virtual": virtual}))
+        run = pointed_at(cfg, path, 4)
+        assert (run.parallel.pp_schedule, run.parallel.pp_virtual) == (kind, virtual)
