@@ -73,7 +73,8 @@ def _reference(q, k, v, w, doc, causal: bool):
 
 def _check_case(group, cp: int, rank: int, case, device="cpu", rel_tol=REL_TOL):
     hq, hkv, docs, causal = case
-    q, k, v, w, doc = _inputs(cp, hq, hkv, docs, device)
+    # one rank (cp 1) holds a two-rank sequence whole: documents enough to cross chunks
+    q, k, v, w, doc = _inputs(max(cp, 2), hq, hkv, docs, device)
     ref = _reference(q, k, v, w, doc, causal)
     ql, kl, vl = (shard_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v))
     out = ring_attention(ql, kl, vl, group, causal=causal, doc=doc)
@@ -93,8 +94,6 @@ def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_T
     # group ranks translated to global ones
     groups = [dist.new_group(list(range(i, world, world // cp))) for i in range(world // cp)]
     group = groups[rank % (world // cp)]
-    if device == "cuda-shared":
-        device = "cuda"
     for case in CASES:
         _check_case(group, cp, dist.get_rank(group), case, device, rel_tol)
 
@@ -114,11 +113,58 @@ def test_ring_runs_on_plain_gloo():
 
 
 @pytest.mark.cuda
-def test_ring_on_cuda_matches_whole_sequence_attention():
-    # every rank on GPU 0 over gloo; the fused kernels' exp and accumulation order are
-    # not the math path's: 1e-5 of max|ref| (not yet measured on a GPU)
-    run_distributed(_parity_body, world=2, tp=None, args=(2, "cuda-shared", 1e-5),
-                    device="cuda-shared")
+def test_ring_on_one_gpu_matches_whole_sequence_attention():
+    """One rank on GPU 0: the CUDA kernels of a ring step (the fused forward that returns
+    an lse, the fp32 backward) against SDPA, every case. Gloo cannot carry CUDA tensors
+    point to point ("writev: Bad address"), so the ring's transfers on CUDA need NCCL and
+    two GPUs (below). The fused kernels' exp and accumulation order are not the math
+    path's: 1e-5 of max|ref| (measured on an H200: within it)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for case in CASES:
+            _check_case(None, 1, 0, case, "cuda", 1e-5)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hq,hkv,causal", [(4, 4, True), (4, 2, True), (4, 2, False)])
+def test_ring_in_bf16_takes_flash_both_ways_on_one_gpu(hq, hkv, causal):
+    """bf16 on one GPU: flash's forward and flash's backward fed the global output and
+    lse (the op is seen in the profile). Against SDPA in fp32 the ring's error is at most
+    twice SDPA's own in bf16 (both run flash's kernels; on an H200 at 4k-32k tokens the
+    ring's was 0.7-1.2 times SDPA's)."""
+    from torch.profiler import profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, hq, 256, 64, device="cuda", generator=g)
+    k, v = (torch.randn(2, hkv, 256, 64, device="cuda", generator=g) for _ in range(2))
+    w = torch.randn(2, hq, 256, 64, device="cuda", generator=g)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ref = _reference(q, k, v, w, None, causal)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    lo = [t.to(torch.bfloat16) for t in (q, k, v)]
+    sdpa = _reference(*lo, w.to(torch.bfloat16), None, causal)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in lo)
+    with profile() as prof:
+        out = ring_attention(ql, kl, vl, None, causal=causal)
+        (out * w.to(torch.bfloat16)).sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_backward" in ops, sorted(ops)[:40]
+    for name, got, want, base in zip(("out", "dq", "dk", "dv"),
+                                     (out, ql.grad, kl.grad, vl.grad), ref, sdpa):
+        err = (got.float() - want).abs().max().item()
+        own = (base.float() - want).abs().max().item()
+        assert err <= 2 * own, f"{name}: ring off by {err:.2e}, SDPA bf16 by {own:.2e}"
+
+
+@pytest.mark.cuda(gpus=2)
+def test_ring_on_two_gpus_matches_whole_sequence_attention():
+    run_distributed(_parity_body, world=2, tp=None, args=(2, "cuda", 1e-5), device="cuda")
 
 
 def _ordering_body(rank: int):

@@ -48,8 +48,8 @@ ordered on the group. A query attends a key of its own document only (and causal
 plain matmul + softmax in fp32 that returns the lse (the score matrix of one block is
 materialised: (B, Hq, Tq, Tk)). On CUDA without documents the forward uses the fused
 kernel SDPA would pick that returns an lse (flash in fp16/bf16, memory-efficient
-otherwise), with kv heads expanded for it; the backward is the fp32 math above on
-every device. Attention dropout is not supported.
+otherwise), with kv heads expanded for it; the backward takes flash's backward kernel
+with the global out and lse (bf16/fp16), else the fp32 math above. Attention dropout is not supported.
 """
 
 from __future__ import annotations
@@ -171,9 +171,39 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.T
     l_a.copy_(new)
 
 
-def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: float):
+def _fused_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """Flash's backward of one block given the *global* out and lse (so P = exp(s - lse)
+    and rowsum(dO o) are the whole sequence's): fp32 (dq, dk, dv) with the kv heads'
+    query groups summed, or None where flash does not take the call."""
+    B, hq, tk, D = q.shape[0], q.shape[1], k.shape[2], q.shape[3]
+    r = hq // k.shape[1]
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
+    if not torch.backends.cuda.can_use_flash_attention(params, False):
+        return None
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)    # no dropout: unread
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None,
+        q.shape[2], tk, 0.0, causal, seed, offset, scale=scale)
+    if r > 1:
+        dk, dv = (g.view(B, hq // r, r, tk, D).sum(2, dtype=torch.float32) for g in (dk, dv))
+    return dq.float(), dk.float(), dv.float()
+
+
+def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: float,
+                 out=None):
     """fp32 (dq, dk, dv) of one block, from the global out/lse: dq for rows ``blk.q``,
-    dk/dv for keys ``blk.k``; None when the documents leave nothing."""
+    dk/dv for keys ``blk.k``; None when the documents leave nothing. ``out`` (the global
+    output, in q's dtype; ``dout`` then too) lets CUDA take flash's backward."""
+    if out is not None and q.is_cuda and FUSED_ON_CUDA and doc_q is None:
+        res = _fused_grads(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], dout[:, :, blk.q],
+                           out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
+        if res is not None:
+            return res
+    dout = dout.float()
     mask = _block_mask(blk, doc_q, doc_k, q.device)
     if mask is not None and doc_q is not None and not bool(mask.any()):
         return None
@@ -240,8 +270,8 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), group_rank(group)
         ring = _Ring(group, cp, rank) if cp > 1 else None
         Tl = q.shape[2]
-        dout = dout.float()
-        delta = (dout * out.float()).sum(-1)            # rowsum(dO o): (B, Hq, Tl)
+        dout = dout.to(q.dtype)
+        delta = (dout.float() * out.float()).sum(-1)    # rowsum(dO o): (B, Hq, Tl)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
         kv = torch.stack([k, v]).contiguous()
@@ -260,7 +290,8 @@ class _RingAttention(torch.autograd.Function):
             blk = block_plan(cp, rank, src, Tl, causal)
             doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
             _note(trace, "bwd_attend", s)
-            grads = _block_grads(q, kv[0], kv[1], dout, lse, delta, blk, doc_q, doc_k, scale)
+            grads = _block_grads(q, kv[0], kv[1], dout, lse, delta, blk, doc_q, doc_k, scale,
+                                 out)
             mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             if grads is not None:
                 dq[:, :, blk.q] += grads[0]
