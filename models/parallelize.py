@@ -69,6 +69,7 @@ class Parallelism:
     chunks: Optional[tuple[tuple[int, int], ...]] = None
     chunk_trackers: Optional[tuple[TPRNGTracker, ...]] = None
     cp_group: Optional[object] = None
+    cp_overlap: bool = True  # the ring's next receive runs behind this step's attention
 
 
 def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
@@ -113,6 +114,7 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
         layer.attn.tracker = par.tracker
         layer.attn.selective = par.recompute == "selective"
         layer.attn.cp_group = par.cp_group
+        layer.attn.cp_overlap = par.cp_overlap
     if model.head is not None:
         model.head.shard(par.tp_group)
     _tag(model, tp)

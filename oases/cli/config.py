@@ -27,7 +27,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = cfg.model
     pp_text = f"pp {cfg.parallel.pp} x " if cfg.parallel.pp > 1 else ""
     print(f"config ok: {m.name} ({m.arch}, {m.n_layer} layers, d {m.d_model}) | "
-          f"world {args.nproc} = {pp_text}dp {cfg.dp} x tp {cfg.parallel.tp} | "
+          f"world {args.nproc} = {pp_text}dp {cfg.dp} x "
+          f"{f'cp {cfg.parallel.cp} x ' if cfg.parallel.cp > 1 else ''}tp {cfg.parallel.tp} | "
           f"global batch {cfg.global_batch_size} x {m.seq_len}")
     return 0
 

@@ -23,6 +23,7 @@ import yaml
 
 from oases.config.blend_spec import check_blend
 from oases.config.heads import heads_problem
+from oases.config.layout_checks import cp_needs, interleaving_needs, overlap_fb_needs
 from oases.config.model import SHAPE_KEYS, ModelConfig
 from oases.config.observe import MetricsConfig, ProfileConfig, WandbConfig
 from oases.config.section import choice, positive, Section
@@ -61,6 +62,13 @@ class ParallelConfig(Section):
     # virtual stages r, r + pp, ..., so the bubble shrinks about v-fold for v times the
     # transfers
     pp_virtual: int = 1
+    # Context parallelism: each sequence split over cp ranks (two head-tail chunks each,
+    # attention through a ring of kv blocks; docs/context-parallel.md). world = pp x dp x
+    # cp x tp; the cp ranks of a replica read the same rows and sum gradients with dp.
+    cp: int = 1
+    # cp > 1: post each ring step's receive before its attention and wait after (false:
+    # wait at once; the benchmark's exposed baseline)
+    cp_overlap: bool = True
     # How activations cross a stage boundary (oases.pipeline.cross_mesh): "broadcast"
     # (each slice crosses once, from load-balanced senders, then fans out inside the
     # receiving replica), "send" (one send per receiver) or "allgather" (Megatron's
@@ -132,6 +140,7 @@ class ParallelConfig(Section):
     def validate(self) -> None:
         positive("parallel.tp", self.tp)
         positive("parallel.pp", self.pp)
+        positive("parallel.cp", self.cp)
         choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if isinstance(self.pp_virtual, bool) or not isinstance(self.pp_virtual, int):
             raise ConfigError(f"parallel.pp_virtual={self.pp_virtual!r} is not an integer")
@@ -296,8 +305,10 @@ class Config(Section):
     # ---- derived values (set by validate) ----
     @property
     def dp(self) -> int:
-        """Data-parallel degree of the default layout: world / (pp x tp)."""
-        return self._world_size // (self.parallel.tp * self.parallel.pp)
+        """Data-parallel degree of the default layout (replicas reading their own rows):
+        world / (pp x cp x tp)."""
+        par = self.parallel
+        return self._world_size // (par.tp * par.pp * par.cp)
 
     @property
     def pipeline_batch(self) -> int:
@@ -350,6 +361,11 @@ class Config(Section):
         if world_size % (pp * tp):
             raise ConfigError(f"parallel.pp={pp} x parallel.tp={tp} does not divide the world "
                               f"size {world_size}")
+        if world_size % (pp * tp * self.parallel.cp):
+            raise ConfigError(f"parallel.pp={pp} x parallel.cp={self.parallel.cp} x "
+                              f"parallel.tp={tp} does not divide the world size {world_size}")
+        if self.parallel.cp > 1:
+            cp_needs(self)
         if pp > m.n_layer:
             raise ConfigError(f"parallel.pp={pp} is more stages than model.n_layer={m.n_layer} "
                               f"layers")
@@ -359,9 +375,9 @@ class Config(Section):
                               f"parallel.pp={pp} stages: {self.parallel.pp_schedule} needs "
                               f"at least pp micro-batches per step")
         if self.parallel.pp_virtual > 1:
-            _interleaving_needs(pp, self.parallel.pp_virtual, m.n_layer, n_mb)
+            interleaving_needs(pp, self.parallel.pp_virtual, m.n_layer, n_mb)
         if self.parallel.overlap_fb:
-            _overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
+            overlap_fb_needs(pp, n_mb, self.parallel.pp_schedule)
         if pp > 1 and self.parallel.plan == "auto" and self.parallel.plan_search == "tp-only":
             raise ConfigError("parallel.plan=auto with plan_search=tp-only chooses per-block TP "
                               "degrees for pp=1 only; with parallel.pp > 1 search the layout "
@@ -413,42 +429,6 @@ class Config(Section):
 
 
 PP_SCHEDULES = ("1f1b", "eager-1f1b", "gpipe", "zb-h1", "eager-zb-h1", "interleaved-1f1b")
-
-_NO_FUSED_PAIRS = {  # why overlap_fb finds no B, F pairs to fuse, by schedule
-    "zb-h1": "its stages run a W (weight gradient), not a forward, after most Bs",
-    "eager-zb-h1": "its stages run a W (weight gradient), not a forward, after most Bs",
-    "interleaved-1f1b": "a B and the F after it run on different chunks (other layers)",
-}
-
-
-def _interleaving_needs(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
-    """Megatron's virtual pipeline: pp x v equal stages, micro-batches in groups of pp."""
-    if pp < 2:
-        raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp >= 2, got {pp}")
-    if n_layer % (pp * virtual):
-        raise ConfigError(f"model.n_layer={n_layer} layers do not divide into parallel.pp="
-                          f"{pp} x parallel.pp_virtual={virtual} equal stages")
-    if micro_batches % pp:
-        raise ConfigError(f"interleaved-1f1b runs micro-batches in groups of parallel.pp={pp} "
-                          f"(Megatron's order): train.grad_accum={micro_batches} is not a "
-                          f"multiple of {pp}")
-
-
-def _overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
-    """A backward pairs with the next micro-batch's forward: at pp=1 there must be two
-    micro-batches; in a pipeline the pairs must not wait on each other across stages,
-    which takes eager-1f1b's warm-up (python -m oases.schedule --overlap-fb shows why)."""
-    if pp == 1 and micro_batches < 2:
-        raise ConfigError("parallel.overlap_fb pairs a micro-batch's backward with the next "
-                          "one's forward: it needs train.grad_accum >= 2")
-    if pp > 1 and kind in _NO_FUSED_PAIRS:
-        raise ConfigError(f"parallel.overlap_fb cannot run with parallel.pp_schedule={kind}: "
-                          f"{_NO_FUSED_PAIRS[kind]}")
-    if pp > 1 and kind != "eager-1f1b":
-        raise ConfigError(f"parallel.overlap_fb in a pipeline needs parallel.pp_schedule="
-                          f"eager-1f1b, not {kind}: under 1f1b each fused pair waits for the "
-                          f"next stage's whole pair, which halves the rate")
-
 
 # ---------------------------------------------------------------------------
 # Loading: YAML -> dataclasses, strict (oases.config.typed_yaml); dotted overrides.

@@ -5,6 +5,13 @@ Rank layout (TP ranks contiguous, so a TP group stays inside one node):
     rank = dp_rank * tp + tp_rank
     world 4, tp 2:   tp groups {0,1} {2,3}     dp groups {0,2} {1,3}
 
+Context parallelism (cp > 1) splits each data replica's sequences over cp consecutive
+DP ranks: ``dp`` counts every replica of the parameters (the gradient sum and ZeRO run
+over all dp x cp of them), ``dp_rank = data_rank * cp + cp_rank``, and the cp group is
+the cp ranks at one TP position of one data replica:
+
+    world 8, tp 2, cp 2:   dp groups {0,2,4,6} {1,3,5,7}   cp groups {0,2} {1,3} {4,6} {5,7}
+
 GQA with more TP ranks than kv heads replicates each kv head on consecutive
 ranks (oases.config.heads); their *kv replica groups* sum the kv gradients:
 
@@ -39,7 +46,7 @@ import torch.distributed as dist
 
 from oases.errors import UserError
 from oases.parallel.nccl_env import prepare_backend
-from oases.parallel.ranks import (create_groups, destroy_groups, kv_specs, new_group,
+from oases.parallel.ranks import (cp_specs, create_groups, destroy_groups, kv_specs, new_group,
                                   recording_groups, stage_specs, tie_specs)
 from oases.parallel.reshard import DegreeGroups
 
@@ -68,6 +75,11 @@ class ParallelContext:
     # this one (None: kv heads are not replicated at this tp).
     kv_heads: Optional[int] = None
     kv_group: Optional[dist.ProcessGroup] = None
+    # Context parallelism: this rank's index in its cp group, of cp (dp above counts the
+    # cp ranks: dp / cp data replicas read their own rows)
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None
     # This context's uses of groups (oases.parallel.ranks.GroupRef), on every rank, member
     # or not, in request order (the default group is never among them): what close()
     # gives back.
@@ -76,6 +88,16 @@ class ParallelContext:
     @property
     def is_first_stage(self) -> bool:
         return self.stage == 0
+
+    @property
+    def data_dp(self) -> int:
+        """Replicas that read their own rows of the global batch (dp / cp)."""
+        return self.dp // self.cp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data replica: the rows it reads (its cp peers read the same)."""
+        return self.dp_rank // self.cp
 
     @property
     def is_last_stage(self) -> bool:
@@ -263,41 +285,45 @@ def init_distributed(tp: int, device: str = "auto", backend: str = "auto",
                      timeout_s: float = 600.0, layout=None,
                      tie_embeddings: bool = False,
                      kv_heads: Optional[int] = None,
-                     nccl_high_priority_tp: bool = False) -> ParallelContext:
+                     nccl_high_priority_tp: bool = False, cp: int = 1) -> ParallelContext:
     """Join (or create, for a plain ``python train.py``) the default process group
     and build the dp x tp groups, or a pipelined ``layout``'s groups
     (:func:`build_pipeline_context`); with ``kv_heads`` (the model's), the kv replica
-    groups too. Works with torchrun's environment variables."""
+    groups too, and with ``cp`` > 1 the cp groups. Works with torchrun's environment
+    variables."""
     dev = join_world(device, backend, timeout_s)
     if layout is not None and layout.pp > 1:
         return build_pipeline_context(layout, dev, tie_embeddings, kv_heads,
-                                      nccl_high_priority_tp)
-    return build_context(tp, dev, kv_heads, nccl_high_priority_tp)
+                                      nccl_high_priority_tp, cp)
+    return build_context(tp, dev, kv_heads, nccl_high_priority_tp, cp)
 
 
 def build_context(tp: int, device: torch.device, kv_heads: Optional[int] = None,
-                  nccl_high_priority_tp: bool = False) -> ParallelContext:
-    """dp x tp groups (and the kv replica groups of a model with ``kv_heads``) over an
-    initialised default process group. Collective."""
+                  nccl_high_priority_tp: bool = False, cp: int = 1) -> ParallelContext:
+    """dp x tp groups (and the kv replica groups of a model with ``kv_heads``, the cp
+    groups at ``cp`` > 1) over an initialised default process group. Collective."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp:
-        raise UserError(f"parallel.tp={tp} does not divide the world size {world}")
+    if world % (tp * cp):
+        raise UserError(f"parallel.tp={tp} x parallel.cp={cp} does not divide the world "
+                        f"size {world}")
     dp = world // tp
     hp = high_priority_tp(dist.get_backend(), nccl_high_priority_tp)
     made: list = []
     with recording_groups(made):
         mine = create_groups(rank, stage_specs(0, 0, dp, tp, hp) +
-                             kv_specs(0, 0, dp, tp, tp, kv_heads), lambda: tp_options(hp))
+                             kv_specs(0, 0, dp, tp, tp, kv_heads) + cp_specs(0, 0, dp, tp, cp),
+                             lambda: tp_options(hp))
     return ParallelContext(rank=rank, world_size=world, tp=tp, dp=dp,
                            tp_rank=rank % tp, dp_rank=rank // tp,
                            tp_group=mine.get(("tp", 0)), dp_group=mine.get(("dp", 0)),
                            device=device, kv_heads=kv_heads, kv_group=mine.get(("kv", 0)),
+                           cp=cp, cp_rank=(rank // tp) % cp, cp_group=mine.get(("cp", 0)),
                            groups=made)
 
 
 def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
                            kv_heads: Optional[int] = None,
-                           nccl_high_priority_tp: bool = False) -> ParallelContext:
+                           nccl_high_priority_tp: bool = False, cp: int = 1) -> ParallelContext:
     """The groups of a pipelined layout (oases.parallel.layout.PipelineLayout) over an initialised
     default process group; returns this rank's stage's context. Collective: every rank
     creates every group of every stage in the same order (``new_group`` requires it).
@@ -306,6 +332,7 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
         stage s, position t: DP group  {first_s + d*tp_s + t : d < dp_s}
         stage s:             kv replica groups at tp_s
                              (:func:`oases.parallel.ranks.kv_replica_ranks`)
+        cp > 1:              each stage's cp groups (:func:`oases.parallel.ranks.cp_specs`)
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.world != world:
@@ -315,6 +342,12 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
     with recording_groups(made):
         parts = _pipeline_groups(layout, rank, world, tie_embeddings, kv_heads,
                                  high_priority_tp(dist.get_backend(), nccl_high_priority_tp))
+        if cp > 1:
+            if any(st.dp % cp for st in layout.stages):
+                raise UserError(f"parallel.cp={cp} does not divide every stage's dp "
+                                f"{[st.dp for st in layout.stages]}")
+            cp_mine = create_groups(rank, [g for s, st in enumerate(layout.stages)
+                                           for g in cp_specs(s, st.first, st.dp, st.tp, cp)])
     me, tp_group, dp_group, tie_group, degree_groups, kv_group = parts
     st = layout.stages[me]
     dp_rank, tp_rank = st.coords(rank)
@@ -322,7 +355,8 @@ def build_pipeline_context(layout, device: torch.device, tie_embeddings: bool,
                            dp_rank=dp_rank, tp_group=tp_group, dp_group=dp_group,
                            device=device, _degree_groups=degree_groups, pp=layout.pp,
                            stage=me, layout=layout, tie_group=tie_group, kv_heads=kv_heads,
-                           kv_group=kv_group, groups=made)
+                           kv_group=kv_group, cp=cp, cp_rank=dp_rank % cp,
+                           cp_group=cp_mine.get(("cp", me)) if cp > 1 else None, groups=made)
 
 
 def _pipeline_groups(layout, rank: int, world: int, tie_embeddings: bool,

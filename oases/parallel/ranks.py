@@ -4,7 +4,7 @@ bookkeeping that lets a throwaway build destroy what it created. Below both
 :mod:`oases.parallel.groups` and :mod:`oases.parallel.reshard`.
 
 Every group a layout needs is a :class:`GroupSpec`, listed in creation order by
-:func:`stage_specs`, :func:`kv_specs`, :func:`degree_specs`, :func:`tie_specs` and
+:func:`stage_specs`, :func:`cp_specs`, :func:`kv_specs`, :func:`degree_specs`, :func:`tie_specs` and
 :func:`transfer_specs`. The builders create from these lists and the planner counts
 communicators from them (:mod:`oases.planner.comm_memory`), so both see one layout.
 
@@ -76,6 +76,19 @@ def stage_specs(s: int, first: int, dp: int, tp: int, high_priority: bool = Fals
     out += [GroupSpec("dp", tuple(first + d * tp + t for d in range(dp)), s)
             for t in range(tp)]
     return out
+
+
+def cp_specs(s: int, first: int, dp: int, tp: int, cp: int) -> list[GroupSpec]:
+    """Stage ``s``'s context-parallel groups, its ``dp`` replicas being ``dp / cp`` data
+    replicas of ``cp`` consecutive ones each: for data replica e and position t,
+
+        CP {first + (e*cp + c)*tp + t : c < cp}
+
+    Each carries only its ring's point-to-point exchanges, on a communicator of its own
+    (a DP bucket's all-reduce queued on the same one would hold a ring step back)."""
+    return [GroupSpec("cp", tuple(first + (e * cp + c) * tp + t for c in range(cp)), s,
+                      p2p=True)
+            for e in range(dp // cp) for t in range(tp)] if cp > 1 else []
 
 
 def kv_replica_ranks(first: int, dp: int, T: int, t: int,

@@ -155,7 +155,10 @@ class PipelineRunner:
                     ) -> "PipelineRunner":
         """The runner of a validated run config on this rank's stage of ``ctx.layout``."""
         return cls(ctx, kind=cfg.parallel.pp_schedule, microbatches=cfg.train.grad_accum,
-                   batch=cfg.pipeline_batch, seq=cfg.model.seq_len, d_model=cfg.model.d_model,
+                   # under cp a rank's activations are (rows, seq / cp, d): the stages' meshes
+                   # are alike, so cp rank c of a replica sends to cp rank c
+                   batch=cfg.pipeline_batch * ctx.cp, seq=cfg.model.seq_len // ctx.cp,
+                   d_model=cfg.model.d_model,
                    method=cfg.parallel.pp_transfer, overlap_fb=cfg.parallel.overlap_fb,
                    sequence_parallel=cfg.parallel.sequence_parallel, chunks=chunks)
 

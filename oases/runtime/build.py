@@ -84,7 +84,8 @@ def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
                        # a zero-bubble schedule's B leaves the linear layers' dW to its W
                        defer_weight_grads=ctx.layout is not None and
                        par.pp_schedule in SPLIT_KINDS, chunks=chunks,
-                       chunk_trackers=tuple(tracker.trackers) if chunks else None)
+                       chunk_trackers=tuple(tracker.trackers) if chunks else None,
+                       cp_group=ctx.cp_group, cp_overlap=par.cp_overlap)
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 

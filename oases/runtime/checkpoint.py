@@ -354,8 +354,8 @@ def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
     with torch.no_grad():
         load_windows(path, windows_for(path, pieces, saved), reader, alone=alone)
     layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
-    # pp and pp_virtual were not always recorded: 1 then
-    same_layout = all(meta.get(k, 1 if k in ("pp", "pp_virtual") else None) == v
+    # pp, pp_virtual and cp were not always recorded: 1 then
+    same_layout = all(meta.get(k, 1 if k in ("pp", "pp_virtual", "cp") else None) == v
                       for k, v in layout.items())
     rng_file = path / "rng" / f"rank{ctx.rank}.pt"
     if not (rng and same_layout and rng_file.is_file()):

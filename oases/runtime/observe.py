@@ -15,7 +15,8 @@ def layout_name(cfg: Config, ctx: ParallelContext) -> str:
     """``pp2-dp2-tp2-oases-fine``: runs of one layout and schedule group together."""
     par = cfg.parallel
     pp = f"pp{ctx.pp}-" if ctx.pp > 1 else ""
-    return f"{pp}dp{cfg.dp}-tp{par.tp}-{par.schedule}-{par.recompute}"
+    cp = f"cp{par.cp}-" if par.cp > 1 else ""
+    return f"{pp}dp{cfg.dp}-{cp}tp{par.tp}-{par.schedule}-{par.recompute}"
 
 
 def run_config(cfg: Config, ctx: ParallelContext, n_params: int, flops_per_token: float,
@@ -24,7 +25,8 @@ def run_config(cfg: Config, ctx: ParallelContext, n_params: int, flops_per_token
     run resolved: world, dp, pp, tp, ZeRO level, parameters, FLOPs per token, the plan's
     per-block degrees and the pipeline's stages."""
     d = cfg.to_dict()
-    d["run"] = {"world": ctx.world_size, "dp": cfg.dp, "pp": ctx.pp, "tp": cfg.parallel.tp,
+    d["run"] = {"world": ctx.world_size, "dp": cfg.dp, "pp": ctx.pp, "cp": ctx.cp,
+                "tp": cfg.parallel.tp,
                 "zero": cfg.parallel.zero, "params": n_params,
                 "flops_per_token": flops_per_token, "layout": layout_name(cfg, ctx),
                 "plan": {"degrees": degrees,

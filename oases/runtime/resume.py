@@ -65,7 +65,7 @@ def layout_meta(ctx: ParallelContext, virtual: int = 1) -> dict:
     restored only under the same layout). ``virtual``: ``parallel.pp_virtual`` (chunks per
     rank change which layers, so which random streams, a rank holds)."""
     meta = {"world_size": ctx.world_size, "tp": ctx.tp, "dp": ctx.dp, "pp": ctx.pp,
-            "pp_virtual": virtual}
+            "pp_virtual": virtual, "cp": ctx.cp}
     if ctx.layout is not None:
         meta["stages"] = [{"layers": list(s.layers), "dp": s.dp, "tp": s.tp,
                            "degrees": list(s.degrees) if s.degrees is not None else None}

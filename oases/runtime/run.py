@@ -28,6 +28,7 @@ from oases.runtime import checkpoint as ckpt
 from oases.runtime import sub_batches
 from oases.runtime.build import build_rank_model, seed_tracker, throwaway_step, build_train_state
 from oases.runtime.checkpointer import Checkpointer
+from oases.runtime.cp_data import CpShards
 from oases.runtime.data import TrainBatches, ValBatches
 from oases.runtime.evaluator import Evaluator
 from oases.runtime.metrics import MetricsLogger
@@ -39,7 +40,7 @@ from oases.runtime.resume import eval_only, load_init_from, resume, trim_metrics
 from oases.runtime.state import TrainState
 from oases.runtime.step import train_step
 
-__all__ = ["Run", "StepResult", "build_run"]
+__all__ = ["Run", "StepResult", "build_data", "build_run"]
 
 
 class StepResult(NamedTuple):
@@ -189,17 +190,23 @@ class Run:
                   f"{self.cfg.train.steps}); raise train.steps to continue it", flush=True)
 
 
-def _data(cfg: Config, ctx: ParallelContext) -> tuple[TrainBatches, Optional[ValBatches]]:
+def build_data(cfg: Config, ctx: ParallelContext) -> tuple[TrainBatches, Optional[ValBatches]]:
     """A bad data file is a user error, found before the model is built. A pipeline
     stage's replica takes its share of the pipeline's micro-batch."""
-    mbs = cfg.pipeline_batch // ctx.dp if ctx.layout is not None else cfg.train.micro_batch_size
+    mbs = cfg.pipeline_batch // ctx.data_dp if ctx.layout is not None \
+        else cfg.train.micro_batch_size
+    # a data replica's rows; under cp its cp ranks read the same ones and keep their chunks
     batches = TrainBatches(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, mbs,
-                           ctx.dp_rank, ctx.dp, cfg.seed)
+                           ctx.data_rank, ctx.data_dp, cfg.seed)
     val = None
     if cfg.data.val_path:
         val = ValBatches(cfg.data.val_path, cfg.data.dtype, cfg.model.seq_len,
-                         cfg.model.vocab_size, mbs, ctx.dp_rank, ctx.dp, cfg.eval.max_batches,
+                         cfg.model.vocab_size, mbs, ctx.data_rank, ctx.data_dp,
+                         cfg.eval.max_batches,
                          documents=batches.documents)  # the training data's documents' EOS
+    if ctx.cp > 1:
+        batches = CpShards(batches, ctx.cp, ctx.cp_rank)
+        val = None if val is None else CpShards(val, ctx.cp, ctx.cp_rank)
     return batches, val
 
 
@@ -224,7 +231,8 @@ def _describe(cfg: Config, ctx: ParallelContext, n_params: int, split: str) -> s
     # a model from init_from is that directory's, whatever model.name says
     name = cfg.model.init_from or cfg.model.name
     return (f"oases: {name} ({cfg.model.arch}, {n_params / 1e6:.1f}M params) | "
-            f"world {ctx.world_size} = {layout}dp {cfg.dp} x tp {par.tp} | {ctx.device.type} | "
+            f"world {ctx.world_size} = {layout}dp {cfg.dp} x "
+            f"{f'cp {par.cp} x ' if par.cp > 1 else ''}tp {par.tp} | {ctx.device.type} | "
             f"schedule {par.schedule}, recompute {par.recompute}"
             f"{f', {split}' if split else ''}"
             f"{', sequence parallel' if par.sequence_parallel else ''}"
@@ -245,7 +253,7 @@ def build_run(cfg: Config, ctx: ParallelContext, claim: Callable[[], None] = _no
     is the start-up line's words on CUDA's and NCCL's settings (empty off CUDA).
     ``eval.only``: the evaluation is done here, and there is no run to return (None)."""
     tracker = seed_tracker(cfg, ctx)
-    batches, val = _data(cfg, ctx)
+    batches, val = build_data(cfg, ctx)
     cfg, degrees = _degrees(cfg, ctx, claim)
     cfg, split = sub_batches.resolve(cfg, ctx, degrees)  # parallel.sub_batches=auto: decided
     par = cfg.parallel

@@ -52,7 +52,7 @@ def candidates(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]]) 
     into them, and each sub-batch into the parts of its smallest block degree. Four
     only under sequence parallelism (whose staggered turns want three or more)."""
     if ctx.layout is not None:
-        parts = [(cfg.pipeline_batch // s.dp,
+        parts = [(cfg.pipeline_batch // (s.dp // ctx.cp),
                   batch_divisor(list(s.degrees), s.tp) if s.degrees is not None else 1)
                  for s in ctx.layout.stages]
     else:

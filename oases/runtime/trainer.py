@@ -139,7 +139,8 @@ def run(cfg: Config) -> None:
         _init_torchelastic_attempt(cfg)
         ctx = init_distributed(cfg.parallel.tp, cfg.parallel.device, cfg.parallel.backend,
                                cfg.parallel.timeout_s, layout, bool(cfg.model.tie_embeddings),
-                               cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp)
+                               cfg.model.n_kv_heads, cfg.parallel.nccl_high_priority_tp,
+                               cfg.parallel.cp)
         _run_in_world(cfg, ctx, lock, cuda_note)
     finally:
         lock.release()

@@ -28,11 +28,12 @@ def train_worker(rank: int, overrides: list[str], config: str | None = None) -> 
     ``config`` (None: the defaults) with ``overrides``, on this worker's groups."""
     world = dist.get_world_size()
     cfg = load_config(config, overrides).validate(world)
+    cp = cfg.parallel.cp
     if cfg.parallel.pp > 1:
         ctx = build_pipeline_context(resolve_layout(cfg, world), torch.device("cpu"),
-                                     bool(cfg.model.tie_embeddings))
+                                     bool(cfg.model.tie_embeddings), cp=cp)
     else:
-        ctx = build_context(cfg.parallel.tp, torch.device("cpu"))
+        ctx = build_context(cfg.parallel.tp, torch.device("cpu"), cp=cp)
     if ctx.is_main:
         trainer.check_out_dir(cfg)
     dist.barrier()
