@@ -123,6 +123,7 @@ class ParallelAttention(ResidualBlock):
         self.selective = False  # recompute=selective: the core is recomputed in backward
         self.cp_group = None    # context parallelism: the ring's group (None: cp 1)
         self.cp_overlap = True  # the ring's transfers behind its attention (False: waited)
+        self.cp_clock = None    # times the ring's waits (oases.parallel.timing.IntervalTimer)
         # the model's: the documents of the rows computed now (attention stays inside
         # each, positions restart at each under data.reset_position_ids)
         self.documents: Optional[DocumentSlot] = None
@@ -176,7 +177,7 @@ class ParallelAttention(ResidualBlock):
             whole = None if docs is None else docs.at(self.degree)
             y = ring_attention(q, k, v, self.cp_group, causal=True,
                                doc=None if whole is None else whole.doc,
-                               overlap=self.cp_overlap)
+                               overlap=self.cp_overlap, clock=self.cp_clock)
             return self.out_partial(y)
         # the mask is taken here, once: a recompute of the core gets it as an input
         mask = self.train_mask(h.shape[1], h.device)

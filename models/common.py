@@ -59,6 +59,7 @@ class CausalLM(nn.Module):
         # what parallelize sets: the whole model at tp = 1 until then
         self.tp_group, self.tracker, self.recompute = None, None, "none"
         self.cp_group = None  # context parallelism's group: the model holds its rank's tokens
+        self.cp_clock = None  # the ring's waits, timed (an IntervalTimer; None: untimed)
         self.layer_range = (0, cfg.n_layer)
         self.is_first = self.is_last = True
         self.home_degree = 1  # TP degree of the (stage's) input and output

@@ -70,6 +70,8 @@ class Parallelism:
     chunk_trackers: Optional[tuple[TPRNGTracker, ...]] = None
     cp_group: Optional[object] = None
     cp_overlap: bool = True  # the ring's next receive runs behind this step's attention
+    # an oases.parallel.timing.IntervalTimer every ring wait adds to (None: untimed)
+    cp_clock: Optional[object] = None
 
 
 def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
@@ -98,6 +100,7 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
     model.documents.home = tp
     model.documents.pieces = None if rs is None else (lambda t: rs.piece(tp, t))
     model.cp_group = par.cp_group
+    model.cp_clock = par.cp_clock
     model.documents.cp = (cp, group_rank(par.cp_group))
 
     def group(j: int):
@@ -115,6 +118,7 @@ def parallelize(model: CausalLM, par: Parallelism) -> CausalLM:
         layer.attn.selective = par.recompute == "selective"
         layer.attn.cp_group = par.cp_group
         layer.attn.cp_overlap = par.cp_overlap
+        layer.attn.cp_clock = par.cp_clock
     if model.head is not None:
         model.head.shard(par.tp_group)
     _tag(model, tp)

@@ -42,6 +42,7 @@ SECTIONS = {
         ("TP communication per step (s): exposed and whole",
          ["perf/tp_comm_exposed_s", "perf/tp_comm_s"]),
         ("ZeRO-3 gather wait per step (s)", ["perf/zero_gather_wait_s"]),
+        ("ring attention's transfer wait per step (s)", ["perf/cp_ring_wait_s"]),
     ],
     "Loss": [
         ("train loss", ["train/loss"]),

@@ -85,9 +85,14 @@ class _Ring:
         return dist.batch_isend_irecv(ops)
 
 
-def _wait(works: list) -> None:
+def _wait(works: list, clock=None) -> None:
+    """Wait for ``works``; ``clock`` (an :class:`~oases.parallel.timing.IntervalTimer`)
+    times the wait: the ring's exposed transfer time."""
+    t0 = clock.start() if clock is not None and works else None
     for w in works:
         w.wait()
+    if t0 is not None:
+        clock.stop(t0)
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -229,7 +234,7 @@ def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: flo
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, doc, scale, trace, overlap):
+    def forward(ctx, q, k, v, group, causal, doc, scale, trace, overlap, clock):
         cp, rank = group_size(group), group_rank(group)
         ring = _Ring(group, cp, rank) if cp > 1 else None
         Tl = q.shape[2]
@@ -245,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
                 works = ring.exchange(kv, nxt)
                 _note(trace, "post_recv", s + 1)
                 if not overlap:
-                    _wait(works)
+                    _wait(works, clock)
                     _note(trace, "wait", s + 1)
             blk = block_plan(cp, rank, src, Tl, causal)
             doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
@@ -255,18 +260,18 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out, lse, res[0], res[1], blk.q)
             if s + 1 < cp:
                 if overlap:
-                    _wait(works)
+                    _wait(works, clock)
                     _note(trace, "wait", s + 1)
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, doc, scale, trace, overlap)
+        ctx.args = (group, causal, doc, scale, trace, overlap, clock)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, doc, scale, trace, overlap = ctx.args
+        group, causal, doc, scale, trace, overlap, clock = ctx.args
         cp, rank = group_size(group), group_rank(group)
         ring = _Ring(group, cp, rank) if cp > 1 else None
         Tl = q.shape[2]
@@ -285,7 +290,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_works = ring.exchange(kv, nxt)
                 _note(trace, "bwd_post_recv", s + 1)
                 if not overlap:
-                    _wait(kv_works)
+                    _wait(kv_works, clock)
                     _note(trace, "bwd_wait", s + 1)
             blk = block_plan(cp, rank, src, Tl, causal)
             doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
@@ -298,7 +303,7 @@ class _RingAttention(torch.autograd.Function):
                 mine[0][:, :, blk.k] = grads[1]
                 mine[1][:, :, blk.k] = grads[2]
             if s > 0:
-                _wait(acc_works)
+                _wait(acc_works, clock)
                 _note(trace, "bwd_wait_dkv", s)
                 mine += acc_in
             if ring is not None:
@@ -309,13 +314,13 @@ class _RingAttention(torch.autograd.Function):
                 acc_in = mine
             if s + 1 < cp:
                 if overlap:
-                    _wait(kv_works)
+                    _wait(kv_works, clock)
                     _note(trace, "bwd_wait", s + 1)
                 kv = nxt
-        _wait(acc_works)
+        _wait(acc_works, clock)
         del acc_out
         dk, dv = acc_in[0].to(k.dtype), acc_in[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def _note(trace: Optional[list], what: str, step: int) -> None:
@@ -326,7 +331,7 @@ def _note(trace: Optional[list], what: str, step: int) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    causal: bool = True, doc: Optional[torch.Tensor] = None,
                    scale: Optional[float] = None, trace: Optional[list] = None,
-                   overlap: bool = True) -> torch.Tensor:
+                   overlap: bool = True, clock=None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by the cp ``group``.
 
     q (B, Hq, Tl, D); k, v (B, Hkv, Tl, D) with Hkv dividing Hq; Tl: this rank's tokens,
@@ -334,7 +339,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     positions already applied at their global values. ``doc``: (B, T = cp Tl) document
     numbers of the whole sequence, the same on every rank (None: one document).
     ``scale``: of the scores, 1/sqrt(D) by default. ``group`` None: one rank. Returns
-    (B, Hq, Tl, D) in q's dtype; see the module doc for ``trace`` and ``overlap``."""
+    (B, Hq, Tl, D) in q's dtype; see the module doc for ``trace`` and ``overlap``.
+    ``clock``: an :class:`~oases.parallel.timing.IntervalTimer` that every wait for a
+    transfer adds to (the exposed ring time; None: untimed)."""
     cp = group_size(group)
     B, hq, Tl, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (Tl, D)):
@@ -350,4 +357,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
         raise ValueError(f"ring attention: documents of shape {tuple(doc.shape)}, expected "
                          f"the whole sequence's ({B}, {cp * Tl}) = (B, cp * Tl) at cp={cp}")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, doc, scale, trace, overlap)
+    return _RingAttention.apply(q, k, v, group, causal, doc, scale, trace, overlap, clock)

@@ -19,6 +19,7 @@ from oases.parallel.engine import ShiftedParams
 from oases.parallel.random import ChunkRNG, TPRNGTracker
 from oases.parallel.ranks import destroy_groups, recording_groups
 from oases.parallel.reshard import grad_group_of, kv_group_of
+from oases.parallel.timing import IntervalTimer
 from oases.pipeline.runner import Chunk, PipelineRunner
 from oases.planner.plan_file import check_zero, load_plan
 from oases.runtime.optim import build_optimizer
@@ -85,7 +86,8 @@ def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
                        defer_weight_grads=ctx.layout is not None and
                        par.pp_schedule in SPLIT_KINDS, chunks=chunks,
                        chunk_trackers=tuple(tracker.trackers) if chunks else None,
-                       cp_group=ctx.cp_group, cp_overlap=par.cp_overlap)
+                       cp_group=ctx.cp_group, cp_overlap=par.cp_overlap,
+                       cp_clock=IntervalTimer(ctx.device) if ctx.cp > 1 else None)
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 

@@ -24,6 +24,7 @@ GROUPED = {
     "tp_comm_exposed_s": "perf/tp_comm_exposed_s",
     "tp_comm_hidden_frac": "perf/tp_comm_hidden_frac",
     "zero_gather_wait_s": "perf/zero_gather_wait_s",
+    "cp_ring_wait_s": "perf/cp_ring_wait_s",
     "peak_mem_gib": "mem/peak_allocated_gib_max",
     "reserved_mem_gib": "mem/reserved_gib_max",
     "val_loss": "eval/loss",

@@ -156,6 +156,9 @@ class Run:
         store = self.state.reducer.ownership.store
         if store is not None:  # ZeRO-3: rank 0's wait for all-gathers
             extra["zero_gather_wait_s"] = store.take_wait() / len(taken)
+        ring = self.state.model.cp_clock if self.ctx.cp > 1 else None
+        if ring is not None:  # context parallelism: rank 0's wait for ring transfers
+            extra["cp_ring_wait_s"] = ring.take() / len(taken)
         self.logger.log(step, r.loss, r.lr, r.grad_norm, sum(taken) / len(taken),
                         self.tokens_per_step, step_times_left=eta, extra=extra,
                         comm=self.comm_clock and self.comm_clock.per_step(1))
