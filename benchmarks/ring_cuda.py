@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib import driver
 from oases.parallel import ring_attention as ra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +172,10 @@ def _md(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _render(prefix: Path, res: dict) -> None:
+    prefix.with_suffix(".md").write_text(_md(res))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ring_cuda", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +184,11 @@ def main(argv=None) -> int:
     p.add_argument("--math-up-to", type=int, default=8192,
                    help="longest T at which the fp32 math path is run too (memory: T^2)")
     p.add_argument("--out", help="prefix of the .json and .md")
+    p.add_argument("--from-json", help="write the .md of a saved results JSON again (no "
+                   "runs), beside it or to the --out prefix")
     args = p.parse_args(argv)
+    if args.from_json:
+        return driver.rerender(Path(args.from_json), _render, out=args.out)
     if not torch.cuda.is_available():
         print("ring_cuda: skipped: no CUDA device is visible")
         return 0
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         print(json.dumps(res["rows"][-1]), flush=True)
         out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        out.with_suffix(".md").write_text(_md(res))
+        _render(out, res)
     print(_md(res))
     return 0
 

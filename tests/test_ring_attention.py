@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from oases.models.rope import Rotary
 from oases.parallel.cp_chunks import (block_plan, chunk_ids, global_positions,
                                       shard_sequence, unshard_sequence)
+from oases.parallel import ring_attention as ring_attention_module
 from oases.parallel.ring_attention import ring_attention
 from tests.support.distributed import run_distributed
 
@@ -86,7 +87,10 @@ def _check_case(group, cp: int, rank: int, case, device="cpu", rel_tol=REL_TOL):
                                         f"{case}: {name} off by {err:.2e} (max|ref| {scale:.2f})")
 
 
-def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_TOL):
+def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_TOL,
+                 rows: int = 0):
+    if rows:  # the fp32 path's query tiles (ring_attention.MATH_ROWS)
+        ring_attention_module.MATH_ROWS = rows
     # fp32 matmuls, whatever an in-process training run set before the fork (TF32)
     torch.set_float32_matmul_precision("highest")
     world = dist.get_world_size()
@@ -101,6 +105,11 @@ def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_T
 @pytest.mark.parametrize("cp,world", [(2, 4), (4, 4)])
 def test_ring_matches_whole_sequence_attention(cp, world):
     run_distributed(_parity_body, world=world, tp=None, args=(cp,))
+
+
+def test_ring_in_query_tiles_matches_whole_sequence_attention():
+    # tiles of 5 rows: several per block, the last one short, a causal mask cut across them
+    run_distributed(_parity_body, world=2, tp=None, args=(2, "cpu", REL_TOL, 5))
 
 
 def _plain_gloo_body(rank: int):

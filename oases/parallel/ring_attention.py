@@ -45,8 +45,9 @@ whole row from the data loader anyway, and no second message per step has to be
 ordered on the group. A query attends a key of its own document only (and causally).
 
 **Kernels.** On CPU, and wherever a mask beyond the causal one is needed, each block is
-plain matmul + softmax in fp32 that returns the lse (the score matrix of one block is
-materialised: (B, Hq, Tq, Tk)). On CUDA without documents the forward uses the fused
+plain matmul + softmax in fp32 that returns the lse, in tiles of ``MATH_ROWS`` query
+rows (a tile's score matrix is materialised: (B, Hq, MATH_ROWS, Tk)). On CUDA without
+documents the forward uses the fused
 kernel SDPA would pick that returns an lse (flash in fp16/bf16, memory-efficient
 otherwise), with kv heads expanded for it; the backward takes flash's backward kernel
 with the global out and lse (bf16/fp16), else the fp32 math above. Attention dropout is not supported.
@@ -66,6 +67,9 @@ from oases.parallel.cp_chunks import Block, block_plan, shard_sequence
 # the fused CUDA forward (flash / memory-efficient kernels returning an lse); False
 # keeps every device on the fp32 math path
 FUSED_ON_CUDA = True
+# query rows per tile of the fp32 math path (CPU, documents): a tile's score matrices
+# are (B, H, MATH_ROWS, Tk) fp32, so the path's memory is linear in the block's keys
+MATH_ROWS = 256
 
 
 class _Ring:
@@ -115,18 +119,29 @@ def _block_mask(blk: Block, doc_q: Optional[torch.Tensor], doc_k: Optional[torch
     return mask
 
 
+def _row_tiles(n: int) -> list[slice]:
+    """The query rows of a block in pieces of MATH_ROWS: the fp32 path's score
+    matrices are (B, H, rows, Tk), so its memory grows with Tk, not Tq x Tk."""
+    return [slice(a, min(a + MATH_ROWS, n)) for a in range(0, n, MATH_ROWS)]
+
+
 def _math_forward(q, k, v, mask, scale: float):
     """fp32 attention of q (B, Hq, Tq, D) over k, v (B, Hkv, Tk, D): (out (B, Hq, Tq, D),
-    lse (B, Hq, Tq)); a row with no key allowed has lse -inf and out 0."""
+    lse (B, Hq, Tq)); a row with no key allowed has lse -inf and out 0. Query rows go
+    in tiles (:func:`_row_tiles`)."""
     B, hq, tq, D = q.shape
-    qg = _grouped(q.float(), k.shape[1])
-    s = qg @ k.float().unsqueeze(2).transpose(-1, -2) * scale       # (B, Hkv, g, Tq, Tk)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                 # (B, Hkv, g, Tq)
-    p = torch.exp(s - _finite(lse)[..., None])
-    out = p @ v.float().unsqueeze(2)                                 # (B, Hkv, g, Tq, D)
-    return out.reshape(B, hq, tq, D), lse.reshape(B, hq, tq)
+    kt, vf = k.float().unsqueeze(2).transpose(-1, -2), v.float().unsqueeze(2)
+    out = torch.empty(B, hq, tq, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, hq, tq, dtype=torch.float32, device=q.device)
+    for r in _row_tiles(tq):
+        rows = r.stop - r.start
+        s = _grouped(q[:, :, r].float(), k.shape[1]) @ kt * scale     # (B, Hkv, g, rows, Tk)
+        if mask is not None:
+            s = s.masked_fill(~mask[..., r, :], float("-inf"))
+        lr = torch.logsumexp(s, dim=-1)                               # (B, Hkv, g, rows)
+        out[:, :, r] = (torch.exp(s - _finite(lr)[..., None]) @ vf).reshape(B, hq, rows, D)
+        lse[:, :, r] = lr.reshape(B, hq, rows)
+    return out, lse
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -213,21 +228,27 @@ def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: flo
     if mask is not None and doc_q is not None and not bool(mask.any()):
         return None
     hkv = k.shape[1]
-    qg = _grouped(q[:, :, blk.q].float(), hkv)                        # (B, Hkv, g, Tq, D)
-    dog = _grouped(dout[:, :, blk.q], hkv)
+    qb, dob = q[:, :, blk.q], dout[:, :, blk.q]
+    B, hq, tq, D = dob.shape
     kb = k[:, :, blk.k].float().unsqueeze(2)                          # (B, Hkv, 1, Tk, D)
     vb = v[:, :, blk.k].float().unsqueeze(2)
-    B, hq, tq, D = dout[:, :, blk.q].shape
-    lse_g = lse[:, :, blk.q].reshape(B, hkv, hq // hkv, tq)
-    delta_g = delta[:, :, blk.q].reshape(B, hkv, hq // hkv, tq)
-    s = qg @ kb.transpose(-1, -2) * scale                             # (B, Hkv, g, Tq, Tk)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - lse_g[..., None])
-    dv = (p.transpose(-1, -2) @ dog).sum(2)                           # (B, Hkv, Tk, D)
-    ds = p * (dog @ vb.transpose(-1, -2) - delta_g[..., None])
-    dq = (ds @ kb * scale).reshape(B, hq, tq, D)
-    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    dq = torch.empty(B, hq, tq, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, hkv, kb.shape[3], D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for r in _row_tiles(tq):  # memory: (B, H, rows, Tk) per score matrix
+        rows = r.stop - r.start
+        qg = _grouped(qb[:, :, r].float(), hkv)                       # (B, Hkv, g, rows, D)
+        dog = _grouped(dob[:, :, r], hkv)
+        lse_g = lse[:, :, blk.q][:, :, r].reshape(B, hkv, hq // hkv, rows)
+        delta_g = delta[:, :, blk.q][:, :, r].reshape(B, hkv, hq // hkv, rows)
+        s = qg @ kb.transpose(-1, -2) * scale                         # (B, Hkv, g, rows, Tk)
+        if mask is not None:
+            s = s.masked_fill(~mask[..., r, :], float("-inf"))
+        p = torch.exp(s - lse_g[..., None])
+        dv += (p.transpose(-1, -2) @ dog).sum(2)                      # (B, Hkv, Tk, D)
+        ds = p * (dog @ vb.transpose(-1, -2) - delta_g[..., None])
+        dq[:, :, r] = (ds @ kb * scale).reshape(B, hq, rows, D)
+        dk += (ds.transpose(-1, -2) @ qg).sum(2) * scale
     return dq, dk, dv
 
 
@@ -238,7 +259,10 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), group_rank(group)
         ring = _Ring(group, cp, rank) if cp > 1 else None
         Tl = q.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # laid out (B, Tl, Hq, D): the heads' merge after attention is then a view, and
+        # the output projection keeps the tensor saved here rather than a copy of it
+        B, hq, _, D = q.shape
+        out = torch.zeros(B, Tl, hq, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
         kv = torch.stack([k, v]).contiguous()          # one message: (2, B, Hkv, Tl, D)
