@@ -191,6 +191,13 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.T
     l_a.copy_(new)
 
 
+def _rows_dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels take it: the ring's output (and its gradient) are laid out
+    (B, T, H, D) behind a (B, H, T, D) view, which flash reads as it is; a copy only
+    where the head dimension is strided."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _fused_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
     """Flash's backward of one block given the *global* out and lse (so P = exp(s - lse)
     and rowsum(dO o) are the whole sequence's): fp32 (dq, dk, dv) with the kv heads'
@@ -206,7 +213,7 @@ def _fused_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)    # no dropout: unread
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None,
+        _rows_dense(dout), q, k, v, _rows_dense(out), lse.contiguous(), None, None,
         q.shape[2], tk, 0.0, causal, seed, offset, scale=scale)
     if r > 1:
         dk, dv = (g.view(B, hq // r, r, tk, D).sum(2, dtype=torch.float32) for g in (dk, dv))
