@@ -3,6 +3,8 @@ sliding windows, document masks); :mod:`oases.models.decode` reuses its steps.""
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import math
 from typing import Optional
@@ -175,9 +177,12 @@ class ParallelAttention(ResidualBlock):
             # (its backward recomputes each block's from q, k, v and the saved output
             # and log-sum-exp), so recomputing it would only send every kv block again
             whole = None if docs is None else docs.at(self.degree)
-            y = ring_attention(q, k, v, self.cp_group, causal=True,
-                               doc=None if whole is None else whole.doc,
-                               overlap=self.cp_overlap, clock=self.cp_clock)
+            p = self.attn_dropout if self.training else 0.0
+            with self.tracker.fork() if p > 0.0 and self.tracker is not None \
+                    else contextlib.nullcontext():  # each rank's heads: their own masks
+                y = ring_attention(q, k, v, self.cp_group, causal=True,
+                                   doc=None if whole is None else whole.doc,
+                                   overlap=self.cp_overlap, clock=self.cp_clock, dropout=p)
             return self.out_partial(y)
         # the mask is taken here, once: a recompute of the core gets it as an input
         mask = self.train_mask(h.shape[1], h.device)

@@ -146,11 +146,6 @@ def _refuse_under_cp(model: CausalLM, par: Parallelism, cp: int) -> None:
     "selective" leaves the ring alone, whose backward already recomputes the
     probabilities from q, k, v and the saved output and log-sum-exp."""
     cfg, pair = model.cfg, f"context parallelism (cp={cp})"
-    if cfg.dropout > 0:
-        # the ring merges softmax blocks by log-sum-exp and recomputes them in backward:
-        # it has no dropout of the probabilities, and attention's rate is model.dropout
-        raise ValueError(f"{pair} with model.dropout={cfg.dropout}: ring attention has no "
-                         f"attention dropout")
     if cfg.sliding_window and cfg.sliding_window < cfg.seq_len:
         # the ring's blocks are causal or whole (cp_chunks.block_plan) with document masks;
         # a window would mask parts of off-diagonal blocks by position, which it does not do

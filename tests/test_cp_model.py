@@ -200,8 +200,6 @@ def _refusal_body(rank: int) -> None:
         assert "\n" not in str(e.value)
 
     par = Parallelism(cp_group=group)
-    refused(par, r"cp=2\) with model.dropout=0.1: ring attention has no attention dropout",
-            "model.dropout=0.1")
     refused(par, r"cp=2\) with model.sliding_window=8: ring attention has no sliding window",
             "model.arch=mistral", "model.sliding_window=8", name="llama-tiny")
     refused(Parallelism(cp_group=group, sequence_parallel=True),

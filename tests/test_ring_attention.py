@@ -116,6 +116,42 @@ def _plain_gloo_body(rank: int):
     _check_case(dist.group.WORLD, 2, rank, (4, 2, True, True))
 
 
+@pytest.mark.parametrize("rows", [0, 5])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows, monkeypatch):
+    """One rank (the ring's causal block; the merge across ranks is the dropout-free
+    one, tested above, as the lse is of the undropped probabilities). The reference is
+    softmax attention whose probabilities are multiplied by the keep masks drawn from
+    the same generator state in the ring's order (one draw per tile of query rows, rows
+    0 = one tile), through plain autograd in float64: the output and q, k, v gradients
+    agree to fp32 (1e-5 of max|ref|), and a second call from the same state is equal."""
+    if rows:
+        monkeypatch.setattr(ring_attention_module, "MATH_ROWS", rows)
+    p, T, B, D = 0.3, 16, 2, 8
+    g = torch.Generator().manual_seed(3)
+    q, k, v, w = (torch.randn(B, h, T, D, generator=g) for h in (hq, hkv, hkv, hq))
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(11)
+    out = ring_attention(ql, kl, vl, None, causal=True, dropout=p)
+    (out * w).sum().backward()
+    torch.manual_seed(11)
+    assert torch.equal(ring_attention(q, k, v, None, causal=True, dropout=p), out.detach())
+    torch.manual_seed(11)
+    step = rows or T
+    keep = torch.cat([torch.rand(B, hkv, hq // hkv, min(step, T - a), T) >= p
+                      for a in range(0, T, step)], dim=3).reshape(B, hq, T, T)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    r = hq // hkv
+    s = qd @ kd.repeat_interleave(r, 1).transpose(-1, -2) / D ** 0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    ref = (s.softmax(-1) * keep / (1 - p)) @ vd.repeat_interleave(r, 1)
+    (ref * w.double()).sum().backward()
+    for name, got, want in (("out", out, ref), ("dq", ql.grad, qd.grad), ("dk", kl.grad, kd.grad),
+                            ("dv", vl.grad, vd.grad)):
+        err, scale = (got.double() - want).abs().max().item(), want.abs().max().item()
+        assert err <= 1e-5 * scale, f"{name} off by {err:.2e} (max|ref| {scale:.2f})"
+
+
 def test_ring_runs_on_plain_gloo():
     """Without the NCCL emulation: gloo's own batch_isend_irecv (CPU training)."""
     run_distributed(_plain_gloo_body, world=2, tp=None, nccl_p2p=False)

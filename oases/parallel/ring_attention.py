@@ -47,14 +47,20 @@ ordered on the group. A query attends a key of its own document only (and causal
 **Kernels.** On CPU, and wherever a mask beyond the causal one is needed, each block is
 plain matmul + softmax in fp32 that returns the lse, in tiles of ``MATH_ROWS`` query
 rows (a tile's score matrix is materialised: (B, Hq, MATH_ROWS, Tk)). On CUDA without
-documents the forward uses the fused
-kernel SDPA would pick that returns an lse (flash in fp16/bf16, memory-efficient
-otherwise), with kv heads expanded for it; the backward takes flash's backward kernel
-with the global out and lse (bf16/fp16), else the fp32 math above. Attention dropout is not supported.
+documents the forward uses the fused kernel SDPA would pick that returns an lse (flash
+in fp16/bf16, memory-efficient otherwise), with kv heads expanded for it; the backward
+takes flash's backward kernel with the global out and lse (bf16/fp16), else the fp32
+math above.
+
+**Dropout** (``dropout`` > 0) multiplies each tile's probabilities by a keep mask drawn
+from the current generator of the device (the caller's random stream) in a fixed order;
+the lse stays the undropped one, so blocks merge exactly, and the backward draws the
+same masks again from the forward's generator state. It takes the fp32 path everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -125,10 +131,18 @@ def _row_tiles(n: int) -> list[slice]:
     return [slice(a, min(a + MATH_ROWS, n)) for a in range(0, n, MATH_ROWS)]
 
 
-def _math_forward(q, k, v, mask, scale: float):
+def _keep(shape, p: float, device) -> torch.Tensor:
+    """Attention dropout's scale of one tile: 0 where dropped, 1/(1-p) where kept, drawn
+    from the current generator of ``device`` (the backward draws again from the same
+    state, in the same order)."""
+    return (torch.rand(shape, device=device) >= p).float().div_(1.0 - p)
+
+
+def _math_forward(q, k, v, mask, scale: float, dropout: float = 0.0):
     """fp32 attention of q (B, Hq, Tq, D) over k, v (B, Hkv, Tk, D): (out (B, Hq, Tq, D),
     lse (B, Hq, Tq)); a row with no key allowed has lse -inf and out 0. Query rows go
-    in tiles (:func:`_row_tiles`)."""
+    in tiles (:func:`_row_tiles`). ``dropout``: of the probabilities (the lse is of the
+    undropped ones, so blocks still merge exactly)."""
     B, hq, tq, D = q.shape
     kt, vf = k.float().unsqueeze(2).transpose(-1, -2), v.float().unsqueeze(2)
     out = torch.empty(B, hq, tq, D, dtype=torch.float32, device=q.device)
@@ -139,7 +153,10 @@ def _math_forward(q, k, v, mask, scale: float):
         if mask is not None:
             s = s.masked_fill(~mask[..., r, :], float("-inf"))
         lr = torch.logsumexp(s, dim=-1)                               # (B, Hkv, g, rows)
-        out[:, :, r] = (torch.exp(s - _finite(lr)[..., None]) @ vf).reshape(B, hq, rows, D)
+        pr = torch.exp(s - _finite(lr)[..., None])
+        if dropout:
+            pr = pr * _keep(pr.shape, dropout, q.device)
+        out[:, :, r] = (pr @ vf).reshape(B, hq, rows, D)
         lse[:, :, r] = lr.reshape(B, hq, rows)
     return out, lse
 
@@ -167,18 +184,18 @@ def _fused_forward(q, k, v, causal: bool, scale: float):
     return None
 
 
-def _attend(q, k, v, blk: Block, doc_q, doc_k, scale: float):
+def _attend(q, k, v, blk: Block, doc_q, doc_k, scale: float, dropout: float = 0.0):
     """One block's (out fp32, lse fp32) of the rows ``blk.q`` against keys ``blk.k``, or
     None when the documents leave no pair to compute."""
     q, k, v = q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k]
-    if q.is_cuda and FUSED_ON_CUDA and doc_q is None:
+    if q.is_cuda and FUSED_ON_CUDA and doc_q is None and not dropout:
         res = _fused_forward(q, k, v, blk.causal, scale)
         if res is not None:
             return res[0].float(), res[1].float()
     mask = _block_mask(blk, doc_q, doc_k, q.device)
     if mask is not None and doc_q is not None and not bool(mask.any()):
         return None
-    return _math_forward(q, k, v, mask, scale)
+    return _math_forward(q, k, v, mask, scale, dropout)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor,
@@ -221,11 +238,11 @@ def _fused_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
 
 
 def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: float,
-                 out=None):
+                 out=None, dropout: float = 0.0):
     """fp32 (dq, dk, dv) of one block, from the global out/lse: dq for rows ``blk.q``,
     dk/dv for keys ``blk.k``; None when the documents leave nothing. ``out`` (the global
     output, in q's dtype; ``dout`` then too) lets CUDA take flash's backward."""
-    if out is not None and q.is_cuda and FUSED_ON_CUDA and doc_q is None:
+    if out is not None and q.is_cuda and FUSED_ON_CUDA and doc_q is None and not dropout:
         res = _fused_grads(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], dout[:, :, blk.q],
                            out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
         if res is not None:
@@ -252,8 +269,14 @@ def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: flo
         if mask is not None:
             s = s.masked_fill(~mask[..., r, :], float("-inf"))
         p = torch.exp(s - lse_g[..., None])
-        dv += (p.transpose(-1, -2) @ dog).sum(2)                      # (B, Hkv, Tk, D)
-        ds = p * (dog @ vb.transpose(-1, -2) - delta_g[..., None])
+        dp = dog @ vb.transpose(-1, -2)
+        if dropout:  # the forward's masks, drawn again: dV from the dropped P, dP dropped
+            keep = _keep(p.shape, dropout, q.device)
+            dv += ((p * keep).transpose(-1, -2) @ dog).sum(2)
+            dp = dp * keep
+        else:
+            dv += (p.transpose(-1, -2) @ dog).sum(2)                  # (B, Hkv, Tk, D)
+        ds = p * (dp - delta_g[..., None])
         dq[:, :, r] = (ds @ kb * scale).reshape(B, hq, rows, D)
         dk += (ds.transpose(-1, -2) @ qg).sum(2) * scale
     return dq, dk, dv
@@ -262,8 +285,10 @@ def _block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: flo
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, doc, scale, trace, overlap, clock):
+    def forward(ctx, q, k, v, group, causal, doc, scale, trace, overlap, clock, dropout):
         cp, rank = group_size(group), group_rank(group)
+        # where the masks are drawn from: the backward draws them again from here
+        rng = _rng_state(q.device) if dropout else None
         ring = _Ring(group, cp, rank) if cp > 1 else None
         Tl = q.shape[2]
         # laid out (B, Tl, Hq, D): the heads' merge after attention is then a view, and
@@ -286,7 +311,7 @@ class _RingAttention(torch.autograd.Function):
             blk = block_plan(cp, rank, src, Tl, causal)
             doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
             _note(trace, "attend", s)
-            res = _attend(q, kv[0], kv[1], blk, doc_q, doc_k, scale)
+            res = _attend(q, kv[0], kv[1], blk, doc_q, doc_k, scale, dropout)
             if res is not None:
                 _merge(out, lse, res[0], res[1], blk.q)
             if s + 1 < cp:
@@ -296,62 +321,96 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, doc, scale, trace, overlap, clock)
+        ctx.args = (group, causal, doc, scale, trace, overlap, clock, dropout, rng)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, doc, scale, trace, overlap, clock = ctx.args
-        cp, rank = group_size(group), group_rank(group)
-        ring = _Ring(group, cp, rank) if cp > 1 else None
-        Tl = q.shape[2]
-        dout = dout.to(q.dtype)
-        delta = (dout.float() * out.float()).sum(-1)    # rowsum(dO o): (B, Hq, Tl)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
-        kv = torch.stack([k, v]).contiguous()
-        acc_works: list = []       # the accumulator of this step's block, from rank r-1
-        acc_in = acc_out = None    # its receive buffer; what this rank sent on (kept alive)
-        for s in range(cp):
-            src = (rank - s) % cp
-            kv_works = []
-            if s + 1 < cp:
-                nxt = torch.empty_like(kv)
-                kv_works = ring.exchange(kv, nxt)
-                _note(trace, "bwd_post_recv", s + 1)
-                if not overlap:
-                    _wait(kv_works, clock)
-                    _note(trace, "bwd_wait", s + 1)
-            blk = block_plan(cp, rank, src, Tl, causal)
-            doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
-            _note(trace, "bwd_attend", s)
-            grads = _block_grads(q, kv[0], kv[1], dout, lse, delta, blk, doc_q, doc_k, scale,
-                                 out)
-            mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            if grads is not None:
-                dq[:, :, blk.q] += grads[0]
-                mine[0][:, :, blk.k] = grads[1]
-                mine[1][:, :, blk.k] = grads[2]
-            if s > 0:
-                _wait(acc_works, clock)
-                _note(trace, "bwd_wait_dkv", s)
-                mine += acc_in
-            if ring is not None:
-                # pass the accumulator on: at s = cp-1 that is the hop home
-                acc_out, acc_in = mine, torch.empty_like(mine)
-                acc_works = ring.exchange(acc_out, acc_in)
-            else:
-                acc_in = mine
-            if s + 1 < cp:
-                if overlap:
-                    _wait(kv_works, clock)
-                    _note(trace, "bwd_wait", s + 1)
-                kv = nxt
-        _wait(acc_works, clock)
-        del acc_out
-        dk, dv = acc_in[0].to(k.dtype), acc_in[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
+        group, causal, doc, scale, trace, overlap, clock, dropout, rng = ctx.args
+        with _replayed(rng, q.device):
+            return _ring_backward(dout, q, k, v, out, lse, group, causal, doc, scale, trace,
+                                  overlap, clock, dropout)
+
+
+def _rng_state(device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _replayed(state: Optional[torch.Tensor], device):
+    """Run with ``device``'s generator at ``state`` (None: as it is), then put it back:
+    the backward's draws leave every stream where it was."""
+    if state is None:
+        yield
+        return
+    outer = _rng_state(device)
+    _set_rng(state, device)
+    try:
+        yield
+    finally:
+        _set_rng(outer, device)
+
+
+def _set_rng(state: torch.Tensor, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, causal, doc, scale, trace, overlap, clock,
+                   dropout):
+    """:meth:`_RingAttention.backward`'s ring, under the forward's generator state."""
+    cp, rank = group_size(group), group_rank(group)
+    ring = _Ring(group, cp, rank) if cp > 1 else None
+    Tl = q.shape[2]
+    dout = dout.to(q.dtype)
+    delta = (dout.float() * out.float()).sum(-1)    # rowsum(dO o): (B, Hq, Tl)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    doc_q = None if doc is None else shard_sequence(doc, cp, rank, dim=1)
+    kv = torch.stack([k, v]).contiguous()
+    acc_works: list = []       # the accumulator of this step's block, from rank r-1
+    acc_in = acc_out = None    # its receive buffer; what this rank sent on (kept alive)
+    for s in range(cp):
+        src = (rank - s) % cp
+        kv_works = []
+        if s + 1 < cp:
+            nxt = torch.empty_like(kv)
+            kv_works = ring.exchange(kv, nxt)
+            _note(trace, "bwd_post_recv", s + 1)
+            if not overlap:
+                _wait(kv_works, clock)
+                _note(trace, "bwd_wait", s + 1)
+        blk = block_plan(cp, rank, src, Tl, causal)
+        doc_k = None if doc is None else shard_sequence(doc, cp, src, dim=1)
+        _note(trace, "bwd_attend", s)
+        grads = _block_grads(q, kv[0], kv[1], dout, lse, delta, blk, doc_q, doc_k, scale,
+                             out, dropout)
+        mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        if grads is not None:
+            dq[:, :, blk.q] += grads[0]
+            mine[0][:, :, blk.k] = grads[1]
+            mine[1][:, :, blk.k] = grads[2]
+        if s > 0:
+            _wait(acc_works, clock)
+            _note(trace, "bwd_wait_dkv", s)
+            mine += acc_in
+        if ring is not None:
+            # pass the accumulator on: at s = cp-1 that is the hop home
+            acc_out, acc_in = mine, torch.empty_like(mine)
+            acc_works = ring.exchange(acc_out, acc_in)
+        else:
+            acc_in = mine
+        if s + 1 < cp:
+            if overlap:
+                _wait(kv_works, clock)
+                _note(trace, "bwd_wait", s + 1)
+            kv = nxt
+    _wait(acc_works, clock)
+    del acc_out
+    dk, dv = acc_in[0].to(k.dtype), acc_in[1].to(v.dtype)
+    return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, None
 
 
 def _note(trace: Optional[list], what: str, step: int) -> None:
@@ -362,7 +421,7 @@ def _note(trace: Optional[list], what: str, step: int) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    causal: bool = True, doc: Optional[torch.Tensor] = None,
                    scale: Optional[float] = None, trace: Optional[list] = None,
-                   overlap: bool = True, clock=None) -> torch.Tensor:
+                   overlap: bool = True, clock=None, dropout: float = 0.0) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by the cp ``group``.
 
     q (B, Hq, Tl, D); k, v (B, Hkv, Tl, D) with Hkv dividing Hq; Tl: this rank's tokens,
@@ -372,7 +431,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     ``scale``: of the scores, 1/sqrt(D) by default. ``group`` None: one rank. Returns
     (B, Hq, Tl, D) in q's dtype; see the module doc for ``trace`` and ``overlap``.
     ``clock``: an :class:`~oases.parallel.timing.IntervalTimer` that every wait for a
-    transfer adds to (the exposed ring time; None: untimed)."""
+    transfer adds to (the exposed ring time; None: untimed). ``dropout``: attention
+    dropout of the probabilities, drawn from the current generator of q's device (run it
+    under the caller's random stream); the backward draws the same masks again from the
+    forward's generator state, so a recompute that replays the stream replays them."""
     cp = group_size(group)
     B, hq, Tl, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (Tl, D)):
@@ -388,4 +450,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
         raise ValueError(f"ring attention: documents of shape {tuple(doc.shape)}, expected "
                          f"the whole sequence's ({B}, {cp * Tl}) = (B, cp * Tl) at cp={cp}")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, doc, scale, trace, overlap, clock)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"ring attention: dropout={dropout} is not in [0, 1)")
+    return _RingAttention.apply(q, k, v, group, causal, doc, scale, trace, overlap, clock,
+                                dropout)
