@@ -116,9 +116,11 @@ def _plain_gloo_body(rank: int):
     _check_case(dist.group.WORLD, 2, rank, (4, 2, True, True))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("rows", [0, 5])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
-def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows, monkeypatch):
+def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows, device,
+                                                                  monkeypatch):
     """One rank (the ring's causal block; the merge across ranks is the dropout-free
     one, tested above, as the lse is of the undropped probabilities). The reference is
     softmax attention whose probabilities are multiplied by the keep masks drawn from
@@ -129,7 +131,7 @@ def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows,
         monkeypatch.setattr(ring_attention_module, "MATH_ROWS", rows)
     p, T, B, D = 0.3, 16, 2, 8
     g = torch.Generator().manual_seed(3)
-    q, k, v, w = (torch.randn(B, h, T, D, generator=g) for h in (hq, hkv, hkv, hq))
+    q, k, v, w = (torch.randn(B, h, T, D, generator=g).to(device) for h in (hq, hkv, hkv, hq))
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
     torch.manual_seed(11)
     out = ring_attention(ql, kl, vl, None, causal=True, dropout=p)
@@ -138,12 +140,12 @@ def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows,
     assert torch.equal(ring_attention(q, k, v, None, causal=True, dropout=p), out.detach())
     torch.manual_seed(11)
     step = rows or T
-    keep = torch.cat([torch.rand(B, hkv, hq // hkv, min(step, T - a), T) >= p
+    keep = torch.cat([torch.rand(B, hkv, hq // hkv, min(step, T - a), T, device=device) >= p
                       for a in range(0, T, step)], dim=3).reshape(B, hq, T, T)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     r = hq // hkv
     s = qd @ kd.repeat_interleave(r, 1).transpose(-1, -2) / D ** 0.5
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=device).tril(), float("-inf"))
     ref = (s.softmax(-1) * keep / (1 - p)) @ vd.repeat_interleave(r, 1)
     (ref * w.double()).sum().backward()
     for name, got, want in (("out", out, ref), ("dq", ql.grad, qd.grad), ("dk", kl.grad, kd.grad),
