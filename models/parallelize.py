@@ -151,23 +151,16 @@ def _refuse_under_cp(model: CausalLM, par: Parallelism, cp: int) -> None:
         # a window would mask parts of off-diagonal blocks by position, which it does not do
         raise ValueError(f"{pair} with model.sliding_window={cfg.sliding_window}: ring "
                          f"attention has no sliding window")
-    if par.sequence_parallel:
-        # SP would split the cp rank's T/cp tokens over the TP ranks (the region gathers
-        # them back before the ring), but SP's own checks and paths (model.seq_len
-        # divisible by tp, the engines' chunked stages) are of the whole sequence and
-        # have not been carried over to cp
-        raise ValueError(f"{pair} with parallel.sequence_parallel: the two splits of the "
-                         f"sequence are not composed")
     if par.degrees is not None:
         # a plan's per-block degrees come from the planner, which does not model cp
         raise ValueError(f"{pair} with per-block TP degrees (a plan): the planner does not "
                          f"know cp")
-    if par.compile:
-        # the ring breaks a compiled segment: its data-dependent skip of blocks the
-        # documents mask whole is a graph break, so the attention region compiles in
-        # pieces around it; not yet made compile-friendly
-        raise ValueError(f"{pair} with parallel.compile={par.compile!r}: ring attention "
-                         f"is not compiled")
+    if par.compile == "strict":
+        # compile=true compiles the attention region in pieces around the ring (its
+        # point-to-point exchanges and data-dependent skips are graph breaks); strict
+        # asks for whole graphs
+        raise ValueError(f"{pair} with parallel.compile='strict': the ring's exchanges "
+                         f"break the attention region's graph")
 
 
 def _split_chunks(model: CausalLM, par: Parallelism) -> None:

@@ -202,9 +202,8 @@ def _refusal_body(rank: int) -> None:
     par = Parallelism(cp_group=group)
     refused(par, r"cp=2\) with model.sliding_window=8: ring attention has no sliding window",
             "model.arch=mistral", "model.sliding_window=8", name="llama-tiny")
-    refused(Parallelism(cp_group=group, sequence_parallel=True),
-            r"cp=2\) with parallel.sequence_parallel")
-    refused(Parallelism(cp_group=group, compile=True), r"cp=2\) with parallel.compile=True")
+    refused(Parallelism(cp_group=group, compile="strict"),
+            r"cp=2\) with parallel.compile='strict': the ring's exchanges break")
     refused(Parallelism(cp_group=group, degrees=(1,) * 8),
             r"cp=2\) with per-block TP degrees")
     # a window no sequence reaches is no window: taken

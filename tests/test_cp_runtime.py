@@ -89,6 +89,8 @@ def test_cp_training_matches_the_unsharded_run():
         (("gpt", ("megatron", "full"), 2, 1, 2), ()),                # cp 2 x pp 2
         (("llama", ("megatron", "none"), 2), ("parallel.zero=3",)),  # cp 2 x dp 2, ZeRO-3
         (("gpt", ("oases", "none"), 2, 2), ("parallel.overlap_fb=true",)),
+        (("llama", ("oases", "fine"), 2, 2), ("parallel.sequence_parallel=true",)),  # x SP
+        (("gpt", ("megatron", "none"), 2, 2), ("parallel.sequence_parallel=true",)),
         (("gpt", ("megatron", "none"), 4), ("parallel.cp_overlap=false",)),  # waits at once
     ],))
 
@@ -97,7 +99,9 @@ def _documents_body(rank: int, path: str) -> None:
     extra = ("data.kind=tokens", f"data.train_path={path}", f"data.eos_id={EOS}",
              "data.reset_attention_at_eos=true", "data.reset_position_ids=true")
     _parity_body(rank, [(("llama", ("megatron", "none"), 2), extra),
-                        (("gpt", ("oases", "full"), 4), extra)])
+                        (("gpt", ("oases", "full"), 4), extra),
+                        (("llama", ("oases", "fine"), 2, 2),
+                         (*extra, "parallel.sequence_parallel=true"))])
 
 
 def test_cp_training_with_documents_matches_the_unsharded_run(tmp_path):
@@ -142,8 +146,9 @@ def test_cp_dropout_replays_exactly_under_every_recompute_mode():
                             r"chunks: model.seq_len=12 does not divide by 8$"),
     (("model.arch=mistral", "model.bias=false", "model.sliding_window=8"),
      r"^parallel.cp=4 with model.sliding_window=8: ring attention has no window$"),
-    (("parallel.sequence_parallel=true",), r"^parallel.cp=4 with parallel.sequence_parallel"),
-    (("parallel.compile=true",), r"^parallel.cp=4 with parallel.compile=True"),
+    (("parallel.compile=strict",), r"^parallel.cp=4 with parallel.compile=strict: the ring's "
+                                   r"point-to-point exchanges break the attention region's "
+                                   r"graph$"),
 ])
 def test_cp_refusals_are_one_line(bad, match):
     from oases.errors import ConfigError
@@ -153,6 +158,37 @@ def test_cp_refusals_are_one_line(bad, match):
     with pytest.raises(ConfigError, match=r"^parallel.pp=1 x parallel.cp=4 x parallel.tp=2 "
                                           r"does not divide the world size 4$"):
         _cfg("gpt", ("megatron", "none"), 4, 2)
+
+
+def _compile_body(rank: int) -> None:
+    from oases.runtime.step import train_step
+
+    cfg = _cfg("llama", ("megatron", "none"), 2, 1, 1, "parallel.compile=true", world=2)
+    ctx, model, ts, batches = _state(cfg)
+    ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 1)
+    loss, norm = train_step(ts, batches, cfg.train.lr)
+    assert abs(loss - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (loss, ref_losses)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+    check_grads(model, ctx, ref_grads, "compile x cp 2")
+
+
+@pytest.mark.slow  # inductor compiles the blocks' segments around the ring
+def test_compiled_blocks_under_cp_match_the_unsharded_run():
+    """parallel.compile=true: the attention region compiles in pieces around the ring
+    (its exchanges are graph breaks); the same tolerances as the parity test above."""
+    run_distributed(_compile_body, world=2, tp=None)
+
+
+def test_sp_under_cp_needs_a_cp_ranks_tokens_to_divide_by_tp():
+    from oases.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallel.sequence_parallel splits the sequence "
+                                          r"over the TP ranks: model.seq_len=12 / parallel.cp=2 "
+                                          r"does not divide by parallel.tp=4$"):
+        _cfg("gpt", ("megatron", "none"), 2, 4, 1, "model.seq_len=12",
+             "parallel.sequence_parallel=true", world=8)
+    assert _cfg("gpt", ("megatron", "none"), 2, 4, 1, "model.seq_len=16",
+                "parallel.sequence_parallel=true", world=8).parallel.cp == 2
 
 
 @pytest.mark.slow  # three whole runs

@@ -42,7 +42,8 @@ from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
 SEARCHES = ("uniap", "amp", "tp-only")
 # overrides the plan's own run replaces (printed with the plan's values)
-RUN_KEYS = ("parallel.pp", "parallel.tp", "train.micro_batch_size", "train.grad_accum",
+RUN_KEYS = ("parallel.pp", "parallel.tp", "parallel.cp", "parallel.pp_schedule",
+            "parallel.pp_virtual", "train.micro_batch_size", "train.grad_accum",
             "parallel.plan")
 
 
@@ -107,6 +108,10 @@ def _tp_only(args, cfg, cluster, device, db, out: Path, backend: str) -> None:
     if cfg.parallel.pp > 1:
         raise ConfigError(f"--search tp-only plans per-block degrees at pp = 1; this config has "
                           f"parallel.pp={cfg.parallel.pp} (use --search uniap or amp)")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"--search tp-only plans per-block degrees, which do not run under "
+                          f"context parallelism; this config has parallel.cp={cfg.parallel.cp} "
+                          f"(use --search uniap or amp)")
     prof = get_profile(cfg, run_shape(cfg), device, db, force=args.reprofile)
     limit = (args.memory_gib * 2**30 if args.memory_gib else  # the run's smallest device,
              cluster.plan_bytes_of(range(cfg.parallel.tp * cfg.dp)))  # less the headroom

@@ -42,24 +42,27 @@ def overlap_fb_needs(pp: int, micro_batches: int, kind: str) -> None:
                           f"next stage's whole pair, which halves the rate")
 
 
-def cp_needs(cfg) -> None:
+def cp_needs(cfg, cp: int | None = None) -> None:
     """Context parallelism (``parallel.cp`` > 1, docs/context-parallel.md): each cp rank
     holds two head-tail chunks of every sequence, and what the ring does not take is
-    refused here, before any process group exists (the model refuses the same pairs)."""
-    par, m, cp = cfg.parallel, cfg.model, cfg.parallel.cp
+    refused here, before any process group exists (the model refuses the same pairs).
+    ``cp``: the degree to check (default ``parallel.cp``): the layout search asks which
+    degrees it may price (oases.planner.stages.job_from_config)."""
+    par, m = cfg.parallel, cfg.model
+    cp = par.cp if cp is None else cp
     pair = f"parallel.cp={cp}"
     if m.seq_len % (2 * cp):
         raise ConfigError(f"{pair} splits each sequence into 2 x cp = {2 * cp} equal chunks: "
                           f"model.seq_len={m.seq_len} does not divide by {2 * cp}")
-    refused = [(m.dropout > 0, f"model.dropout={m.dropout}: ring attention has no attention "
-                               f"dropout"),
+    refused = [(par.compile == "strict", "parallel.compile=strict: the ring's point-to-point "
+                                         "exchanges break the attention region's graph"),
                (bool(m.sliding_window) and m.sliding_window < m.seq_len,
                 f"model.sliding_window={m.sliding_window}: ring attention has no window"),
-               (par.sequence_parallel, "parallel.sequence_parallel: the two splits of the "
-                                       "sequence are not composed"),
-               (bool(par.compile), f"parallel.compile={par.compile!r}: ring attention is not "
-                                   f"compiled"),
-               (bool(par.plan), f"parallel.plan={par.plan!r}: the planner does not know cp")]
+               # the layout search prices cp and writes plans that run it (one degree per
+               # stage, even stages); tp-only chooses per-block degrees, which do not
+               (par.plan == "auto" and par.plan_search == "tp-only",
+                "parallel.plan=auto and parallel.plan_search=tp-only: per-block TP degrees "
+                "do not run under cp (plan_search=uniap or amp chooses cp with the layout)")]
     for bad, why in refused:
         if bad:
             raise ConfigError(f"{pair} with {why}")

@@ -7,6 +7,7 @@ both call; ``run_shape`` turns a validated config into the cost model's run desc
 
 from __future__ import annotations
 
+from oases.errors import ConfigError
 from oases.planner import ilp
 from oases.planner.cost import CostModel, ModelShape, RunShape
 from oases.planner.plan_file import Plan, fmt_table, model_dict
@@ -18,6 +19,10 @@ def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print, comm=(0.0, 0
     ``comm``: (communicator memory of the run at tp, what per-block degrees below tp add:
     :func:`oases.planner.comm_memory.pp1_bytes`), charged against the limit."""
 
+    if cfg.parallel.cp > 1:  # the ring runs every block at tp (models.parallelize refuses)
+        raise ConfigError(f"per-block TP degrees (--search tp-only) do not run under "
+                          f"parallel.cp={cfg.parallel.cp}: search the layout (uniap or amp), "
+                          f"which chooses cp with it")
     run = run_shape(cfg)
     shape = ModelShape.from_config(cfg.model)
     # the degrees the profile has (the profiler skips those whose batch parts would not
@@ -49,7 +54,9 @@ def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print, comm=(0.0, 0
 def run_shape(cfg):
 
     p = cfg.parallel
-    return RunShape(tp=p.tp, dp=cfg.dp, micro_batch_size=cfg.train.micro_batch_size,
+    # dp: every replica of the parameters (cp's ranks too: the gradients sum over them)
+    return RunShape(tp=p.tp, dp=cfg.dp * p.cp, cp=p.cp,
+                    micro_batch_size=cfg.train.micro_batch_size,
                     grad_accum=cfg.train.grad_accum, sub_batches=cfg.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
                     act_bytes=2 if run_precision(cfg) == "bf16" else 4,

@@ -1,6 +1,7 @@
 """``parallel.plan=auto`` with ``parallel.plan_search=uniap|amp``: the whole layout
-(pipeline stages and their layer ranges, each stage's dp x tp, per-block degrees, the
-micro-batch size and count) chosen at start-up, before any group of the run exists.
+(pipeline stages and their layer ranges, each stage's dp x tp, per-block degrees, context
+parallelism, the micro-batch size and count) chosen at start-up, before any group of the
+run exists.
 
     every rank                           rank 0                  every rank
     join the world  -> profile as plan=auto  -> search the cluster  -> the k best plans
@@ -8,7 +9,7 @@ micro-batch size and count) chosen at start-up, before any group of the run exis
                        largest tp searched      (oases.planner.search)
                     -> plan_trials > 1: build each plan's groups and model, time a few
                        real steps of it (the slowest rank's median), keep the fastest
-                    -> write it to <out_dir>/plan.yaml and run it: parallel.pp/tp,
+                    -> write it to <out_dir>/plan.yaml and run it: parallel.pp/tp/cp,
                        train.micro_batch_size/grad_accum and parallel.plan are set from it
 
 The search prices layouts with the cluster file's links, node speeds and memories
@@ -101,7 +102,7 @@ def _job(cfg: Config, world: int):
     job = job_from_config(cfg)
     choices = enumerate_choices(job, world)
     if not choices:
-        raise ConfigError(f"no (pp, dp x tp, micro-batches) layout of {world} devices runs "
+        raise ConfigError(f"no (pp, dp x cp x tp, micro-batches) layout of {world} devices runs "
                           f"the global batch of {job.global_batch} sequences")
     return job, profile_run(job, max(ch.tp for ch in choices), cfg.train.micro_batch_size)
 
@@ -120,7 +121,8 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
                         cfg.parallel.nccl_high_priority_tp)
     run = dataclasses.replace(base, dp=ctx.dp)
     cal = cfg.with_changes({  # the calibration's run: every block at degree base.tp
-        "parallel.pp": 1, "parallel.tp": base.tp, "parallel.plan": None,
+        # whole sequences: the search prices cp from them (oases.planner.cp_cost)
+        "parallel.pp": 1, "parallel.tp": base.tp, "parallel.cp": 1, "parallel.plan": None,
         "parallel.plan_trials": 1, "train.micro_batch_size": base.micro_batch_size,
         "train.grad_accum": 1})
     log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
@@ -182,7 +184,8 @@ def pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
     sp = bool(d.get("sequence_parallel")) or cfg.parallel.sequence_parallel
     chosen = cfg.with_changes({
         "parallel.plan": str(path), "parallel.pp": int(d.get("pp") or 1),
-        "parallel.tp": int(d["tp"]), "train.micro_batch_size": int(d["micro_batch_size"]),
+        "parallel.tp": int(d["tp"]), "parallel.cp": int(d.get("cp") or 1),
+        "train.micro_batch_size": int(d["micro_batch_size"]),
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
         **({"parallel.pp_schedule": d["pp_schedule"],
@@ -204,6 +207,7 @@ def plan_divisor(d: dict) -> int:
 
 def _overrides(cfg: Config) -> list[str]:
     return [f"parallel.pp={cfg.parallel.pp}", f"parallel.tp={cfg.parallel.tp}",
+            f"parallel.cp={cfg.parallel.cp}",
             f"train.micro_batch_size={cfg.train.micro_batch_size}",
             f"train.grad_accum={cfg.train.grad_accum}"]
 
@@ -216,14 +220,14 @@ def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,
     _write(path, text)
     trial = pointed_at(cfg, path, world, **{"parallel.plan_calibration_steps": 0})
     device = pick_device(cfg.parallel.device)
-    fast_tp = trial.parallel.nccl_high_priority_tp
+    fast_tp, cp = trial.parallel.nccl_high_priority_tp, trial.parallel.cp
     if trial.parallel.pp > 1:
         ctx = build_pipeline_context(resolve_layout(trial, world), device,
                                      bool(trial.model.tie_embeddings), trial.model.n_kv_heads,
-                                     fast_tp)
+                                     fast_tp, cp)
         degrees = None
     else:
-        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads, fast_tp)
+        ctx = build_context(trial.parallel.tp, device, trial.model.n_kv_heads, fast_tp, cp)
         trial, degrees = resolve_plan(trial, ctx)
     t = time_throwaway(step_of(trial, ctx, degrees), device, TRIAL_STEPS)
     # every rank: a trial's groups (NCCL communicators and their buffers) would otherwise

@@ -16,6 +16,7 @@ pp = 1, one communicator for groups of the same ranks, one per point-to-point di
                                                 is the world, (1, t) resharding the
                                                 degree-t subgroup)
     pp 4 x tp 2, a middle stage       6       world, TP, 2 boundaries x 2 directions
+    dp 2 x cp 2 x tp 2                4       world, TP, DP (over dp x cp), cp ring
 
 :data:`COMM_BYTES` is the figure per communicator, unless the cluster file sets
 ``nccl_communicator_gib``; on gloo communicators live in host memory and cost a plan
@@ -30,8 +31,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from oases.parallel.ranks import (GroupSpec, GroupTable, degree_specs, kv_specs, stage_specs,
-                                  tie_specs, transfer_specs)
+from oases.parallel.ranks import (GroupSpec, GroupTable, cp_specs, degree_specs, kv_specs,
+                                  stage_specs, tie_specs, transfer_specs)
 
 # One communicator's GPU memory when the cluster file does not say: 688 MB, what
 # NVIDIA/nccl#964 measured per communicator of more than two ranks (544 MB for two) on
@@ -62,6 +63,7 @@ class CommLayout:
     transfer: str = "broadcast"
     sequence_parallel: bool = False
     high_priority_tp: bool = False
+    cp: int = 1  # each stage's cp groups (a stage's dp counts its cp ranks)
 
     def meshes(self) -> list[_Mesh]:
         out, first = [], 0
@@ -88,6 +90,8 @@ def layout_specs(lay: CommLayout) -> list[GroupSpec]:
     for m, mixed in zip(ms, lay.mixed):
         if mixed:
             out += degree_specs(m.first, m.dp, m.tp, lay.kv_heads)
+    # the ring's groups are point-to-point: a communicator each, wherever they come
+    out += [g for s, m in enumerate(ms) for g in cp_specs(s, m.first, m.dp, m.tp, lay.cp)]
     if len(ms) > 1:
         if lay.tie_embeddings:
             out += tie_specs(ms[0], ms[-1])
@@ -158,9 +162,10 @@ def choice_bytes(job, ch, cluster) -> list[float]:
     below tp is counted with its per-block degree groups, whether or not the solution
     uses one (the stage problems have no term for it: conservative)."""
     mixed = set(ch.degrees) != {ch.tp}
-    lay = CommLayout(((ch.dp, ch.tp),) * ch.pp, (mixed,) * ch.pp,
+    lay = CommLayout(((ch.mesh_dp, ch.tp),) * ch.pp, (mixed,) * ch.pp,
                      tie_embeddings=job.shape.tie_embeddings, kv_heads=job.shape.n_kv_heads,
-                     transfer=job.pp_transfer, sequence_parallel=job.sequence_parallel)
+                     transfer=job.pp_transfer, sequence_parallel=job.sequence_parallel,
+                     cp=ch.cp)
     per = per_communicator(cluster)
     return [n * per for n in stage_counts(lay)]
 

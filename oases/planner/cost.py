@@ -50,6 +50,9 @@ pays it many times. Measured collective fits price a group on its own links
 
 ``megatron`` (no overlap) is modelled too: compute + blocking collectives.
 
+Context parallelism (``RunShape.cp``): a rank holds seq / cp tokens of its rows, and an
+attention block's compute carries the ring's exposed waits (:mod:`oases.planner.cp_cost`).
+
 Memory per device: parameters, gradients and Adam state (16 B/param) of each
 block at its degree, saved activations of the recompute mode, and a runtime
 peak term (the largest graph rebuilt during backward, the logits). Activations
@@ -71,6 +74,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from oases.planner.cluster import CommModel, grad_groups, reshard_groups, tp_groups
+from oases.planner.cp_cost import ring_exposed
 from oases.planner.measured import Profile, at_speed
 from oases.planner.shape import ModelShape
 
@@ -95,6 +99,9 @@ class RunShape:
     overlap_fb: bool = False     # oases: each backward paired with the next forward
     sequence_parallel: bool = False  # activations outside the matmuls split over TP
     grad_reduce_bytes: int = 4   # bytes per gradient element summed over dp (parallel.grad_reduce_dtype)
+    # context parallelism: each rank holds seq_len / cp tokens of its rows (dp counts the
+    # cp ranks: gradients sum over all of them); the ring's cost is oases.planner.cp_cost's
+    cp: int = 1
 
 
 class CostModel:
@@ -108,6 +115,7 @@ class CostModel:
         self.comm = CommModel(cluster, profile.comm)
         self.call_s = profile.comm.get("call_s", 0.0)  # a step's cost per collective call
         self.tp = run.tp
+        self.tokens = shape.seq_len / run.cp  # of each row, on this rank
         self.degrees = degrees or shape.valid_degrees(self.tp)
         self.kinds = shape.kinds()
         self.n = len(self.kinds)
@@ -119,12 +127,12 @@ class CostModel:
         return self.run.micro_batch_size / self.run.sub_batches * t / self.tp
 
     def _act_bytes(self, t: int) -> float:
-        """One sub-batch's (rows, seq, d) activation in the compute dtype."""
-        return self.rows(t) * self.shape.seq_len * self.shape.d_model * self.run.act_bytes
+        """One sub-batch's (rows, seq / cp, d) activation in the compute dtype."""
+        return self.rows(t) * self.tokens * self.shape.d_model * self.run.act_bytes
 
     def _stream_bytes(self, t: int) -> float:
-        """One sub-batch's (rows, seq, d) slice of the residual stream."""
-        return self.rows(t) * self.shape.seq_len * self.shape.d_model * self.run.residual_bytes
+        """One sub-batch's (rows, seq / cp, d) slice of the residual stream."""
+        return self.rows(t) * self.tokens * self.shape.d_model * self.run.residual_bytes
 
     def weight_bytes(self, kind: str, t: int) -> float:
         """A block's weights as its forward saves them for backward: the matrices in the
@@ -197,7 +205,7 @@ class CostModel:
         split = s.matrix_params(kind) / (s.d_model * t)  # the t-split widths, summed
         whole = s.d_model * (1 + (1 / t if self.run.sequence_parallel else 1))
         rows = self.run.sub_batches * self.rows(t)
-        return rows * s.seq_len * (whole + split) * self.run.act_bytes
+        return rows * self.tokens * (whole + split) * self.run.act_bytes
 
     def ar_time(self, t: int, nbytes: float) -> float:
         """All-reduce over degree-t subgroups; the slowest subgroup sets the pace."""
@@ -253,11 +261,13 @@ class CostModel:
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
         self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
-        self.free, self.kv_sync = {}, {}
+        self.free, self.kv_sync, self.ring = {}, {}, {}
         for kind in ("attn", "mlp"):
             for t in self.degrees:
                 prof = self.profile.blocks[kind][str(t)]
-                fwd, bwd = prof["fwd"], prof["bwd"]
+                # under cp the ring's exposed waits lengthen the attention's compute
+                rf, rb = self.ring[kind, t] = ring_exposed(self, kind, t)
+                fwd, bwd = prof["fwd"] + rf, prof["bwd"] + rb
                 if r.recompute in ("fine", "full"):
                     bwd = bwd + fwd  # recompute the block before its backward
                 self.cf[kind, t], self.cb[kind, t] = fwd, bwd
@@ -291,12 +301,13 @@ class CostModel:
         cf, cb, m = self.cf[k, t], self.cb[k, t], self.m[k, t]
         host = 0.0
         if r.schedule == "megatron":
-            n = r.sub_batches
+            n, (rf, rb) = r.sub_batches, self.ring[k, t]
             m_full = self.ar_time(t, self._act_bytes(t) * n)
-            fwd = n * self.profile.blocks[k][str(t)]["fwd"] + m_full
-            bwd = n * self.profile.blocks[k][str(t)]["bwd"] + max(0.0, m_full - 0.5 * n * cb)
+            fwd = n * (self.profile.blocks[k][str(t)]["fwd"] + rf) + m_full
+            bwd = n * (self.profile.blocks[k][str(t)]["bwd"] + rb) + \
+                max(0.0, m_full - 0.5 * n * cb)
             if r.recompute == "full":
-                bwd += n * self.profile.blocks[k][str(t)]["fwd"] + m_full
+                bwd += n * (self.profile.blocks[k][str(t)]["fwd"] + rf) + m_full
             cost = fwd + bwd + (3 if r.recompute == "full" else 2) * self.calls(t)
         else:
             # one sub-batch alone waits for each of its collectives

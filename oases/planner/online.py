@@ -36,8 +36,8 @@ from oases.planner.comm_profile import profile_comm
 from oases.planner.cost import ModelShape, Profile
 from oases.planner.fit import calibrate_host_cost
 from oases.planner.stages import scale_profile
-from oases.planner.plan_file import (batch_divisor, check_degrees, check_model, check_plan,
-                                     check_run, check_zero, load_plan)
+from oases.planner.plan_file import (batch_divisor, check_cp, check_degrees, check_model,
+                                     check_plan, check_run, check_zero, load_plan)
 from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
                                    save_profile)
 
@@ -53,6 +53,7 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
     plan = load_plan(p.plan) if p.plan and p.plan != "auto" else None
     if plan is not None:  # a searched plan: first of all, the run it was made for
         check_run(plan, cfg, f"plan file {p.plan}")
+        check_cp(plan, cfg, f"plan file {p.plan}")
     if plan is None or not plan.stages:
         degrees = None
         if plan is not None and p.pp > 1:
@@ -65,7 +66,11 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
         check_zero(plan.zero, cfg.model.n_layer, where)
     if len(plan.stages) != p.pp:
         raise ConfigError(f"{where} has {len(plan.stages)} stages but parallel.pp={p.pp}")
-    layout = stages_layout(plan.stages, world, cfg.model.n_layer, where, cfg.pipeline_batch)
+    # a stage's dp counts its cp ranks, which read the same rows: in chunks of a row, a
+    # pipeline micro-batch is cp x its rows
+    cp = p.cp
+    layout = stages_layout(plan.stages, world, cfg.model.n_layer, where,
+                           cfg.pipeline_batch * cp)
     for s in layout.stages:
         heads = heads_problem(cfg.model.n_head, cfg.model.n_kv_heads, s.tp)
         if heads:
@@ -75,7 +80,7 @@ def resolve_layout(cfg: Config, world: int) -> PipelineLayout:
                               f"model.ffn_hidden={cfg.model.ffn_hidden}")
         if s.degrees is not None:
             check_degrees(list(s.degrees), s.tp, cfg.model, where, 2 * s.layers[0])
-        _check_rows(cfg, s.degrees, s.tp, cfg.pipeline_batch // s.dp)
+        _check_rows(cfg, s.degrees, s.tp, cfg.pipeline_batch * cp // s.dp)
     return layout
 
 
@@ -124,6 +129,7 @@ def resolve_plan(cfg: Config, ctx: ParallelContext, time_steps: Optional[StepTim
     else:
         plan = load_plan(p.plan)
         check_run(plan, cfg, f"plan file {p.plan}")
+        check_cp(plan, cfg, f"plan file {p.plan}")
         degrees = check_plan(plan, cfg.model, p.tp, f"plan file {p.plan}")
         if plan.sequence_parallel and not p.sequence_parallel:  # the plan was priced with it
             cfg = cfg.with_changes({"parallel.sequence_parallel": True})

@@ -27,11 +27,13 @@ A pipelined plan gives ``stages`` instead (then
       - {layers: [5, 8], dp: 2, tp: 2, degrees: [2, 2, 1, 1, 2, 2]}
 
 A plan the layout search made (``python -m oases.plan --search uniap|amp``) also
-records the run it was priced for: ``pp``, ``tp`` (every stage's), the replica's
+records the run it was priced for: ``pp``, ``tp`` (every stage's), ``cp``, the replica's
 ``micro_batch_size`` and ``micro_batches`` per step (``train.grad_accum``). The
 runtime then refuses a run with other values (:func:`check_run`, naming the
 overrides to pass); plans without ``micro_batches`` (hand-written, or ``tp-only``)
-are not checked.
+are not checked. A run under context parallelism takes only what the search writes
+for it, whoever wrote the plan (:func:`check_cp`): every block at its stage's tp, even
+stages of one tp, no sequence parallelism.
 
 Pure Python.
 """
@@ -46,6 +48,7 @@ import yaml
 from oases.config.heads import heads_problem
 from oases.config.schema import SHAPE_KEYS
 from oases.errors import UserError
+from oases.parallel.layout import even_split
 
 # a plan's blocks and their degrees do not depend on the tied head or the biases
 PLAN_SHAPE_KEYS = tuple(k for k in SHAPE_KEYS if k not in ("tie_embeddings", "bias"))
@@ -67,6 +70,7 @@ class Plan:
     sequence_parallel: bool = False  # the run turns parallel.sequence_parallel on
     pp_schedule: str = ""     # the pipeline schedule it was priced for ("": not recorded)
     pp_virtual: int = 1       # chunks per rank (interleaved-1f1b)
+    cp: int = 1               # context parallelism it was priced at (parallel.cp)
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 
@@ -100,7 +104,7 @@ def load_plan(path: str) -> Plan:
                                                 for d in degrees):
         raise UserError(f"plan file {path}: degrees must be a list of integers")
     for k, least in (("pp", 0), ("micro_batches", 0), ("micro_batch_size", 0), ("tp", 1),
-                     ("sub_batches", 1), ("pp_virtual", 1)):
+                     ("sub_batches", 1), ("pp_virtual", 1), ("cp", 1)):
         v = data.get(k, least)
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise UserError(f"plan file {path}: {k} must be an integer >= {least}, got {v!r}")
@@ -129,10 +133,11 @@ def check_run(plan: Plan, cfg, path: str = "plan") -> None:
     schedule it chose. One line naming the overrides that run it."""
     if not plan.micro_batches:
         return
-    want = {"parallel.pp": plan.pp or 1, "parallel.tp": plan.tp,
+    want = {"parallel.pp": plan.pp or 1, "parallel.tp": plan.tp, "parallel.cp": plan.cp,
             "train.micro_batch_size": plan.micro_batch_size,
             "train.grad_accum": plan.micro_batches}
     have = {"parallel.pp": cfg.parallel.pp, "parallel.tp": cfg.parallel.tp,
+            "parallel.cp": cfg.parallel.cp,
             "train.micro_batch_size": cfg.train.micro_batch_size,
             "train.grad_accum": cfg.train.grad_accum}
     if plan.pp_schedule and (plan.pp or 1) > 1:  # its time and memory rows are the schedule's
@@ -145,6 +150,32 @@ def check_run(plan: Plan, cfg, path: str = "plan") -> None:
     if wrong:
         raise UserError(f"{path} was made for {' '.join(f'{k}={v}' for k, v in want.items())}; "
                         f"this run has {', '.join(wrong)}")
+
+
+def check_cp(plan: Plan, cfg, path: str = "plan") -> None:
+    """Under ``parallel.cp`` > 1, only what the layout search writes for cp runs (the
+    ring runs no per-block degrees; the search prices even stages of one tp, without
+    sequence parallelism): one line naming what the plan has instead."""
+    cp, n_layer = cfg.parallel.cp, cfg.model.n_layer
+    if cp < 2:
+        return
+    pair = f"parallel.cp={cp} with {path}"
+    if plan.sequence_parallel:
+        raise UserError(f"{pair}: it turns sequence_parallel on, which the planner does not "
+                        f"price with cp")
+    mixed = [f"degrees {sorted(set(d))} at tp={tp}" for d, tp in
+             [(plan.degrees, plan.tp)] + [(s.get("degrees") or [], s.get("tp")) for s in
+                                          plan.stages if isinstance(s, dict)]
+             if set(d) - {tp}]
+    if mixed:
+        raise UserError(f"{pair}: per-block TP degrees ({mixed[0]}) do not run under cp")
+    if plan.stages:
+        got = [(list(s.get("layers") or []), s.get("tp")) if isinstance(s, dict) else s
+               for s in plan.stages]
+        even = [([a, b], got[0][1]) for a, b in even_split(n_layer, len(got))]
+        if got != even:
+            raise UserError(f"{pair}: under cp the stages are the even split at one tp, "
+                            f"{even} as (layers, tp), not {got}")
 
 
 def check_plan(plan: Plan, model_cfg, tp: int, path: str = "plan") -> list[int]:

@@ -2,7 +2,7 @@
 
 A :class:`~oases.planner.search.Candidate` becomes a :class:`Plan` with
 ``stages`` when pp > 1 (per-block ``degrees`` when pp = 1) and the run it was
-priced for (``pp``, ``tp``, ``micro_batch_size``, ``micro_batches``), which
+priced for (``pp``, ``tp``, ``cp``, ``micro_batch_size``, ``micro_batches``), which
 :func:`run_overrides` spells as the ``train.py`` overrides that run it.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from oases.planner.plan_file import Plan, model_dict
-from oases.planner.search import Candidate, SearchResult
+from oases.planner.search import Candidate, SearchResult, mesh
 
 GIB = 2**30
 
@@ -19,7 +19,9 @@ GIB = 2**30
 def run_overrides(c: Candidate) -> list[str]:
     """The dotted overrides a run of this layout needs besides ``parallel.plan``."""
     ch = c.choice
-    return [f"parallel.pp={ch.pp}", f"parallel.tp={ch.tp}", f"train.micro_batch_size={ch.rows}",
+    # cp always: a config's own parallel.cp would otherwise run the plan at another degree
+    return [f"parallel.pp={ch.pp}", f"parallel.tp={ch.tp}", f"parallel.cp={ch.cp}",
+            f"train.micro_batch_size={ch.rows}",
             f"train.grad_accum={ch.micro_batches}",
             *([f"parallel.pp_schedule={c.schedule}"] if ch.pp > 1 else []),
             *([f"parallel.pp_virtual={c.virtual}"] if ch.pp > 1 and c.virtual > 1 else [])]
@@ -29,7 +31,8 @@ def _brief(c: Optional[Candidate], ref: Candidate) -> Optional[dict]:
     if c is None:
         return None
     ch = c.choice
-    return {"pp": ch.pp, "dp": ch.dp, "tp": ch.tp, "micro_batches": ch.micro_batches,
+    return {"pp": ch.pp, "dp": ch.dp, "cp": ch.cp, "tp": ch.tp,
+            "micro_batches": ch.micro_batches,
             "stages": [[a, b] for a, b in c.ranges()], "degrees": c.degrees,
             "step_time_s": c.time, "vs_plan": c.time / ref.time}
 
@@ -58,7 +61,7 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
                 cluster=cluster_name, predicted=predicted,
                 sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models),
                 pp_schedule=c.schedule if ch.pp > 1 else "",
-                pp_virtual=c.virtual if ch.pp > 1 else 1)
+                pp_virtual=c.virtual if ch.pp > 1 else 1, cp=ch.cp)
 
 
 def _line(name: str, c: Optional[Candidate], ref: Candidate) -> str:
@@ -72,15 +75,18 @@ def summary(res: SearchResult, c: Candidate) -> list[str]:
     """The chosen layout stage by stage, its time and memory, the best uniform layout,
     AMP's pick and the solver's effort."""
     ch = c.choice
+    w = 12 if ch.cp > 1 else 8  # the mesh column: "dp x cp x tp" under cp
     how = {"uniap": f"MILP, {c.status}" + (f", gap {100 * c.gap:.1f}%" if c.gap else ""),
            "amp": "AMP: one degree for every layer, best partition",
            "megatron": "every layer at tp, even split"}[c.source]
-    out = [f"plan: pp {ch.pp} x dp {ch.dp} x tp {ch.tp}, {c.batches()} ({ch.rows} per replica) "
-           f"[{how}]",
-           f"{'stage':>5} {'layers':>9} {'dp x tp':>8}  {'memory (GiB)':>14}  degrees per layer"]
+    out = [f"plan: pp {ch.pp} x dp {ch.dp} x {mesh(ch)}, {c.batches()} ({ch.rows} per "
+           f"replica) [{how}]",
+           f"{'stage':>5} {'layers':>9} {'dp x cp x tp' if ch.cp > 1 else 'dp x tp':>{w}}  "
+           f"{'memory (GiB)':>14}  degrees per layer"]
     lims = limits(c)
     for p, ((a, b), degs) in enumerate(zip(c.ranges(), c.stage_degrees())):
-        out.append(f"{p:>5} {f'{a}-{b - 1}':>9} {f'{ch.dp} x {ch.tp}':>8}  "
+        ranks = " x ".join(map(str, (ch.dp, ch.cp, ch.tp) if ch.cp > 1 else (ch.dp, ch.tp)))
+        out.append(f"{p:>5} {f'{a}-{b - 1}':>9} {ranks:>{w}}  "
                    f"{f'{c.memory[p] / GIB:.3g} / {lims[p] / GIB:.3g}':>14}  {degs}")
     out.append(f"predicted time per iteration: {1e3 * c.time:.1f} ms")
     out.append(_line("best uniform layout (every layer at tp, even split)", res.megatron, c))

@@ -1,4 +1,4 @@
-"""Planner v2's outer search: every (pp, dp, tp, c), with three pickers. Pure Python.
+"""Planner v2's outer search: every (pp, dp, cp, tp, c), with three pickers. Pure Python.
 
 For every outer choice (:func:`oases.planner.stages.enumerate_choices`) the
 :class:`~oases.planner.stages.Problem` is built once and priced three ways:
@@ -18,7 +18,8 @@ on anything it could reach is no better than the best plan found so far:
 transfers are >= 0 and the max is at least the mean). A choice with one strategy
 needs no MILP: AMP's partition is exact there. Each MILP gets the budget left,
 shared among the choices left (at least ``min_limit_s``); the AMP plans stay
-candidates, so the pick is never worse than AMP's.
+candidates, so the pick is never worse than AMP's. Choices under context parallelism
+(cp > 1) and interleaved-1f1b ones take the ``megatron`` plan only: what they run.
 
 :func:`exhaustive` is the reference the pickers are measured against: every choice x
 contiguous partition x strategy per layer, priced one by one. Its space
@@ -95,13 +96,13 @@ class Candidate:
     def stages(self) -> list[dict]:
         """The plan file's ``stages`` (every block of a layer at the layer's degree)."""
         ch = self.choice
-        return [{"layers": [a, b], "dp": ch.dp, "tp": ch.tp,
+        return [{"layers": [a, b], "dp": ch.mesh_dp, "tp": ch.tp,  # a stage's dp: x cp
                  "degrees": [d for d in self.degrees[a:b] for _ in (0, 1)]}
                 for a, b in self.ranges()]
 
     def key(self) -> tuple:
         return (self.choice.pp, self.choice.dp, self.choice.tp, self.choice.micro_batches,
-                tuple(self.starts), tuple(self.strat), self.schedule)
+                tuple(self.starts), tuple(self.strat), self.choice.cp, self.schedule)
 
     def describe(self) -> str:
         ch = self.choice
@@ -109,7 +110,7 @@ class Candidate:
         for (a, b), d in zip(self.ranges(), self.stage_degrees()):
             parts.append(f"layers {a}-{b - 1} @ {d}")
         sched = f" ({self.schedule})" if ch.pp > 1 else ""
-        return (f"pp {ch.pp} x dp {ch.dp} x tp {ch.tp}{sched}, {self.batches()}: "
+        return (f"pp {ch.pp} x dp {ch.dp} x {mesh(ch)}{sched}, {self.batches()}: "
                 + " | ".join(parts))
 
     def batches(self) -> str:
@@ -217,16 +218,17 @@ def search(job: Job, world: int, cluster, profile: Profile, base: RunShape,
     if not problems:
         raise ConfigError(f"no (pp, dp, tp, micro-batches) layout of {world} devices runs the "
                           f"global batch of {job.global_batch} sequences")
-    log(f"planning over {choices} layouts (pp, dp x tp, micro-batches) of {world} devices"
+    log(f"planning over {choices} layouts (pp, dp x cp x tp, micro-batches) of {world} devices"
         + (f" x {len(schedules)} schedules" if schedules and len(schedules) > 1 else ""))
     megatron = [c for c in map(megatron_plan, problems) if c is not None]
-    # interleaved-1f1b runs the even split at one degree only (PipelineLayout.chunks):
-    # its candidates are those; AMP and UniAP place layers freely, so not over them
-    free = [p for p in problems if p.inst.virtual == 1]
+    # interleaved-1f1b runs the even split at one degree only (PipelineLayout.chunks),
+    # and so does cp (the plans a cp run takes, oases.planner.plan_file.check_cp): their
+    # candidates are those; AMP and UniAP place layers freely, so not over them
+    free = [p for p in problems if p.inst.virtual == 1 and p.choice.cp == 1]
     amps = {id(p): amp_plan(p) for p in free}
     found = [c for c in amps.values() if c is not None]
     res = SearchResult([], _min(megatron), _min(found), choices, method=method)
-    found += [c for c in megatron if c.virtual > 1]
+    found += [c for c in megatron if c.virtual > 1 or c.choice.cp > 1]
     if method == "uniap":
         found += _uniap(free, amps, res, budget_s, gap, min_limit_s, log)
     ranked, seen = [], set()
@@ -294,6 +296,11 @@ def _uniap(problems, amps, res: SearchResult, budget_s, gap, min_limit_s, log) -
     return out
 
 
+def mesh(ch) -> str:
+    """A choice's "cp 2 x tp 4" (cp shown where > 1)."""
+    return (f"cp {ch.cp} x " if ch.cp > 1 else "") + f"tp {ch.tp}"
+
+
 def _min(cands: list) -> Optional[Candidate]:
     return min(cands, key=lambda c: c.time) if cands else None
 
@@ -302,7 +309,7 @@ def _no_fit(problems: list[Problem]) -> str:
     p = problems[0]
     lim = p.inst.memory_limit[0] + p.memory_const[0]
     return (f"no layout found that fits in {lim / 2**30:.3f} GiB per device (every (pp, dp x "
-            f"tp, micro-batches) tried): give more memory or devices, or a smaller batch")
+            f"cp x tp, micro-batches) tried): give more memory or devices, or a smaller batch")
 
 
 # ---- the reference: every plan priced ----

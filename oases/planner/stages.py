@@ -46,6 +46,10 @@ the pairing and the resharding add, >= 0) is ``e``. Hence, per micro-batch:
     b[p][l][s]   = (zero-bubble schedules) what one pending W keeps: the linears' X and
                    dY (:meth:`CostModel.wgrad_bytes`)
 
+Under context parallelism (``Choice.cp`` > 1: each replica's rows over cp ranks, T/cp
+tokens each) a stage's cost model runs 1/cp of every row and prices the ring
+(:mod:`oases.planner.cp_cost`); its one strategy is tp.
+
 The pipeline schedule (``parallel.pp_schedule``) sets how these make a time and memory
 rows (:mod:`oases.planner.pipe_cost`); :func:`with_schedule` re-prices a built choice
 under another schedule without rebuilding its stages.
@@ -84,10 +88,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from oases.config.layout_checks import cp_needs
 from oases.errors import ConfigError
 from oases.parallel.layout import even_split
 from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.planner.comm_memory import choice_bytes
+from oases.planner.cp_cost import MIN_CHUNK
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
 from oases.planner.profile import run_precision
@@ -110,14 +116,17 @@ class Job:
     sequence_parallel: bool = False  # then only a tp that divides the sequence
     pp_virtual: int = 1        # chunks per rank under interleaved-1f1b
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: 4 fp32, 2 bf16
+    cp_search: bool = False    # layouts with context parallelism too (the config allows it)
 
     @property
     def splits(self) -> int:
         """Parts a replica's micro-batch is cut into before any degree splits it."""
         return self.sub_batches if self.schedule == "oases" else 1
 
-    def run(self, tp: int, dp: int, rows: int) -> RunShape:
-        return RunShape(tp=tp, dp=dp, micro_batch_size=rows, grad_accum=1,
+    def run(self, tp: int, dp: int, rows: int, cp: int = 1) -> RunShape:
+        """One micro-batch of ``rows`` per data replica (``dp`` of them, each of ``cp``
+        ranks: the run's dp counts every replica of the parameters)."""
+        return RunShape(tp=tp, dp=dp * cp, micro_batch_size=rows, grad_accum=1, cp=cp,
                         sub_batches=self.sub_batches, schedule=self.schedule,
                         recompute=self.recompute, act_bytes=self.act_bytes,
                         residual_bytes=self.residual_bytes,
@@ -132,7 +141,19 @@ def job_from_config(cfg) -> Job:
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
                2 if run_precision(cfg) == "bf16" else 4,
                sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual,
-               grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4)
+               grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
+               cp_search=cp_allowed(cfg))
+
+
+def cp_allowed(cfg) -> bool:
+    """Whether the config lets the search split sequences (what cp needs of the model and
+    the run, :func:`oases.config.layout_checks.cp_needs`, at the smallest degree; larger
+    ones are checked against ``model.seq_len`` as they are enumerated)."""
+    try:
+        cp_needs(cfg, 2)
+    except ConfigError:
+        return False
+    return True
 
 
 def profile_run(job: Job, tp_max: int, micro_batch_size: int) -> RunShape:
@@ -151,9 +172,16 @@ class Choice:
     micro_batches: int         # c
     rows: int                  # sequences per replica per micro-batch: B / (c dp)
     degrees: tuple             # the strategies: per-layer TP degrees
+    cp: int = 1                # each of the dp replicas on cp ranks (T / cp tokens each)
+
+    @property
+    def mesh_dp(self) -> int:
+        """A stage's replicas of the parameters, as its mesh counts them: dp x cp."""
+        return self.dp * self.cp
 
     def label(self) -> str:
-        return f"pp={self.pp} dp={self.dp} tp={self.tp} c={self.micro_batches}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"pp={self.pp} dp={self.dp}{cp} tp={self.tp} c={self.micro_batches}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -161,11 +189,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> list[Choice]:
-    """Every (pp, dp, tp, c) the runtime can run with the config's global batch: pp
+    """Every (pp, dp, cp, tp, c) the runtime can run with the config's global batch: pp
     divides the world and is at most the layer count; tp a power of two the heads and
-    ffn width allow; c divides the per-replica batch into micro-batches that split into
+    ffn width allow; cp (with ``job.cp_search``) a power of two (:func:`cp_degrees`);
+    c divides the per-replica batch into micro-batches that split into
     the sub-batches; 1F1B needs c >= pp. A choice's strategies are the degrees whose
-    batch parts hold whole sequences."""
+    batch parts hold whole sequences; under cp, tp alone (the ring runs no per-block
+    degrees). A cp choice whose replica's rows split into cp x the sub-batches is left
+    out: cp x the replicas at cp 1 run the same tokens per rank (the same compute,
+    collectives and memory) without the ring, so cp pays where the rows cannot be
+    split further (long sequences, few of them)."""
     out = []
     for pp in _divisors(world):
         if pp > job.shape.n_layer:
@@ -174,18 +207,36 @@ def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> lis
         for tp in job.shape.valid_degrees(per):
             if (max_tp and tp > max_tp) or (job.sequence_parallel and job.shape.seq_len % tp):
                 continue
-            dp = per // tp
-            if job.global_batch % dp:
-                continue
-            for c in _divisors(job.global_batch // dp):
-                rows = job.global_batch // (dp * c)
-                if rows % job.splits or (pp > 1 and job.pp_schedule != "gpipe" and c < pp):
+            for cp in cp_degrees(job, per // tp):
+                dp = per // (tp * cp)
+                if job.global_batch % dp:
                     continue
-                if pp > 1 and job.pp_virtual > 1 and c % pp:  # Megatron's groups of pp
-                    continue
-                degrees = tuple(t for t in job.shape.valid_degrees(tp)
-                                if (rows // job.splits) % (tp // t) == 0)
-                out.append(Choice(pp, dp, tp, c, rows, degrees))
+                for c in _divisors(job.global_batch // dp):
+                    rows = job.global_batch // (dp * c)
+                    if rows % job.splits or (pp > 1 and job.pp_schedule != "gpipe" and c < pp):
+                        continue
+                    if pp > 1 and job.pp_virtual > 1 and c % pp:  # Megatron's groups of pp
+                        continue
+                    if cp > 1 and rows % (cp * job.splits) == 0:  # dominated (docstring)
+                        continue
+                    degrees = (tp,) if cp > 1 else tuple(
+                        t for t in job.shape.valid_degrees(tp)
+                        if (rows // job.splits) % (tp // t) == 0)
+                    out.append(Choice(pp, dp, tp, c, rows, degrees, cp))
+    return out
+
+
+def cp_degrees(job: Job, ranks: int) -> list[int]:
+    """1, and with ``job.cp_search`` (never with sequence parallelism: the cost model does
+    not price the two together) every power of two cp dividing a stage's ``ranks`` / tp whose 2 cp
+    head-tail chunks split the sequence evenly into at least
+    :data:`oases.planner.cp_cost.MIN_CHUNK` tokens each."""
+    out, cp, seq = [1], 2, job.shape.seq_len
+    while job.cp_search and not job.sequence_parallel and cp <= ranks \
+            and seq >= 2 * cp * MIN_CHUNK:
+        if ranks % cp == 0 and seq % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
     return out
 
 
@@ -217,9 +268,11 @@ def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelS
     the same at every degree, and the block's fixed part (launches, Python) is paid per
     sub-batch whatever its rows (:func:`at_rows`). Saved bytes: the weights' part
     (:meth:`CostModel.weight_bytes`) is fixed, the rest scales with the rows."""
-    rows = (run.micro_batch_size / run.sub_batches / run.tp) / \
-        (base.micro_batch_size / base.sub_batches / base.tp)
-    head = (run.micro_batch_size / base.micro_batch_size) * (base.tp / run.tp)
+    # under cp a rank runs 1/cp of each row's tokens: as 1/cp of the rows (cp_cost)
+    rows = (run.micro_batch_size / run.sub_batches / run.tp / run.cp) / \
+        (base.micro_batch_size / base.sub_batches / base.tp / base.cp)
+    head = (run.micro_batch_size / base.micro_batch_size) * (base.tp / run.tp) * \
+        (base.cp / run.cp)
     blocks: dict = {}
     for kind, per_degree in profile.blocks.items():
         blocks[kind] = {}
@@ -275,10 +328,10 @@ class Problem:
 
 def _stage_model(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
                  first: int) -> CostModel:
-    run = job.run(ch.tp, ch.dp, ch.rows)
+    run = job.run(ch.tp, ch.dp, ch.rows, ch.cp)
     return CostModel(job.shape, run, StageLinks(cluster, first),
                      scale_profile(profile, base, run, job.shape), list(ch.degrees),
-                     ranks=list(range(first, first + ch.dp * ch.tp)))
+                     ranks=list(range(first, first + ch.mesh_dp * ch.tp)))
 
 
 def _layer_row(cm: CostModel, job: Job, ch: Choice, l: int) -> list[float]:
@@ -361,7 +414,7 @@ def _memory_const(job: Job, ch: Choice, cms: list[CostModel]) -> list[float]:
 
 def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
           memory_limit: Optional[float] = None) -> Problem:
-    """The :class:`Problem` of one choice on ``cluster`` (world = pp x dp x tp ranks).
+    """The :class:`Problem` of one choice on ``cluster`` (world = pp x dp x cp x tp ranks).
     ``memory_limit`` (bytes per device) overrides the cluster's (its devices' memory less
     the headroom of :func:`oases.planner.cluster.usable_bytes` and the communicators of
     :func:`oases.planner.comm_memory.choice_bytes`)."""
@@ -370,7 +423,7 @@ def build(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
                if str(t) not in profile.blocks.get(k, {})]
     if missing:
         raise ConfigError(f"the profile has no figures for {', '.join(missing)}")
-    size = ch.dp * ch.tp
+    size = ch.mesh_dp * ch.tp
     ranks = [range(p * size, (p + 1) * size) for p in range(P)]
     cms = [_stage_model(job, ch, cluster, profile, base, r.start) for r in ranks]
     t, e, m, a = [], [], [], []

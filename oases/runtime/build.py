@@ -22,6 +22,7 @@ from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.parallel.timing import IntervalTimer
 from oases.pipeline.runner import Chunk, PipelineRunner
 from oases.planner.plan_file import check_zero, load_plan
+from oases.runtime.cp_data import CpShards
 from oases.runtime.optim import build_optimizer
 from oases.runtime.state import TrainState
 from oases.runtime.step import train_step
@@ -258,4 +259,6 @@ def throwaway_step(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int
         state = build_train_state(cfg, ctx, model, tracker)
     # groups the context built on first use (its degree groups) are the context's
     own = [g for g in made if g not in ctx.groups]
-    return ThrowawayStep(state, _FixedBatches(cfg), own)
+    batches = _FixedBatches(cfg)  # whole rows; a cp rank keeps its chunks of them
+    return ThrowawayStep(state, CpShards(batches, ctx.cp, ctx.cp_rank) if ctx.cp > 1
+                         else batches, own)
