@@ -104,6 +104,7 @@ def _documents_body(rank: int, path: str) -> None:
                          (*extra, "parallel.sequence_parallel=true"))])
 
 
+@pytest.mark.slow  # three more parity cases
 def test_cp_training_with_documents_matches_the_unsharded_run(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 16, 20_000).astype(np.uint16)
     tokens.tofile(tmp_path / "train.bin")
@@ -137,6 +138,7 @@ def _replay_body(rank: int) -> None:
                 assert torch.equal(g, base[n]), f"{engine} {mode} vs {base_mode}: {n} differs"
 
 
+@pytest.mark.slow  # nine trainings' first steps
 def test_cp_dropout_replays_exactly_under_every_recompute_mode():
     run_distributed(_replay_body, world=WORLD, tp=None)
 
@@ -163,7 +165,8 @@ def test_cp_refusals_are_one_line(bad, match):
 def _compile_body(rank: int) -> None:
     from oases.runtime.step import train_step
 
-    cfg = _cfg("llama", ("megatron", "none"), 2, 1, 1, "parallel.compile=true", world=2)
+    cfg = _cfg("llama", ("megatron", "none"), 2, 1, 1, "parallel.compile=true",
+               "model.n_layer=1", world=2)  # one layer: one block's segments to compile
     ctx, model, ts, batches = _state(cfg)
     ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 1)
     loss, norm = train_step(ts, batches, cfg.train.lr)

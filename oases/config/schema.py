@@ -382,11 +382,11 @@ class Config(Section):
             raise ConfigError("parallel.plan=auto with plan_search=tp-only chooses per-block TP "
                               "degrees for pp=1 only; with parallel.pp > 1 search the layout "
                               "(plan_search=uniap) or give a plan file")
-        local = m.seq_len // self.parallel.cp  # a cp rank's tokens of each row
-        if self.parallel.sequence_parallel and local % tp:
+        cp = self.parallel.cp  # a cp rank holds seq_len / cp tokens of each row
+        if self.parallel.sequence_parallel and (m.seq_len // cp) % tp:
+            what = f"model.seq_len={m.seq_len}" + (f" / parallel.cp={cp}" if cp > 1 else "")
             raise ConfigError(f"parallel.sequence_parallel splits the sequence over the TP "
-                              f"ranks: model.seq_len={m.seq_len} / parallel.cp="
-                              f"{self.parallel.cp} does not divide by parallel.tp={tp}")
+                              f"ranks: {what} does not divide by parallel.tp={tp}")
         heads = heads_problem(m.n_head, m.n_kv_heads, tp)  # kv heads: split or replicated
         if heads:
             raise ConfigError(f"parallel.tp={tp} {heads}")
