@@ -80,10 +80,7 @@ def render(out: Path, data: dict) -> None:
         if a is not None and b:
             lines += ["", f"Hidden share of the ring's time: {1 - a / b:.0%} (rank 0 waits "
                           f"{a:.3f} s per step with the overlap, {b:.3f} s waiting at once)."]
-    failed = [r for r in data["runs"] if not r["ok"]]
-    if failed:
-        lines += ["", "Failed runs:"] + [f"- {r['mode']} r{r['round']}: {r['error']}"
-                                          for r in failed]
+    lines += driver.failed_runs(data)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

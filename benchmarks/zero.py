@@ -70,10 +70,7 @@ def render(out: Path, data: dict) -> None:
         r = z0["step_time_s"] / z3["step_time_s"]
         lines += ["", f"Target oases+z3 >= 0.90x oases+z0 tokens/s: {r:.2f}x "
                       f"({'met' if r >= 0.9 else 'missed'})."]
-    failed = [r for r in data["runs"] if not r["ok"]]
-    if failed:
-        lines += ["", "Failed runs:"] + [f"- {r['mode']} r{r['round']}: {r['error']}"
-                                          for r in failed]
+    lines += driver.failed_runs(data)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -165,6 +165,11 @@ def test_cp_refusals_are_one_line(bad, match):
 def _compile_body(rank: int) -> None:
     from oases.runtime.step import train_step
 
+    import torch._inductor.config
+
+    # a forked worker cannot use the compile workers its parent may have started
+    torch._inductor.config.compile_threads = 1
+
     cfg = _cfg("llama", ("megatron", "none"), 2, 1, 1, "parallel.compile=true",
                "model.n_layer=1", world=2)  # one layer: one block's segments to compile
     ctx, model, ts, batches = _state(cfg)

@@ -355,6 +355,14 @@ def command(module: str, argv: Optional[list[str]] = None) -> str:
     return shlex.join([exe, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
+def failed_runs(data: dict) -> list[str]:
+    """A report's lines on the runs that failed (none: no lines)."""
+    failed = [r for r in data["runs"] if not r["ok"]]
+    if not failed:
+        return []
+    return ["", "Failed runs:"] + [f"- {r['mode']} r{r['round']}: {r['error']}" for r in failed]
+
+
 def machine_line(mi) -> str:
     """The machine of :func:`machine_info`, or as a result before it wrote it (a str)."""
     if isinstance(mi, str):
