@@ -83,10 +83,16 @@ def _parity_body(rank: int, cases: list) -> None:
 def test_cp_training_matches_the_unsharded_run():
     run_distributed(_parity_body, world=WORLD, tp=None, args=([
         (("gpt", ("megatron", "none"), 4), ()),                      # cp 4 alone
+        (("llama", ("oases", "fine"), 2, 2), ()),                    # x tp 2, GQA, oases
+        (("gpt", ("megatron", "full"), 2, 1, 2), ()),                # cp 2 x pp 2
+    ],))
+
+
+@pytest.mark.slow  # seven more parity cases
+def test_cp_composes_with_the_other_dimensions_as_the_unsharded_run():
+    run_distributed(_parity_body, world=WORLD, tp=None, args=([
         (("gpt", ("megatron", "none"), 2), ()),                      # cp 2 x dp 2
         (("llama", ("megatron", "selective"), 2, 2), ()),            # cp 2 x tp 2, GQA
-        (("llama", ("oases", "fine"), 2, 2), ()),                    # the oases engine
-        (("gpt", ("megatron", "full"), 2, 1, 2), ()),                # cp 2 x pp 2
         (("llama", ("megatron", "none"), 2), ("parallel.zero=3",)),  # cp 2 x dp 2, ZeRO-3
         (("gpt", ("oases", "none"), 2, 2), ("parallel.overlap_fb=true",)),
         (("llama", ("oases", "fine"), 2, 2), ("parallel.sequence_parallel=true",)),  # x SP
