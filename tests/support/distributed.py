@@ -6,7 +6,10 @@
 
 Workers rendezvous through a FileStore in a temp dir (no ports), use a short
 collective timeout so a bug fails instead of hanging, and a failure in any
-worker fails the test with that worker's traceback.
+worker fails the test with that worker's traceback. A worker that is still running
+after ``HANG_S`` dumps every thread's stack (faulthandler) and exits, and the parent
+gives up on a run a little later still: a hang fails the test with those stacks
+instead of stalling the suite.
 
 What gloo forgives must not pass, so on gloo every worker runs with
 
@@ -27,8 +30,10 @@ schedule orders its kernels and its asynchronous collectives correctly.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -40,6 +45,7 @@ from oases.parallel.groups import build_context
 from tests.support import collective_order, nccl_semantics
 
 TIMEOUT_S = 60
+HANG_S = 240   # one run's bodies, every worker: the slowest takes under a minute on 2 cores
 
 
 def cuda_world(world: int) -> None:
@@ -51,8 +57,16 @@ def cuda_world(world: int) -> None:
 
 def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p, nccl_timeout_s):
     """``tp=None``: no context is built; ``fn(rank, *args)`` builds its own groups."""
+    stacks = open(os.path.join(err_dir, f"stacks{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=stacks)
     try:
         torch.set_num_threads(1)
+        if device == "cpu":
+            # A forked worker cannot use the inductor compile workers its parent may have
+            # started (their futures never complete in the child): with a cold inductor
+            # cache a compile there waits forever. Compile in this process instead.
+            import torch._inductor.config as inductor_config
+            inductor_config.compile_threads = 1
         store = dist.FileStore(store_path, world)
         kw = {}
         if device == "cuda":
@@ -87,6 +101,22 @@ def _worker(rank, world, tp, store_path, fn, args, err_dir, device, nccl_p2p, nc
         collective_order.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _join(procs, err_dir: str) -> None:
+    """Join ``procs`` (a ProcessContext); past ``HANG_S`` and a grace, kill them and raise
+    with the stacks the workers' watchdogs wrote."""
+    deadline = time.monotonic() + HANG_S + 30
+    while not procs.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                if p.is_alive():
+                    p.kill()
+            stacks = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))
+                      if f.startswith("stacks")]
+            raise AssertionError(f"distributed workers still running after {HANG_S + 30} s "
+                                 "(killed); their stacks:\n" + "\n".join(stacks))
 
 
 # gloo's full-mesh connect between two local processes, closed by the peer under load (a
@@ -110,13 +140,14 @@ def run_distributed(fn, world: int, tp: int | None = 1, args: tuple = (), *,
         with tempfile.TemporaryDirectory() as d:
             store_path = os.path.join(d, "store")
             try:
-                mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d, device,
-                                                  nccl_p2p, nccl_timeout_s),
-                                   nprocs=world, join=True,
-                                   start_method="fork" if device == "cpu" else "spawn")
+                _join(mp.start_processes(_worker, args=(world, tp, store_path, fn, args, d,
+                                                        device, nccl_p2p, nccl_timeout_s),
+                                         nprocs=world, join=False,
+                                         start_method="fork" if device == "cpu" else "spawn"), d)
             except Exception as e:
                 msgs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))
-                        if f.startswith("rank")]
+                        if f.startswith("rank") or (f.startswith("stacks")
+                                                    and os.path.getsize(os.path.join(d, f)))]
                 text = "\n".join(msgs) + str(e)
                 if attempt == 0 and SETUP_FLAKE in text:
                     continue  # gloo's TCP set-up between local processes, not the body
