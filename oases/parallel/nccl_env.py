@@ -47,10 +47,9 @@ set it, and says which order is in force.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
-
-import torch
 
 # ProcessGroupNCCL's error-handling variables (and their older names)
 ERROR_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT",
@@ -137,7 +136,8 @@ def kernel_order(environ: MutableMapping[str, str] = os.environ) -> str:
         n = environ[MAX_CONNECTIONS]
         return (f"kernels in issue order ({MAX_CONNECTIONS}=1)" if n == "1" else
                 f"kernels may overtake issue order ({MAX_CONNECTIONS}={n}: yours)")
-    if torch.cuda.is_initialized():  # too late: the context exists and kept the default
+    torch = sys.modules.get("torch")  # not imported (the launcher): no CUDA context yet
+    if torch is not None and torch.cuda.is_initialized():  # too late: it kept the default
         return (f"kernels may overtake issue order ({MAX_CONNECTIONS} unset when CUDA "
                 f"started)")
     environ[MAX_CONNECTIONS] = "1"
