@@ -55,8 +55,12 @@ def _freed_body(ctx, level: int, close: bool):
     assert red() is None
 
 
-@pytest.mark.parametrize("level", [0, 3])
-@pytest.mark.parametrize("close", [True, False], ids=["closed", "never-closed"])
+# each level and each way of dropping once in `make test-fast`, every pair in `make test`
+@pytest.mark.parametrize("close,level", [
+    pytest.param(True, 0, id="closed-0", marks=pytest.mark.slow),
+    pytest.param(True, 3, id="closed-3"),
+    pytest.param(False, 0, id="never-closed-0"),
+    pytest.param(False, 3, id="never-closed-3", marks=pytest.mark.slow)])
 def test_a_dropped_model_is_freed(level, close):
     run_distributed(_freed_body, world=2, tp=1, args=(level, close))
 

@@ -139,7 +139,7 @@ LLAMA_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: larger
 def test_gpt_matches_unsharded(tp):
     run_distributed(_parity_body, world=tp, tp=tp, args=("gpt-tiny", GPT_VARIANTS))
 
