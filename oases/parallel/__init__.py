@@ -6,6 +6,18 @@ torch.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names, for readers and type checkers; loaded lazily below
+    from oases.parallel.comm import (CommCounter, all_gather_to_tp, copy_to_tp,
+                                     gather_from_tp, reduce_from_tp, reduce_scatter_to_tp,
+                                     scatter_to_tp)
+    from oases.parallel.groups import ParallelContext, init_distributed
+    from oases.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                       VocabParallelEmbedding)
+    from oases.parallel.loss import vocab_parallel_cross_entropy
+    from oases.parallel.random import TPRNGTracker
+    from oases.parallel.sharding import TPSpec, init_parameters, shard, unshard
 
 _HOME = {
     "CommCounter": "comm", "all_gather_to_tp": "comm", "copy_to_tp": "comm",
@@ -16,7 +28,14 @@ _HOME = {
     "TPRNGTracker": "random", "TPSpec": "sharding", "init_parameters": "sharding",
     "shard": "sharding", "unshard": "sharding",
 }
-__all__ = list(_HOME)
+__all__ = [
+    "CommCounter", "all_gather_to_tp", "copy_to_tp", "gather_from_tp", "reduce_from_tp",
+    "reduce_scatter_to_tp", "scatter_to_tp", "ParallelContext", "init_distributed",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy", "TPRNGTracker", "TPSpec", "init_parameters", "shard",
+    "unshard",
+]
+assert set(__all__) == set(_HOME)
 
 
 def __getattr__(name: str):
