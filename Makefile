@@ -23,7 +23,9 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+install-# the serial tests (they measure the host's load) run alone after the rest; only their
+# files are collected for that run
+test: $(VENV)/.installed-test
 
 # The default job's corpus: CPython's own documentation, byte-level (nothing downloaded).
 data/pydoc/train.bin: | $(VENV)/.installed
@@ -35,9 +37,11 @@ train: $(VENV)/.installed data/pydoc/train.bin
 	CUDA_DEVICE_MAX_CONNECTIONS=$${CUDA_DEVICE_MAX_CONNECTIONS:-1} \
 	    $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
+# the serial tests (they measure the host's load) run alone after the rest; only their
+# files are collected for that run
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
-	$(BIN)/python -m pytest -q -m serial tests
+	$(BIN)/python -m pytest -q -m serial $$(grep -l "mark.serial" tests/test_*.py || echo tests)
 
 # Within 3 minutes on 2 cores: leaves out `slow` (trainings through torchrun or train.py, compiles).
 test-fast: $(VENV)/.installed-test
