@@ -23,9 +23,7 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
-install-# the serial tests (they measure the host's load) run alone after the rest; only their
-# files are collected for that run
-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test
 
 # The default job's corpus: CPython's own documentation, byte-level (nothing downloaded).
 data/pydoc/train.bin: | $(VENV)/.installed
