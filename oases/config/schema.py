@@ -115,6 +115,11 @@ class ParallelConfig(Section):
     # ZeRO-3: start the all-gather of the next block's parameters while this block runs
     # (false: gather each block when it is needed; the benchmark's exposed baseline)
     zero_prefetch: bool = True
+    # ZeRO-3: "node" keeps a second shard of the parameters over each DP group's ranks on a
+    # node (ZeRO++'s hpZ), so that forward and backward gather inside the node and only the
+    # first gather after each step crosses nodes; costs 1/L of the parameters per rank,
+    # L = the group's ranks per node (docs/zero.md). "none": every gather over the group
+    zero_secondary: str = "none"
     # Timing only: replace every TP collective by a no-op of the same shape (results are
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
@@ -156,6 +161,10 @@ class ParallelConfig(Section):
         choice("parallel.recompute", self.recompute, ("none", "selective", "full", "fine"))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        choice("parallel.zero_secondary", self.zero_secondary, ("none", "node"))
+        if self.zero_secondary == "node" and self.zero != 3:
+            raise ConfigError(f"parallel.zero_secondary=node shards ZeRO-3's parameters a "
+                              f"second time: it needs parallel.zero=3, got {self.zero}")
         if self.recompute == "fine" and self.schedule != "oases":
             raise ConfigError("parallel.recompute=fine needs parallel.schedule=oases")
         if self.overlap_fb and self.schedule != "oases":

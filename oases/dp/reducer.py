@@ -61,7 +61,7 @@ import torch.nn as nn
 
 from oases.dp.accounting import held_memory
 from oases.dp.ownership import ZeroOwnership
-from oases.dp.zero import ShardedFlat, weak_hook
+from oases.dp.zero import NodeShard, ShardedFlat, weak_hook
 from oases.parallel.comm import (all_reduce, comm_scope, current_scope, group_size,
                                  require_default_stream)
 
@@ -74,7 +74,8 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, device, dtype,
                  prescale: Optional[float] = None, level: int = 0,
                  wire: Optional[torch.dtype] = None,
-                 gather_dtype: Optional[torch.dtype] = None) -> None:
+                 gather_dtype: Optional[torch.dtype] = None,
+                 node: Optional[NodeShard] = None) -> None:
         self.params = params
         self.group = group
         # the dtype the gradients cross the links in (None: the buffer's): the buffer keeps
@@ -97,7 +98,7 @@ class _Bucket:
             p.grad = self.views[-1]
             off += p.numel()
         self.zero = (ShardedFlat(params, self.buffer, group, self.level, self.wire,
-                                 gather_dtype) if self.level else None)
+                                 gather_dtype, node) if self.level else None)
 
     def attach(self) -> None:
         for p, v in zip(self.params, self.views):
@@ -123,7 +124,8 @@ class GradReducer:
                  level_of: Optional[Callable[[nn.Parameter], int]] = None,
                  tied_head: bool = False, prefetch: bool = True,
                  zero: bool = False, reduce_dtype: Optional[torch.dtype] = None,
-                 gather_dtype: Optional[torch.dtype] = None) -> None:
+                 gather_dtype: Optional[torch.dtype] = None,
+                 node: Optional[NodeShard] = None) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
@@ -135,10 +137,13 @@ class GradReducer:
         measures the owned pieces, with the same collectives everywhere. ``reduce_dtype``
         (``parallel.grad_reduce_dtype``): the dtype DP buckets are summed in (default:
         the gradients'); gradients still accumulate in theirs, and the sum lands there.
-        ``gather_dtype``: the compute dtype, which level 3 gathers parameters in."""
+        ``gather_dtype``: the compute dtype, which level 3 gathers parameters in.
+        ``node``: the DP group's ranks on this node; level-3 buckets over the DP group keep
+        a secondary shard over them (``parallel.zero_secondary=node``)."""
         self._then = then
         self._reduce_dtype = reduce_dtype
         self._gather_dtype = gather_dtype
+        self._node = node
         self.norm_by_terms = zero  # clip_grads: measure through grad_terms
         self.dp_group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -198,7 +203,7 @@ class GradReducer:
         # the tied table's bucket (prescaled, summed over two stages) stays in its dtype
         b = _Bucket(params, group, params[0].device, params[0].dtype, prescale,
                     self._level_of(params[0]), None if prescale is not None else self._reduce_dtype,
-                    self._gather_dtype)
+                    self._gather_dtype, self._node if group is self.dp_group else None)
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b

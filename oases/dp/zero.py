@@ -13,6 +13,14 @@ range ``[r s, (r + 1) s)``, ``s = n / G``:
     level 3  + params: the owned range is the only persistent copy; the full
                parameters are all-gathered before the block runs and freed after
 
+With a node-local secondary shard (``parallel.zero_secondary=node``, ZeRO++'s hpZ), a
+level-3 bucket also keeps 1/L of its parameters in the compute dtype, L being the ranks
+of its group on this node. The first gather of a bucket after its owned range changed
+(an optimizer step, a checkpoint load: the range's version counter tells) runs over the
+whole group, the update crossing nodes once, and keeps this rank's 1/L of it; every
+other gather (forward, recompute, backward, the step's other micro-batches) runs over
+the node's ranks only.
+
 The optimizer never sees a whole parameter of a sharded bucket. It sees one
 *segment* per parameter that overlaps the owned range: a view into the owned
 parameter range, with ``.grad`` a view into the owned gradient range and Adam's
@@ -105,18 +113,31 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group):
 
 
 class Widen:
-    """A gather in a narrower dtype: ``wait()`` waits for it (the current stream) and
-    copies the gathered values into the parameters' flat buffer, on that stream."""
+    """A gather into ``full``: ``wait()`` waits for it (the current stream), copies the
+    gathered values into the parameters' flat buffer (unless ``full`` is that buffer) and
+    hands them to ``keep`` (the secondary shard's refresh), on that stream."""
 
-    def __init__(self, work, full: torch.Tensor, sent: torch.Tensor, flat: torch.Tensor):
-        self.work, self.full, self.sent, self.flat = work, full, sent, flat
+    def __init__(self, work, full: torch.Tensor, sent: torch.Tensor, flat: torch.Tensor,
+                 keep: Optional[Callable[[torch.Tensor], None]] = None):
+        self.work, self.full, self.sent, self.flat, self.keep = work, full, sent, flat, keep
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-            self.flat.copy_(self.full)
-            self.work = self.full = self.sent = None  # the sent copy lived until here
+            if self.full is not self.flat:
+                self.flat.copy_(self.full)
+            if self.keep is not None:
+                self.keep(self.full)
+            self.work = self.full = self.sent = self.keep = None  # sent lived until here
         return True
+
+
+class NodeShard:
+    """A level-3 bucket's node-local secondary shard: ``group`` the ranks of its group
+    on this node (None: this rank alone), ``size`` L of them, ``rank`` this one's index."""
+
+    def __init__(self, group, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
 
 
 class ShardedFlat:
@@ -126,10 +147,12 @@ class ShardedFlat:
 
     def __init__(self, params: list[nn.Parameter], grads: torch.Tensor, group,
                  level: int, wire: Optional[torch.dtype] = None,
-                 gather_dtype: Optional[torch.dtype] = None) -> None:
+                 gather_dtype: Optional[torch.dtype] = None,
+                 node: Optional[NodeShard] = None) -> None:
         """``wire``: the dtype the gradients are reduce-scattered in (None: theirs);
         ``gather_dtype``: the dtype level 3 gathers the parameters in for compute (None:
-        theirs; the owned range stays the exact master either way)."""
+        theirs; the owned range stays the exact master either way); ``node``: level 3
+        keeps a node-local secondary shard (see the module's docstring)."""
         self.params, self.group, self.level = params, group, level
         self.wire = wire
         self.gather_dtype = gather_dtype if level >= 3 and gather_dtype != grads.dtype else None
@@ -152,6 +175,16 @@ class ShardedFlat:
                 off += p.numel()
         own = self.flat[self.lo: self.hi]
         self.shard = own.clone() if level >= 3 else own   # the persistent parameters
+        self.node = node if level >= 3 else None
+        if self.node is not None:
+            L = self.node.size
+            assert n % L == 0, "the bucket's flat length is padded to the group size"
+            self.sec_lo = self.node.rank * (n // L)
+            # this rank's 1/L of the parameters in the compute dtype, and the version of the
+            # owned range it was taken from (another: the next gather refreshes it)
+            self.sec = self.flat[self.sec_lo: self.sec_lo + n // L].to(
+                self.gather_dtype or p0.dtype, copy=True)
+            self.sec_version = self.shard._version
         self.grads = grads                                 # the full gradient buffer
         self.grad_shard = (torch.zeros(self.s, device=grads.device, dtype=grads.dtype)
                            if level >= 2 else grads[self.lo: self.hi])
@@ -226,11 +259,41 @@ class ShardedFlat:
         that dtype (half the bytes for bf16), widened into ``flat`` when the returned
         work is waited for. ``exact``: in the parameters' own dtype (inspection)."""
         alloc_(self.flat)
+        if self.node is not None and not exact:
+            return self._gather_node(async_op)
         if self.gather_dtype is None or exact:
             return gather_flat(self.flat, self.shard, self.group, async_op)
         full = torch.empty(self.flat.numel(), device=self.flat.device, dtype=self.gather_dtype)
         sent = self.shard.to(self.gather_dtype)
         work = Widen(gather_flat(full, sent, self.group, async_op=True), full, sent, self.flat)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _gather_node(self, async_op: bool):
+        """Level 3 with a secondary shard: over the node's ranks from it; over the whole
+        group (the update crossing nodes) when the owned range changed since it was
+        taken, keeping this rank's share of the result."""
+        dtype = self.sec.dtype
+        full = self.flat if dtype == self.flat.dtype else torch.empty(
+            self.flat.numel(), device=self.flat.device, dtype=dtype)
+        if self.shard._version != self.sec_version:  # stepped or loaded: refresh
+            sent = self.shard.to(dtype)
+            version = self.shard._version
+
+            def keep(got: torch.Tensor) -> None:
+                self.sec.copy_(got[self.sec_lo: self.sec_lo + self.sec.numel()])
+                self.sec_version = version
+
+            work = Widen(gather_flat(full, sent, self.group, async_op=True), full, sent,
+                         self.flat, keep)
+        elif self.node.group is None:  # the only rank of its group on this node
+            self.flat.copy_(self.sec)
+            work = Widen(None, self.flat, self.sec, self.flat)  # done
+        else:
+            work = Widen(gather_flat(full, self.sec, self.node.group, async_op=True), full,
+                         self.sec, self.flat)
         if async_op:
             return work
         work.wait()

@@ -44,10 +44,11 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from oases.errors import UserError
+from oases.errors import ConfigError, UserError
+from oases.parallel.layout import StageLayout
 from oases.parallel.nccl_env import prepare_backend
 from oases.parallel.ranks import (cp_specs, create_groups, destroy_groups, kv_specs, new_group,
-                                  recording_groups, stage_specs, tie_specs)
+                                  node_specs, recording_groups, stage_specs, tie_specs)
 from oases.parallel.reshard import DegreeGroups
 
 
@@ -123,6 +124,28 @@ class ParallelContext:
                                                    kv_heads=self.kv_heads,
                                                    kv_group=self.kv_group)
         return self._degree_groups
+
+    def node_group(self, ranks_per_node: int) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """This rank's DP group's members on its node, for ZeRO-3's secondary shard:
+        (their group, None for this rank alone; how many; this rank's index among them).
+        Collective: every rank of the world calls it at the same point; every stage's
+        groups are made. Refused alike on every rank where some DP group's members on a
+        node do not divide it evenly (the shards would differ in size)."""
+        stages = (self.layout.stages if self.layout is not None else
+                  [StageLayout((0, 0), self.dp, self.tp, 0)])
+        specs = node_specs(stages, ranks_per_node)
+        for st in stages:
+            sizes = {len(sp.ranks) for sp in specs if sp.ranks[0] in st.ranks}
+            if len(sizes) > 1 or st.dp % max(sizes) != 0:
+                raise ConfigError(
+                    f"parallel.zero_secondary=node: the dp {st.dp} ranks of a DP group sit "
+                    f"{sorted(sizes)} to a node ({ranks_per_node} ranks per node, tp "
+                    f"{st.tp}); each node must hold the same number of them")
+        with recording_groups(self.groups):
+            mine = create_groups(self.rank, specs)
+        (key, group), = [(k, g) for k, g in mine.items() if k[0] == "node"]
+        ranks = next(sp.ranks for sp in specs if sp.key == key[1] and self.rank in sp.ranks)
+        return group, len(ranks), ranks.index(self.rank)
 
     def device_mesh(self):
         """A DeviceMesh ("dp", "tp") over this context's own groups, for DTensor (pp = 1).

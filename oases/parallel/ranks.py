@@ -4,7 +4,7 @@ bookkeeping that lets a throwaway build destroy what it created. Below both
 :mod:`oases.parallel.groups` and :mod:`oases.parallel.reshard`.
 
 Every group a layout needs is a :class:`GroupSpec`, listed in creation order by
-:func:`stage_specs`, :func:`cp_specs`, :func:`kv_specs`, :func:`degree_specs`, :func:`tie_specs` and
+:func:`stage_specs`, :func:`cp_specs`, :func:`node_specs`, :func:`kv_specs`, :func:`degree_specs`, :func:`tie_specs` and
 :func:`transfer_specs`. The builders create from these lists and the planner counts
 communicators from them (:mod:`oases.planner.comm_memory`), so both see one layout.
 
@@ -58,7 +58,7 @@ class GroupSpec:
     """One group a layout needs: its ranks and what it is for (``role``, ``key``: the
     stage, degree or pair of degrees it serves)."""
 
-    role: str                       # tp dp kv sub reshard grad tie p2p fanout
+    role: str                       # tp dp cp kv sub reshard grad tie p2p fanout node
     ranks: tuple[int, ...]
     key: object = None
     high_priority: bool = False     # NCCL high-priority streams (the TP groups, when asked)
@@ -89,6 +89,21 @@ def cp_specs(s: int, first: int, dp: int, tp: int, cp: int) -> list[GroupSpec]:
     return [GroupSpec("cp", tuple(first + (e * cp + c) * tp + t for c in range(cp)), s,
                       p2p=True)
             for e in range(dp // cp) for t in range(tp)] if cp > 1 else []
+
+
+def node_specs(stages, ranks_per_node: int) -> list[GroupSpec]:
+    """Each DP group's members on one node, for every stage (objects with ``first``,
+    ``dp``, ``tp``; rank r is on node ``r // ranks_per_node``): the groups ZeRO-3's
+    node-local secondary shard gathers over (``parallel.zero_secondary=node``)."""
+    out = []
+    for s, st in enumerate(stages):
+        for t in range(st.tp):
+            nodes: dict[int, list[int]] = {}
+            for d in range(st.dp):
+                r = st.first + d * st.tp + t
+                nodes.setdefault(r // ranks_per_node, []).append(r)
+            out += [GroupSpec("node", tuple(rs), (s, t)) for rs in nodes.values()]
+    return out
 
 
 def kv_replica_ranks(first: int, dp: int, T: int, t: int,

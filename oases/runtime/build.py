@@ -3,6 +3,7 @@ engine, the optimizer, the gradient reducer and, pipelined, the pipeline runner.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 import torch
@@ -12,6 +13,7 @@ from oases.config import Config
 from oases.config.schema import resolve_precision
 from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.dp.reducer import REDUCE_DTYPES, GradReducer, TiedTableSync
+from oases.dp.zero import NodeShard
 from oases.dp.replicas import ReplicaGradSum, SequenceGradSum
 from oases.overlap.engines import build_engine
 from oases.parallel.groups import ParallelContext
@@ -21,6 +23,7 @@ from oases.parallel.ranks import destroy_groups, recording_groups
 from oases.parallel.reshard import grad_group_of, kv_group_of
 from oases.parallel.timing import IntervalTimer
 from oases.pipeline.runner import Chunk, PipelineRunner
+from oases.planner.cluster import load_cluster
 from oases.planner.plan_file import check_zero, load_plan
 from oases.runtime.cp_data import CpShards
 from oases.runtime.optim import build_optimizer
@@ -92,6 +95,25 @@ def build_rank_model(cfg: Config, ctx: ParallelContext, tracker: TPRNGTracker,
     return build(arch_class(cfg.model.arch), cfg.model, vocab, plan, seed, ctx.device)
 
 
+def ranks_per_node(cfg: Config, world: int) -> int:
+    """The ranks on one node: the launcher's local world size (torchrun), else the
+    cluster file's devices per node (``parallel.cluster``), else all of them (one node)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local)
+    if cfg.parallel.cluster:
+        return load_cluster(cfg.parallel.cluster).devices_per_node
+    return world
+
+
+def node_shard(cfg: Config, ctx: ParallelContext) -> Optional[NodeShard]:
+    """ZeRO-3's node-local secondary shard (``parallel.zero_secondary=node``), or None.
+    Collective (it makes the node groups) where asked."""
+    if cfg.parallel.zero_secondary != "node":
+        return None
+    return NodeShard(*ctx.node_group(ranks_per_node(cfg, ctx.world_size)))
+
+
 def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTracker,
                  zero_levels: Optional[list[int]] = None) -> TrainState:
     """The run's state around ``model`` (put in training mode): engine, optimizer,
@@ -138,7 +160,8 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
                           tied_head=tied_head, prefetch=par.zero_prefetch,
                           zero=any_zero, reduce_dtype=REDUCE_DTYPES[par.grad_reduce_dtype],
                           gather_dtype=torch.bfloat16 if resolve_precision(
-                              cfg.train.precision, ctx.device.type) == "bf16" else None)
+                              cfg.train.precision, ctx.device.type) == "bf16" else None,
+                          node=node_shard(cfg, ctx))
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
     reducer.ownership.seed_optimizer(opt)
     chunks = None
