@@ -262,6 +262,11 @@ def test_zero_cost_model_arithmetic():
     assert zero_memory(n, 4, 3, 1) == zero_memory(n, 4, 0, 1)
     assert zero_traffic(n, 4, 0, 2) == 4000 == zero_traffic(n, 4, 2, 2)
     assert zero_traffic(n, 4, 3, 2) == 6000
+    # the node-local secondary shard (L = 2, bf16): its own row, one gather less across
+    assert zero_memory(n, 4, 3, 4, secondary=2, sec_elem=2) == {
+        "params": 1000, "grads": 1000, "optim": 2000, "secondary": 1000}
+    assert "secondary" not in zero_memory(n, 4, 2, 4, secondary=2)
+    assert zero_traffic(n, 4, 3, 2, secondary=2) == 4000
     piece = 2000 / 1e3  # (dp-1)/dp n e / link: 2 s
     assert zero_exposed_s(n, 4, 3, 2, 1e3, 10, 10) == 0.0             # all hidden
     assert zero_exposed_s(n, 4, 3, 2, 1e3, 0, 0) == pytest.approx(4 * piece)

@@ -18,6 +18,11 @@ block below the full TP degree), AdamW's two fp32 moments:
 (**) outside the block in use; the all-gathers of level 3 are prefetched one block
 ahead, so they overlap the previous block's compute as the TP collectives do.
 Owned ranges are padded to a multiple of G (a few elements per bucket).
+
+Level 3 with a node-local secondary shard (``parallel.zero_secondary=node``, L of the
+group's ranks on a node) also holds ``n s / L`` (``s``: bytes per element of the compute
+dtype), and of its two gathers per step only the first crosses nodes; the other runs
+over the node's L ranks: ``(L-1)/L n e`` sent inside the node instead.
 """
 
 from __future__ import annotations
@@ -28,26 +33,35 @@ _FACTOR = {0: (1, 1, 1), 1: (1, 1, 0), 2: (1, 0, 0), 3: (0, 0, 0)}  # 1: whole, 
 _MOVED = {0: 2, 1: 3, 2: 2, 3: 3}  # (G-1)/G n e units
 
 
-def zero_memory(n: int, elem: int, level: int, dp: int) -> dict[str, float]:
-    """Bytes per rank held between steps for ``n`` parameters at ``level`` over ``dp``."""
+def zero_memory(n: int, elem: int, level: int, dp: int, secondary: int = 0,
+                sec_elem: Optional[int] = None) -> dict[str, float]:
+    """Bytes per rank held between steps for ``n`` parameters at ``level`` over ``dp``;
+    ``secondary``: L, the group's ranks per node, when level 3 keeps a node-local shard
+    (0: none) of ``sec_elem`` bytes per element (default ``elem``), its own row."""
     if level not in _FACTOR:
         raise ValueError(f"ZeRO level {level}")
     whole_p, whole_g, whole_o = _FACTOR[level]
     div = lambda whole: 1 if whole or dp <= 1 else dp  # noqa: E731
-    return {"params": n * elem / div(whole_p), "grads": n * elem / div(whole_g),
-            "optim": 8 * n / div(whole_o)}
+    out = {"params": n * elem / div(whole_p), "grads": n * elem / div(whole_g),
+           "optim": 8 * n / div(whole_o)}
+    if secondary and level == 3 and dp > 1:
+        out["secondary"] = n * (elem if sec_elem is None else sec_elem) / secondary
+    return out
 
 
 def zero_traffic(n: int, elem: int, level: int, dp: int,
-                 reduce_elem: Optional[int] = None) -> float:
-    """Bytes a rank sends per step for the block's data parallelism at ``level``;
-    ``reduce_elem``: bytes per gradient element on the wire (default ``elem``;
-    ``parallel.grad_reduce_dtype``), the parameter gathers stay at ``elem``."""
+                 reduce_elem: Optional[int] = None, secondary: int = 0) -> float:
+    """Bytes a rank sends per step over its whole group for the block's data parallelism
+    at ``level``; ``reduce_elem``: bytes per gradient element on the wire (default
+    ``elem``; ``parallel.grad_reduce_dtype``), the parameter gathers stay at ``elem``;
+    ``secondary``: L of a level-3 node-local shard, whose second gather runs inside the
+    node instead (not counted here: see the module's docstring)."""
     if dp <= 1:
         return 0.0
     r = elem if reduce_elem is None else reduce_elem
     reduced = 2 if level < 2 else 1        # all-reduce, or reduce-scatter (units below)
-    return (reduced * r + (_MOVED[level] - reduced) * elem) * (dp - 1) / dp * n
+    moved = _MOVED[level] - (1 if secondary and level == 3 else 0)
+    return (reduced * r + (moved - reduced) * elem) * (dp - 1) / dp * n
 
 
 def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,
