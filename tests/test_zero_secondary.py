@@ -71,6 +71,38 @@ def test_secondary_shard_trains_as_plain_zero3(tp):
     run_distributed(_parity_body, world=4, tp=tp)
 
 
+def _pp_body(rank):
+    """pp 2 x dp 2, one rank per node: each stage's DP group spans two nodes with one
+    rank on each (L = 1: the gathers are local copies), tied embeddings across stages."""
+    from oases.parallel.groups import build_pipeline_context
+    from oases.parallel.layout import uniform_layout
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    res = {}
+    for secondary in ("none", "node"):
+        cfg = zero_config(4, 1, 3, "oases", "fine", (
+            "parallel.pp=2", "train.grad_accum=3", "train.micro_batch_size=2",
+            f"parallel.zero_secondary={secondary}"))
+        layout = uniform_layout(4, 2, 1, cfg.model.n_layer)
+        ctx = build_pipeline_context(layout, torch.device("cpu"), bool(cfg.model.tie_embeddings))
+        ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx,
+                                                                 cfg.pipeline_batch // ctx.dp)
+        losses = [train_step(ts, batches, 1e-3) for _ in range(STEPS)]
+        flats = [b.zero for b in reducer.buckets if b.zero is not None]
+        assert flats and all((fl.node is not None) == (secondary == "node") for fl in flats)
+        with reducer.ownership.unsharded(opt, model):
+            res[secondary] = (losses, {k: p.detach().clone() for k, p in
+                                       model.named_parameters()})
+    assert res["node"][0] == res["none"][0]
+    for k, p in res["node"][1].items():
+        assert torch.equal(p, res["none"][1][k]), k
+
+
+@pytest.mark.slow
+def test_secondary_shard_in_a_pipeline():
+    run_distributed(_pp_body, world=4, tp=None)
+
+
 def _bytes_body(ctx):
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     seen = []
