@@ -239,7 +239,8 @@ def _describe(cfg: Config, ctx: ParallelContext, n_params: int, split: str) -> s
             f"schedule {par.schedule}, recompute {par.recompute}"
             f"{f', {split}' if split else ''}"
             f"{', sequence parallel' if par.sequence_parallel else ''}"
-            f"{f', zero {par.zero}' if par.zero else ''} | "
+            f"{f', zero {par.zero}' if par.zero else ''}"
+            f"{' (node-local secondary shard)' if par.zero_secondary == 'node' else ''} | "
             f"global batch {cfg.global_batch_size} x {cfg.model.seq_len} tokens | "
             f"{cfg.train.precision} | out_dir {cfg.out_dir}")
 
