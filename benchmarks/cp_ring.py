@@ -64,9 +64,8 @@ def render(out: Path, data: dict) -> None:
         lines.append(f"| {mode} | {r['step_time_s']:.3f} | "
                      f"{rows * model['seq_len'] / r['step_time_s']:,.0f} | "
                      f"{'-' if wait is None else f'{wait:.3f}'} |")
-    lines += ["", "Per round (s/step, ring wait s/step): " + "; ".join(
-        f"{r['mode']} r{r['round']} {r['step_time_s']:.3f}, {r.get('cp_ring_wait_s') or 0:.3f}"
-        for r in data["runs"] if r["ok"]) + "."]
+    lines += driver.per_round_line(data, "ring wait s/step",
+                                   lambda r: f"{r.get('cp_ring_wait_s') or 0:.3f}")
     on, off = per.get("cp2"), per.get("cp2-waited")
     gbps = meta.get("link_gbps")
     if on and off and gbps:

@@ -74,9 +74,8 @@ def render(out: Path, data: dict) -> None:
         lines.append(f"| {mode} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_step'] / r['step_time_s']:,.0f} | {ratio} | "
                      f"{r['link_mb_per_step']:.1f} | {'-' if wait is None else f'{wait:.3f}'} |")
-    lines += ["", "Per round (s/step, MB across the link per step): " + "; ".join(
-        f"{r['mode']} r{r['round']} {r['step_time_s']:.3f}, {r['link_mb_per_step']:.1f}"
-        for r in data["runs"] if r["ok"]) + "."]
+    lines += driver.per_round_line(data, "MB across the link per step",
+                                   lambda r: f"{r['link_mb_per_step']:.1f}")
     lines += driver.failed_runs(data)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

@@ -77,16 +77,8 @@ def test_zero3_bf16_resume_is_exact(tmp_path):
     """The checkpoint holds the fp32 master (the owned ranges), not the bf16 gathers: a
     resume at the same layout gives the same losses and norms, bit for bit."""
     from tests.support.configs import CKPT_RUN
-    from tests.support.loop import records, train_workers
-    from tests.support.runs import resume_copy
+    from tests.support.loop import check_exact_resume
 
-    run = [*CKPT_RUN, "parallel.tp=1", "train.micro_batch_size=2", "parallel.zero=3",
-           "parallel.dp_bucket_mb=0.1", "train.precision=bf16"]
-    a = tmp_path / "a"
-    train_workers(a, 2, run)
-    ra = records(a)
-    c = resume_copy(a, tmp_path / "c")
-    train_workers(c, 2, [*run, "resume=auto"])
-    rc = records(c)
-    for s in (3, 4):
-        assert rc[s]["loss"] == ra[s]["loss"] and rc[s]["grad_norm"] == ra[s]["grad_norm"]
+    check_exact_resume(tmp_path, 2, [*CKPT_RUN, "parallel.tp=1", "train.micro_batch_size=2",
+                                      "parallel.zero=3", "parallel.dp_bucket_mb=0.1",
+                                      "train.precision=bf16"])

@@ -152,20 +152,12 @@ def test_resume_with_the_secondary_shard_is_exact(tmp_path, monkeypatch):
     """World 2 at one rank per node: the secondary shard is each rank's whole copy, and a
     resume that left it stale (the loaded master not re-taken) would change step 3."""
     from tests.support.configs import CKPT_RUN
-    from tests.support.loop import records, train_workers
-    from tests.support.runs import resume_copy
+    from tests.support.loop import check_exact_resume
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the forked workers inherit it
-    run = [*CKPT_RUN, "parallel.tp=1", "train.micro_batch_size=2", "parallel.zero=3",
-           "parallel.zero_secondary=node", "parallel.dp_bucket_mb=0.1"]
-    a = tmp_path / "a"
-    train_workers(a, 2, run)
-    ra = records(a)
-    c = resume_copy(a, tmp_path / "c")
-    train_workers(c, 2, [*run, "resume=auto"])
-    rc = records(c)
-    for s in (3, 4):
-        assert rc[s]["loss"] == ra[s]["loss"] and rc[s]["grad_norm"] == ra[s]["grad_norm"]
+    check_exact_resume(tmp_path, 2, [*CKPT_RUN, "parallel.tp=1", "train.micro_batch_size=2",
+                                      "parallel.zero=3", "parallel.zero_secondary=node",
+                                      "parallel.dp_bucket_mb=0.1"])
 
 
 def test_zero_secondary_needs_zero3():

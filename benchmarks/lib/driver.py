@@ -386,6 +386,14 @@ def report_head(title: str, meta: dict) -> list[str]:
             command_line(meta), "", *([meta["note"], ""] if meta.get("note") else [])]
 
 
+def per_round_line(data: dict, what: str, second: Callable[[dict], str]) -> list[str]:
+    """A report's per-round line: each good run's step time and ``second(run)`` (``what``
+    says what that is), in run order."""
+    return ["", f"Per round (s/step, {what}): " + "; ".join(
+        f"{r['mode']} r{r['round']} {r['step_time_s']:.3f}, {second(r)}"
+        for r in data["runs"] if r["ok"]) + "."]
+
+
 def mode_row(mode: str, r: dict, last: Callable[[dict], str]) -> str:
     """``| mode | step | repeats | tokens/s | ratio | <last(r)> |``, or the mode's error."""
     if not r["ok"]:

@@ -53,3 +53,19 @@ def records(out: Path) -> dict[int, dict]:
     steps = [r["step"] for r in recs]
     assert steps == sorted(set(steps)), steps
     return {r["step"]: r for r in recs}
+
+
+def check_exact_resume(tmp: Path, world: int, run: list[str], steps=(3, 4)) -> None:
+    """``run`` into ``tmp``/a on ``world`` workers, then a copy of it resumed from its
+    checkpoint: the resumed ``steps``' losses and gradient norms equal the first run's,
+    bit for bit."""
+    from tests.support.runs import resume_copy
+
+    a = tmp / "a"
+    train_workers(a, world, run)
+    ra = records(a)
+    c = resume_copy(a, tmp / "c")
+    train_workers(c, world, [*run, "resume=auto"])
+    rc = records(c)
+    for s in steps:
+        assert rc[s]["loss"] == ra[s]["loss"] and rc[s]["grad_norm"] == ra[s]["grad_norm"], s
