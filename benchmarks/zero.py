@@ -17,8 +17,11 @@ all-gather time is 1 - wait(oases+z3) / wait(oases+z3-noprefetch), where wait is
 rank 0's time blocked on all-gathers per step (``zero_gather_wait_s`` in
 metrics.jsonl): without prefetch the whole gather time is exposed. The wire dtypes
 (megatron engine, levels 0 and 3; each compared with z0 at the same dtypes):
-``+reduce-bf16`` (``parallel.grad_reduce_dtype=bf16``: gradient sums in bf16) and
-``+bf16`` (``train.precision=bf16``: bf16 compute, and level 3 gathers in bf16).
+``+reduce-bf16`` (``parallel.grad_reduce_dtype=bf16``: gradient sums in bf16),
+``+autocast`` (``train.precision=bf16-autocast``: fp32 weights under autocast, level 3
+gathers in bf16), ``+bf16`` (``train.precision=bf16``: bf16 weights over fp32 masters,
+every gather in bf16) and ``+bf16+reduce-bf16``. Results written before bf16 weights
+existed name the autocast mode ``+bf16``.
 
 Target: oases+z3 within 10% of oases+z0's tokens/s.
 Writes benchmarks/results/zero.{md,json}.
@@ -35,11 +38,15 @@ ENGINES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"]
            "oases": ["parallel.schedule=oases", "parallel.recompute=fine"]}
 MODES = {f"{e}+z{z}": [*ov, f"parallel.zero={z}"] for e, ov in ENGINES.items() for z in range(4)}
 MODES["oases+z3-noprefetch"] = [*MODES["oases+z3"], "parallel.zero_prefetch=false"]
-# the wire dtypes (docs/zero.md): bf16 gradient sums; bf16 compute, whose level 3 gathers bf16
+# the wire dtypes (docs/zero.md): bf16 gradient sums; the two bf16 precisions
 for z in (0, 3):
     MODES[f"megatron+z{z}+reduce-bf16"] = [*MODES[f"megatron+z{z}"],
                                            "parallel.grad_reduce_dtype=bf16"]
+    MODES[f"megatron+z{z}+autocast"] = [*MODES[f"megatron+z{z}"],
+                                        "train.precision=bf16-autocast"]
     MODES[f"megatron+z{z}+bf16"] = [*MODES[f"megatron+z{z}"], "train.precision=bf16"]
+    MODES[f"megatron+z{z}+bf16+reduce-bf16"] = [*MODES[f"megatron+z{z}+bf16"],
+                                                "parallel.grad_reduce_dtype=bf16"]
 # deeper than the overlap benchmark's default, so a block's gather has a block's compute to hide behind
 DEFAULT_MODEL = {"d_model": 512, "n_layer": 4, "n_head": 8, "seq_len": 128, "micro_batch_size": 8,
                  "grad_accum": 1}
@@ -70,8 +77,25 @@ def render(out: Path, data: dict) -> None:
         r = z0["step_time_s"] / z3["step_time_s"]
         lines += ["", f"Target oases+z3 >= 0.90x oases+z0 tokens/s: {r:.2f}x "
                       f"({'met' if r >= 0.9 else 'missed'})."]
+    lines += _against_fp32(per)
     lines += driver.failed_runs(data)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def _against_fp32(per: dict) -> list[str]:
+    """Runs with the ``+autocast`` modes (bf16 weights exist): each bf16 mode's tokens/s
+    against the fp32 run at the same level (fp32 weights, fp32 gathers)."""
+    if not any(m.endswith("+autocast") for m in per):
+        return []
+    out = ["", "Against fp32 at the same level (megatron engine), tokens/s:"]
+    for z in (0, 3):
+        base = per.get(f"megatron+z{z}")
+        got = [(w, per.get(f"megatron+z{z}+{w}")) for w in
+               ("autocast", "bf16", "bf16+reduce-bf16", "reduce-bf16")]
+        if base:
+            out.append(f"* z{z}: " + ", ".join(
+                f"+{w} {base['step_time_s'] / r['step_time_s']:.2f}x" for w, r in got if r))
+    return out
 
 
 SUITE = driver.Suite(

@@ -51,7 +51,7 @@ def test_precision_resolves_by_device_type(asked, device, used):
 
 def test_auto_is_the_default_and_fp16_is_refused():
     assert _cfg().train.precision == "auto"
-    with pytest.raises(ConfigError, match="train.precision='fp16' is not one of auto, fp32, bf16"):
+    with pytest.raises(ConfigError, match="train.precision=.fp16. is not one of auto, fp32, bf16, bf16-autocast"):
         _cfg("train.precision=fp16")
 
 

@@ -10,7 +10,8 @@ compared exactly with ``shard(full, spec, rank, tp)`` of the tp=1 import.
 
 Export is checked end to end: ``train.py`` under torchrun (tp=2) starts from an HF
 GPT-2, trains a few steps and checkpoints; ``python -m oases.export`` turns the
-checkpoint into an HF directory; ``GPT2LMHeadModel.from_pretrained`` of it must give
+checkpoint into an HF directory (the run trains in bf16 weights, so the checkpoint holds
+fp32 masters); ``GPT2LMHeadModel.from_pretrained`` of it must give
 the logits of the same checkpoint loaded into an oases model at tp=1.
 """
 
@@ -224,7 +225,9 @@ def test_bad_hf_input_is_one_line_exit_2(hf_dirs, tmp_path, run_single):
 
 @pytest.fixture(scope="module")
 def trained_gpt2(hf_dirs, tmp_path_factory, run_train):
-    return train_from_hf(run_train, hf_dirs["gpt2"][0], tmp_path_factory.mktemp("run") / "gpt2")
+    # in bf16 weights: the checkpoint holds the fp32 masters, which export must write
+    return train_from_hf(run_train, hf_dirs["gpt2"][0], tmp_path_factory.mktemp("run") / "gpt2",
+                         "train.precision=bf16")
 
 
 @pytest.mark.filterwarnings(_SINGLE)

@@ -59,15 +59,19 @@ def test_zero_levels_match_replicated(world, tp, schedule, recompute):
 
 
 def _memory_body(ctx, out):
-    """Bytes held between steps at each level, dp = 4."""
-    for zero in (0, 1, 2, 3):
-        cfg = zero_config(ctx.world_size, 1, zero, "megatron", "none",
-                   ("train.grad_accum=1", "parallel.dp_bucket_mb=25"))
-        ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx)
-        train_step(ts, batches, 1e-3)
-        if ctx.rank == 0:
-            out[zero] = reducer.memory(model, opt)
-            out[f"n{zero}"] = sum(p.numel() for p in model.parameters())
+    """Bytes held between steps at each level, dp = 4, with fp32 weights and with bf16
+    weights over fp32 masters."""
+    for prec in ("fp32", "bf16"):
+        for zero in (0, 1, 2, 3):
+            cfg = zero_config(ctx.world_size, 1, zero, "megatron", "none",
+                              ("train.grad_accum=1", "parallel.dp_bucket_mb=25",
+                               f"train.precision={prec}"))
+            ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx)
+            train_step(ts, batches, 1e-3)
+            if ctx.rank == 0:
+                key = zero if prec == "fp32" else f"bf16-{zero}"
+                out[key] = reducer.memory(model, opt)
+                out[f"n{zero}"] = sum(p.numel() for p in model.parameters())
 
 
 def _memory_worker(ctx, path):
@@ -80,7 +84,10 @@ def _memory_worker(ctx, path):
 def test_zero_memory_ratios(tmp_path):
     """Measured storages at dp = 4: level 1 divides the Adam state by 4, level 2 the
     gradients too, level 3 the parameters too (within 10%: the owned ranges are padded
-    to a multiple of 4), and the planner's per-level memory model predicts each."""
+    to a multiple of 4), and the planner's per-level memory model predicts each. With
+    bf16 weights (``train.precision=bf16``) the parameters take half the bytes (none
+    between steps at level 3), and the fp32 masters are whole at level 0 and divided by
+    4 at levels 1-3, as the planner's ``master`` row says."""
     from oases.planner.zero_cost import zero_memory
 
     path = str(tmp_path / "mem.pt")
@@ -88,7 +95,7 @@ def test_zero_memory_ratios(tmp_path):
     m = torch.load(path)
     base = m[0]
     n = m["n0"]
-    assert base == {"params": 4 * n, "grads": 4 * n, "optim": 8 * n}
+    assert base == {"params": 4 * n, "master": 0, "grads": 4 * n, "optim": 8 * n}
     expect = {1: (1, 1, 4), 2: (1, 4, 4), 3: (4, 4, 4)}  # divisor of params, grads, optim
     for zero, (dp_, dg, do) in expect.items():
         got = m[zero]
@@ -97,6 +104,11 @@ def test_zero_memory_ratios(tmp_path):
         pred = zero_memory(n, 4, zero, dp=4)
         for key in ("params", "grads", "optim"):
             assert got[key] == pytest.approx(pred[key], rel=0.02), (zero, key, got, pred)
+    assert m["bf16-0"] == {"params": 2 * n, "master": 4 * n, "grads": 4 * n, "optim": 8 * n}
+    for zero in (0, 1, 2, 3):
+        got, pred = m[f"bf16-{zero}"], zero_memory(n, 4, zero, dp=4, weight_elem=2)
+        for key in ("params", "master", "grads", "optim"):
+            assert got[key] == pytest.approx(pred[key], rel=0.02, abs=64), (zero, key, got, pred)
 
 
 # -- checkpoints across levels and dp sizes (the real training loop) ------------------

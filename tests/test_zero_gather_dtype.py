@@ -1,11 +1,13 @@
-"""ZeRO-3 under ``train.precision=bf16`` gathers parameters in bf16 (the compute dtype):
-half the bytes of every forward, recompute and backward gather, while each rank's owned
-range stays the exact fp32 master that the optimizer steps and checkpoints write.
+"""ZeRO under bf16 gathers parameters in bf16 (the compute dtype): half the bytes of
+every forward, recompute and backward gather of level 3, while each rank's owned range
+stays the exact fp32 master that the optimizer steps and checkpoints write. With bf16
+weights (``train.precision=bf16``) the post-step gathers of levels 1 and 2 move bf16 too.
 
-Bytes: with the comm counter, a step's all-gather bytes at bf16 are exactly half of an
-fp32 run's; the reduce-scatter (fp32 gradients) is unchanged.
+Bytes: with the comm counter, a step's all-gather bytes in either bf16 mode are exactly
+half of an fp32 run's (level 3; levels 1 and 2 with bf16 weights, whose autocast mode
+gathers the fp32 parameters); the reduce-scatter (fp32 gradients) is unchanged.
 
-Parity with ZeRO-0 under bf16, 3 steps at dp = 2 (tests/support/zero_levels.py). The
+Parity with ZeRO-0 under ``bf16-autocast`` (fp32 weights), 3 steps at dp = 2 (tests/support/zero_levels.py). The
 matmuls cast their weights to bf16 under autocast either way; what the bf16 gather
 changes is the weights of the ops that autocast runs in fp32 (layer norms, embedding
 lookups), now bf16-rounded (relative 2^-9). Measured: the step-1 loss moves by 1.2e-5
@@ -30,10 +32,10 @@ from tests.support.distributed import run_distributed
 from tests.support.zero_levels import build_rank, run_levels, zero_config
 
 
-def _bytes_body(ctx):
+def _bytes_body(ctx, level):
     moved = {}
-    for prec in ("fp32", "bf16"):
-        cfg = zero_config(ctx.world_size, 1, 3, "megatron", "none",
+    for prec in ("fp32", "bf16-autocast", "bf16"):
+        cfg = zero_config(ctx.world_size, 1, level, "megatron", "none",
                           (f"train.precision={prec}",))
         ts, model, engine, opt, reducer, pipe, batches = build_rank(cfg, ctx)
         train_step(ts, batches, 1e-3)
@@ -42,17 +44,25 @@ def _bytes_body(ctx):
         moved[prec] = dict(c.bytes)
         shards = [b.zero for b in reducer.buckets if b.zero is not None]
         assert shards and all(z.shard.dtype == torch.float32 for z in shards)  # the master
-        assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert moved["bf16"]["all_gather"] * 2 == moved["fp32"]["all_gather"] > 0, moved
-    assert moved["bf16"]["reduce_scatter"] == moved["fp32"]["reduce_scatter"] > 0, moved
+        weights = torch.bfloat16 if prec == "bf16" else torch.float32
+        assert all(p.dtype == weights for p in model.parameters()), prec
+    half = ("bf16-autocast", "bf16") if level == 3 else ("bf16",)
+    for prec in half:
+        assert moved[prec]["all_gather"] * 2 == moved["fp32"]["all_gather"] > 0, moved
+    if level < 3:  # the autocast mode's parameters are fp32: so is their post-step gather
+        assert moved["bf16-autocast"]["all_gather"] == moved["fp32"]["all_gather"], moved
+    kind = "all_reduce" if level == 1 else "reduce_scatter"
+    for prec in ("bf16-autocast", "bf16"):
+        assert moved[prec][kind] == moved["fp32"][kind] > 0, moved
 
 
-def test_zero3_bf16_gathers_move_half_the_bytes():
-    run_distributed(_bytes_body, world=2, tp=1)
+@pytest.mark.parametrize("level", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
+def test_zero_bf16_gathers_move_half_the_bytes(level):
+    run_distributed(_bytes_body, world=2, tp=1, args=(level,))
 
 
 def _parity_body(ctx, schedule, recompute):
-    bf16 = ("train.precision=bf16",)
+    bf16 = ("train.precision=bf16-autocast",)
     res = run_levels(ctx, (0, 3), schedule, recompute, bf16)
     (l0, n0, p0, _), (l3, n3, p3, store) = res[0], res[3]
     assert l3[0] != l0[0], "the step-1 loss is ZeRO-0's exactly: no bf16 gather?"
@@ -81,4 +91,4 @@ def test_zero3_bf16_resume_is_exact(tmp_path):
 
     check_exact_resume(tmp_path, 2, [*CKPT_RUN, "parallel.tp=1", "train.micro_batch_size=2",
                                       "parallel.zero=3", "parallel.dp_bucket_mb=0.1",
-                                      "train.precision=bf16"])
+                                      "train.precision=bf16-autocast"])

@@ -30,7 +30,8 @@ from oases.config.section import choice, positive, Section
 from oases.config.typed_yaml import build_dataclass, set_dotted
 from oases.errors import ConfigError
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast")
+BF16_PRECISIONS = ("bf16", "bf16-autocast")  # both compute in bf16 under autocast
 # The longest parallel.timeout_s: torch turns it into a timedelta (inf overflows) and
 # gloo and NCCL into int64 nanoseconds added to a clock (past ~9e9 s they wrap).
 MAX_TIMEOUT_S = 1e8
@@ -38,8 +39,8 @@ MAX_TIMEOUT_S = 1e8
 
 def resolve_precision(precision: str, device_type: str) -> str:
     """``train.precision`` as a run on a ``device_type`` device ("cuda", "cpu") uses it:
-    ``auto`` is bf16 on CUDA (autocast, fp32 master weights; tensor cores) and fp32
-    elsewhere (bf16 autocast on a CPU is slower than fp32); fp32 and bf16 stay."""
+    ``auto`` is bf16 on CUDA (bf16 weights over fp32 masters; tensor cores) and fp32
+    elsewhere (bf16 on a CPU is slower than fp32); the others stay."""
     if precision != "auto":
         return precision
     return "bf16" if device_type == "cuda" else "fp32"
@@ -210,7 +211,9 @@ class TrainConfig(Section):
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
-    precision: str = "auto"         # "auto" (resolve_precision) | "fp32" | "bf16" (autocast)
+    # "auto" (resolve_precision) | "fp32" | "bf16" (bf16 weights, fp32 master and
+    # main-grad) | "bf16-autocast" (fp32 weights under autocast)
+    precision: str = "auto"
     log_interval: int = 1
     on_nonfinite: str = "stop"      # non-finite loss/grads: "stop" (a clear message) | "skip"
 
@@ -480,4 +483,4 @@ def save_config(cfg: Config, path: Path) -> None:
 
 __all__ = ["SHAPE_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
            "ModelConfig", "ParallelConfig", "TrainConfig", "WandbConfig", "load_config",
-           "resolve_precision", "save_config"]
+           "resolve_precision", "save_config", "BF16_PRECISIONS"]

@@ -30,6 +30,13 @@ two stages). The reducer owns the buckets and their reduction only: what this ra
 owns of them, and what the optimizer and checkpoints see, is its
 :class:`~oases.dp.ownership.ZeroOwnership` (``reducer.ownership``).
 
+bf16 compute weights (``train.precision=bf16``, ``master``, :mod:`oases.dp.master`):
+the buckets are fp32 *main-grads* (``param.main_grad`` the view) and ``param.grad`` is
+only the bf16 gradient of one accumulation, which the same post-accumulate hook (then
+registered at any dp) adds into the main-grad and drops; the optimizer steps fp32
+masters whose ``.grad`` are the main-grad views (level 0: :class:`MasterCopy` per
+bucket; levels 1-3: the owned ranges). Readers of gradients use ``grad_of``.
+
 Averaging over dp is the gradient of the global batch's loss only if each replica's
 backward was seeded with dp times its share of that loss: ``train_step`` does so
 (:func:`oases.runtime.step.step_shares`), so replicas whose rows count different
@@ -60,6 +67,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.dp.accounting import held_memory
+from oases.dp.master import MasterCopy, accumulate_main_grad, grad_of
 from oases.dp.ownership import ZeroOwnership
 from oases.dp.zero import NodeShard, ShardedFlat, weak_hook
 from oases.parallel.comm import (all_reduce, comm_scope, current_scope, group_size,
@@ -75,7 +83,7 @@ class _Bucket:
                  prescale: Optional[float] = None, level: int = 0,
                  wire: Optional[torch.dtype] = None,
                  gather_dtype: Optional[torch.dtype] = None,
-                 node: Optional[NodeShard] = None) -> None:
+                 node: Optional[NodeShard] = None, master: bool = False) -> None:
         self.params = params
         self.group = group
         # the dtype the gradients cross the links in (None: the buffer's): the buffer keeps
@@ -91,21 +99,36 @@ class _Bucket:
         self.ready = 0      # params whose accumulations are complete
         self.need = 0       # params that get gradients at all (known after calibration)
         self.work = None
+        # bf16 compute weights over fp32 masters (oases.dp.master): the buffer is the
+        # parameters' main-grad, p.grad only the bf16 gradient of one accumulation
+        self.master = master and gather_dtype is not None
         self.views = []     # param.grad must stay these views (see GradReducer.finish)
         off = 0
         for p in params:
             self.views.append(self.buffer[off: off + p.numel()].view_as(p))
-            p.grad = self.views[-1]
+            if self.master:
+                p.main_grad = self.views[-1]
+            else:
+                p.grad = self.views[-1]
             off += p.numel()
         self.zero = (ShardedFlat(params, self.buffer, group, self.level, self.wire,
-                                 gather_dtype, node) if self.level else None)
+                                 gather_dtype, node, self.master) if self.level else None)
+        self.copy = (MasterCopy(params, self.buffer, gather_dtype)
+                     if self.master and not self.level else None)
 
     def attach(self) -> None:
+        if self.copy is not None:
+            self.copy.attach()
+        if self.master:
+            return
         for p, v in zip(self.params, self.views):
             p.grad = v
 
     def detached(self) -> Optional[nn.Parameter]:
-        """A parameter whose ``.grad`` is no longer its view into the buffer, if any."""
+        """A parameter whose ``.grad`` (under bf16 compute weights: its master's) is no
+        longer its view into the buffer, if any."""
+        if self.master:
+            return self.copy.detached() if self.copy is not None else None
         for p, v in zip(self.params, self.views):
             if p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 return p
@@ -125,7 +148,7 @@ class GradReducer:
                  tied_head: bool = False, prefetch: bool = True,
                  zero: bool = False, reduce_dtype: Optional[torch.dtype] = None,
                  gather_dtype: Optional[torch.dtype] = None,
-                 node: Optional[NodeShard] = None) -> None:
+                 node: Optional[NodeShard] = None, master: bool = False) -> None:
         """``prescale_of(param)``: for a parameter whose gradient group is not a plain DP
         group (the tied embedding of a pipeline's first and last stage, summed over both
         stages' replicas), the factor its local gradient is multiplied by before the sum;
@@ -139,8 +162,11 @@ class GradReducer:
         the gradients'); gradients still accumulate in theirs, and the sum lands there.
         ``gather_dtype``: the compute dtype, which level 3 gathers parameters in.
         ``node``: the DP group's ranks on this node; level-3 buckets over the DP group keep
-        a secondary shard over them (``parallel.zero_secondary=node``)."""
+        a secondary shard over them (``parallel.zero_secondary=node``). ``master``: the
+        parameters become ``gather_dtype`` (the compute dtype) over fp32 master weights
+        and main-grads (``train.precision=bf16``, :mod:`oases.dp.master`)."""
         self._then = then
+        self._master = master and gather_dtype is not None
         self._reduce_dtype = reduce_dtype
         self._gather_dtype = gather_dtype
         self._node = node
@@ -185,10 +211,11 @@ class GradReducer:
         self.active = any(b.group is not None and dist.get_world_size(b.group) > 1
                           for b in self.buckets)
         hook = weak_hook(self._on_grad_ready)
-        self._handles = ([p.register_post_accumulate_grad_hook(hook) for p in params]
-                         if self.active else [])
+        self._handles = ([p.register_post_accumulate_grad_hook(hook)
+                          for p in params] if self.active or self._master else [])
         self.ownership = ZeroOwnership(model, [b.zero for b in self.buckets if b.zero is not None],
-                                    block_of, tied_head, prefetch)
+                                       block_of, tied_head, prefetch,
+                                       [b.copy for b in self.buckets if b.copy is not None])
 
     def close(self) -> None:
         """Remove every hook the reducer and its ZeRO ownership put on the parameters and
@@ -203,7 +230,8 @@ class GradReducer:
         # the tied table's bucket (prescaled, summed over two stages) stays in its dtype
         b = _Bucket(params, group, params[0].device, params[0].dtype, prescale,
                     self._level_of(params[0]), None if prescale is not None else self._reduce_dtype,
-                    self._gather_dtype, self._node if group is self.dp_group else None)
+                    self._gather_dtype, self._node if group is self.dp_group else None,
+                    self._master)
         self.buckets.append(b)
         for p in params:
             self._bucket_of[id(p)] = b
@@ -236,6 +264,8 @@ class GradReducer:
         self._scope = current_scope()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if getattr(p, "main_grad", None) is not None:
+            accumulate_main_grad(p)
         if not self.armed:
             return
         k = id(p)
@@ -333,7 +363,7 @@ class TiedTableSync:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        g = self.param.grad
+        g = grad_of(self.param)
         table = torch.zeros(self.vocab, g.shape[1], device=g.device, dtype=g.dtype)
         table[self.start: self.start + self.n] = g[: self.n] * self.scale
         all_reduce(table, self.group)

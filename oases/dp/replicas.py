@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases.dp.master import grad_of
 from oases.parallel.comm import all_reduce
 from oases.parallel.model_view import view_of
 from oases.parallel.sharding import part_views
@@ -85,8 +86,8 @@ class ReplicaGradSum:
     def __call__(self) -> None:
         for t in sorted(self.params):  # the same order on every rank
             group = self.group_of(t)
-            _sum_in_place([v for p in self.params[t] if p.grad is not None
-                           for v in replicated_views(p.grad, p)], group)
+            _sum_in_place([v for p in self.params[t] if grad_of(p) is not None
+                           for v in replicated_views(grad_of(p), p)], group)
 
 
 def _sum_in_place(tensors: list[torch.Tensor], group) -> None:
@@ -144,4 +145,4 @@ class SequenceGradSum:
         # the same set on every rank of its stage)
         for t in sorted(self.params):
             group, params = self.params[t]
-            _sum_in_place([p.grad for p in params if p.grad is not None], group)
+            _sum_in_place([grad_of(p) for p in params if grad_of(p) is not None], group)

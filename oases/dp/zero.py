@@ -148,14 +148,20 @@ class ShardedFlat:
     def __init__(self, params: list[nn.Parameter], grads: torch.Tensor, group,
                  level: int, wire: Optional[torch.dtype] = None,
                  gather_dtype: Optional[torch.dtype] = None,
-                 node: Optional[NodeShard] = None) -> None:
+                 node: Optional[NodeShard] = None, master: bool = False) -> None:
         """``wire``: the dtype the gradients are reduce-scattered in (None: theirs);
         ``gather_dtype``: the dtype level 3 gathers the parameters in for compute (None:
         theirs; the owned range stays the exact master either way); ``node``: level 3
-        keeps a node-local secondary shard (see the module's docstring)."""
+        keeps a node-local secondary shard (see the module's docstring). ``master``:
+        bf16 compute weights (:mod:`oases.dp.master`): the parameters are views of a flat
+        in ``gather_dtype``, the owned range is an fp32 copy at every level (the
+        optimizer's master), and every gather (level 3's, levels 1-2's after the step)
+        moves ``gather_dtype``."""
         self.params, self.group, self.level = params, group, level
         self.wire = wire
-        self.gather_dtype = gather_dtype if level >= 3 and gather_dtype != grads.dtype else None
+        self.master = master and gather_dtype is not None
+        self.gather_dtype = (gather_dtype if level >= 3 and gather_dtype != grads.dtype
+                             and not self.master else None)
         self._sent: Optional[torch.Tensor] = None      # the full gradients in ``wire``
         self._summed: Optional[torch.Tensor] = None    # the owned range's sum in ``wire``
         self.G, self.r = group_size(group), group_rank(group)
@@ -164,17 +170,20 @@ class ShardedFlat:
         self.s = n // self.G
         self.lo, self.hi = self.r * self.s, (self.r + 1) * self.s
         p0 = params[0]
-        self.flat = torch.zeros(n, device=p0.device, dtype=p0.dtype)
+        flat = torch.zeros(n, device=p0.device, dtype=p0.dtype)
         self.offsets = []
         off = 0
         with torch.no_grad():
             for p in params:
-                self.flat[off: off + p.numel()].copy_(p.data.reshape(-1))
-                p.data = self.flat[off: off + p.numel()].view_as(p)
+                flat[off: off + p.numel()].copy_(p.data.reshape(-1))
                 self.offsets.append(off)
                 off += p.numel()
-        own = self.flat[self.lo: self.hi]
-        self.shard = own.clone() if level >= 3 else own   # the persistent parameters
+            own = flat[self.lo: self.hi]
+            # the persistent parameters (the optimizer's master under bf16 compute weights)
+            self.shard = own.clone() if level >= 3 or self.master else own
+            self.flat = flat.to(gather_dtype) if self.master else flat
+            for p, o in zip(params, self.offsets):
+                p.data = self.flat[o: o + p.numel()].view_as(p)
         self.node = node if level >= 3 else None
         if self.node is not None:
             L = self.node.size
@@ -183,7 +192,7 @@ class ShardedFlat:
             # this rank's 1/L of the parameters in the compute dtype, and the version of the
             # owned range it was taken from (another: the next gather refreshes it)
             self.sec = self.flat[self.sec_lo: self.sec_lo + n // L].to(
-                self.gather_dtype or p0.dtype, copy=True)
+                self.gather_dtype or self.flat.dtype, copy=True)
             self.sec_version = self.shard._version
         self.grads = grads                                 # the full gradient buffer
         self.grad_shard = (torch.zeros(self.s, device=grads.device, dtype=grads.dtype)
@@ -195,8 +204,8 @@ class ShardedFlat:
         self.work = None        # the all-gather of ``flat`` in flight (level 3)
         self.rs_work = None     # the reduce-scatter in flight (level >= 2)
         self.segments: list[tuple[torch.Tensor, nn.Parameter]] = []
-        self.exp_avg = torch.zeros(self.s, device=p0.device, dtype=p0.dtype)
-        self.exp_avg_sq = torch.zeros(self.s, device=p0.device, dtype=p0.dtype)
+        self.exp_avg = torch.zeros(self.s, device=p0.device, dtype=self.shard.dtype)
+        self.exp_avg_sq = torch.zeros(self.s, device=p0.device, dtype=self.shard.dtype)
         self._seg_ranges = []
         for p, o in zip(params, self.offsets):
             a, b = max(o, self.lo), min(o + p.numel(), self.hi)
@@ -257,14 +266,17 @@ class ShardedFlat:
     def gather(self, async_op: bool, exact: bool = False):
         """All-gather the parameters into ``flat``; at level 3 with a ``gather_dtype``, in
         that dtype (half the bytes for bf16), widened into ``flat`` when the returned
-        work is waited for. ``exact``: in the parameters' own dtype (inspection)."""
+        work is waited for. ``exact``: in the parameters' own dtype (inspection; under
+        bf16 compute weights the parameters are the masters' rounding either way)."""
         alloc_(self.flat)
         if self.node is not None and not exact:
             return self._gather_node(async_op)
-        if self.gather_dtype is None or exact:
+        wire = self.flat.dtype if self.master else None if exact else self.gather_dtype
+        if wire is None:
             return gather_flat(self.flat, self.shard, self.group, async_op)
-        full = torch.empty(self.flat.numel(), device=self.flat.device, dtype=self.gather_dtype)
-        sent = self.shard.to(self.gather_dtype)
+        full = self.flat if wire == self.flat.dtype else torch.empty(
+            self.flat.numel(), device=self.flat.device, dtype=wire)
+        sent = self.shard.to(wire)
         work = Widen(gather_flat(full, sent, self.group, async_op=True), full, sent, self.flat)
         if async_op:
             return work
@@ -303,7 +315,8 @@ class ShardedFlat:
         """After the optimizer updated the owned range (level 1, 2): start the all-gather
         of every rank's range into the full parameters; the parameter store waits for it
         before the block is next used, so it overlaps the next step's earlier blocks."""
-        self._send = self.shard.clone()  # the output overlaps the owned range
+        # a copy: the output overlaps the owned range (bf16 weights: the masters' rounding)
+        self._send = self.shard.to(self.flat.dtype, copy=True)
         self.work = gather_flat(self.flat, self._send, self.group, async_op=True)
 
     def settle(self) -> None:

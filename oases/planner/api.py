@@ -12,6 +12,7 @@ from oases.planner import ilp
 from oases.planner.cost import CostModel, ModelShape, RunShape
 from oases.planner.plan_file import Plan, fmt_table, model_dict
 from oases.planner.profile import run_precision
+from oases.config.schema import BF16_PRECISIONS
 
 
 def make_plan(cfg, cluster, profile, memory_limit_bytes, log=print, comm=(0.0, 0.0)):
@@ -59,7 +60,7 @@ def run_shape(cfg):
                     micro_batch_size=cfg.train.micro_batch_size,
                     grad_accum=cfg.train.grad_accum, sub_batches=cfg.sub_batches,
                     schedule=p.schedule, recompute=p.recompute,
-                    act_bytes=2 if run_precision(cfg) == "bf16" else 4,
+                    act_bytes=2 if run_precision(cfg) in BF16_PRECISIONS else 4,
                     overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel,
                     grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4)
 

@@ -32,7 +32,7 @@ from oases.models.attention import ParallelAttention
 from oases.config import Config, ModelConfig
 from oases.config.archs import get_arch
 from oases.config.heads import local_kv_heads
-from oases.config.schema import resolve_precision
+from oases.config.schema import BF16_PRECISIONS, resolve_precision
 from oases.overlap.memory import SavedTensorMeter
 from oases.parallel.sharding import init_parameters
 from oases.planner.cost import ModelShape, Profile, RunShape
@@ -184,7 +184,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     shape = ModelShape.from_config(m)
     degrees = shape.valid_degrees(run.tp)
     amp = (torch.autocast(device.type, dtype=torch.bfloat16)
-           if run_precision(cfg, device) == "bf16" else torch.autocast(device.type, enabled=False))
+           if run_precision(cfg, device) in BF16_PRECISIONS else torch.autocast(device.type, enabled=False))
     blocks: dict = {"attn": {}, "mlp": {}}
     todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
     t_start = time.perf_counter()

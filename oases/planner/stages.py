@@ -97,6 +97,7 @@ from oases.planner.cp_cost import MIN_CHUNK
 from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
 from oases.planner.profile import run_precision
+from oases.config.schema import BF16_PRECISIONS
 from oases.planner.uniap import Instance, evaluate
 
 
@@ -139,7 +140,7 @@ def job_from_config(cfg) -> Job:
     p = cfg.parallel
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
-               2 if run_precision(cfg) == "bf16" else 4,
+               2 if run_precision(cfg) in BF16_PRECISIONS else 4,
                sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual,
                grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
                cp_search=cp_allowed(cfg))

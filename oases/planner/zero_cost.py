@@ -23,6 +23,12 @@ Level 3 with a node-local secondary shard (``parallel.zero_secondary=node``, L o
 group's ranks on a node) also holds ``n s / L`` (``s``: bytes per element of the compute
 dtype), and of its two gathers per step only the first crosses nodes; the other runs
 over the node's L ranks: ``(L-1)/L n e`` sent inside the node instead.
+
+bf16 compute weights over fp32 masters (``train.precision=bf16``, ``master``): the
+parameters hold ``w`` = 2 bytes per element (levels 0-2; at level 3 nothing between
+steps), a ``master`` row holds the fp32 masters (4 n at level 0, 4 n / G at levels 1-3),
+gradients are fp32 main-grads (``e`` = 4), and every parameter gather (level 3's, levels
+1-2's after the step) moves ``w`` bytes per element.
 """
 
 from __future__ import annotations
@@ -34,34 +40,43 @@ _MOVED = {0: 2, 1: 3, 2: 2, 3: 3}  # (G-1)/G n e units
 
 
 def zero_memory(n: int, elem: int, level: int, dp: int, secondary: int = 0,
-                sec_elem: Optional[int] = None) -> dict[str, float]:
+                sec_elem: Optional[int] = None, weight_elem: Optional[int] = None
+                ) -> dict[str, float]:
     """Bytes per rank held between steps for ``n`` parameters at ``level`` over ``dp``;
     ``secondary``: L, the group's ranks per node, when level 3 keeps a node-local shard
-    (0: none) of ``sec_elem`` bytes per element (default ``elem``), its own row."""
+    (0: none) of ``sec_elem`` bytes per element (default ``elem``), its own row.
+    ``weight_elem``: bytes per element of bf16 compute weights over fp32 masters (None:
+    the parameters are the masters), with the ``master`` row."""
     if level not in _FACTOR:
         raise ValueError(f"ZeRO level {level}")
     whole_p, whole_g, whole_o = _FACTOR[level]
     div = lambda whole: 1 if whole or dp <= 1 else dp  # noqa: E731
     out = {"params": n * elem / div(whole_p), "grads": n * elem / div(whole_g),
            "optim": 8 * n / div(whole_o)}
+    if weight_elem is not None:
+        out["params"] = 0.0 if level == 3 and dp > 1 else n * weight_elem
+        out["master"] = n * elem / div(whole_o)
     if secondary and level == 3 and dp > 1:
         out["secondary"] = n * (elem if sec_elem is None else sec_elem) / secondary
     return out
 
 
 def zero_traffic(n: int, elem: int, level: int, dp: int,
-                 reduce_elem: Optional[int] = None, secondary: int = 0) -> float:
+                 reduce_elem: Optional[int] = None, secondary: int = 0,
+                 gather_elem: Optional[int] = None) -> float:
     """Bytes a rank sends per step over its whole group for the block's data parallelism
     at ``level``; ``reduce_elem``: bytes per gradient element on the wire (default
     ``elem``; ``parallel.grad_reduce_dtype``), the parameter gathers stay at ``elem``;
     ``secondary``: L of a level-3 node-local shard, whose second gather runs inside the
-    node instead (not counted here: see the module's docstring)."""
+    node instead (not counted here: see the module's docstring); ``gather_elem``: bytes
+    per element of the parameter gathers (bf16 compute weights: 2; default ``elem``)."""
     if dp <= 1:
         return 0.0
     r = elem if reduce_elem is None else reduce_elem
+    w = elem if gather_elem is None else gather_elem
     reduced = 2 if level < 2 else 1        # all-reduce, or reduce-scatter (units below)
     moved = _MOVED[level] - (1 if secondary and level == 3 else 0)
-    return (reduced * r + (moved - reduced) * elem) * (dp - 1) / dp * n
+    return (reduced * r + (moved - reduced) * w) * (dp - 1) / dp * n
 
 
 def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,

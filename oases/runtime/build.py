@@ -10,7 +10,7 @@ import torch
 
 from oases.models import Parallelism, arch_class, build
 from oases.config import Config
-from oases.config.schema import resolve_precision
+from oases.config.schema import BF16_PRECISIONS, resolve_precision
 from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.dp.reducer import REDUCE_DTYPES, GradReducer, TiedTableSync
 from oases.dp.zero import NodeShard
@@ -152,6 +152,7 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
     if tied is not None:
         cap[id(tied)] = 0
     level_of = zero_level_of(model, zero_levels, par.zero, cap)
+    precision = resolve_precision(cfg.train.precision, ctx.device.type)
     tied_head = (cfg.model.tie_embeddings and model.head is None and model.is_first
                  and model.is_last)
     reducer = GradReducer(model, ctx.dp_group, par.dp_bucket_mb, group_of=group_of,
@@ -159,9 +160,10 @@ def build_train_state(cfg: Config, ctx: ParallelContext, model, tracker: TPRNGTr
                           then=(lambda: [f() for f in syncs]) if syncs else None,
                           tied_head=tied_head, prefetch=par.zero_prefetch,
                           zero=any_zero, reduce_dtype=REDUCE_DTYPES[par.grad_reduce_dtype],
-                          gather_dtype=torch.bfloat16 if resolve_precision(
-                              cfg.train.precision, ctx.device.type) == "bf16" else None,
-                          node=node_shard(cfg, ctx))
+                          gather_dtype=torch.bfloat16 if precision in BF16_PRECISIONS
+                          else None, node=node_shard(cfg, ctx),
+                          # bf16 weights over fp32 masters (bf16-autocast: fp32 weights)
+                          master=precision == "bf16")
     opt = build_optimizer(model, cfg.train, ctx.device, reducer.ownership.optimizer_params(model))
     reducer.ownership.seed_optimizer(opt)
     chunks = None

@@ -103,7 +103,9 @@ def all_finite(model: nn.Module, ctx: ParallelContext,
     ok = torch.ones((), device=ctx.device)
     flats = shards.flats if shards is not None else []
     sharded = {id(p) for fl in flats for p in fl.params}
-    held = [fl.shard for fl in flats] + [p for p in model.parameters() if id(p) not in sharded]
+    masters = shards.master_of() if shards is not None else {}  # bf16 compute weights
+    held = [fl.shard for fl in flats] + [masters.get(id(p), p) for p in model.parameters()
+                                         if id(p) not in sharded]
     for t in held:
         if not torch.isfinite(t).all():
             ok.zero_()
@@ -353,6 +355,8 @@ def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
     pieces = state_pieces(model, opt, ctx, shards, load=True)
     with torch.no_grad():
         load_windows(path, windows_for(path, pieces, saved), reader, alone=alone)
+    if shards is not None:
+        shards.after_load()  # bf16 compute weights: the parameters follow the masters
     layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
     # pp, pp_virtual and cp were not always recorded: 1 then
     same_layout = all(meta.get(k, 1 if k in ("pp", "pp_virtual", "cp") else None) == v

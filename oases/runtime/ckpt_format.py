@@ -206,6 +206,8 @@ def state_pieces(model: nn.Module, opt: Optional[torch.optim.Optimizer], ctx: Pa
     flats = shards.flats if shards is not None else []
     flat_of = {id(p): (fl, o) for fl in flats for p, o in zip(fl.params, fl.offsets)}
     seg_of = {id(p): seg for fl in flats for seg, p in fl.segments}
+    # bf16 compute weights: a level-0 parameter's fp32 master is what is written and read
+    master_of = shards.master_of() if shards is not None else {}
     out: list[Piece] = []
     for name, p in model.named_parameters():
         if getattr(p, "shared_copy", False) and not load:
@@ -215,14 +217,15 @@ def state_pieces(model: nn.Module, opt: Optional[torch.optim.Optimizer], ctx: Pa
                            getattr(p, "tp_coords", (ctx.tp_rank, ctx.tp)))
         z = flat_of.get(id(p))
         if z is None:  # level 0: the whole local shard
-            out += _whole("model", p.data, regions)
-            st = opt.state.get(p, {}) if opt is not None else {}
+            m = master_of.get(id(p))
+            out += _whole("model", p.data if m is None else m, regions)
+            st = opt.state.get(p if m is None else m, {}) if opt is not None else {}
             out += [q for k in MOMENTS if k in st for q in _whole(f"optim.{k}", st[k], regions)]
             out += _step_piece(name, st)
             continue
         fl, o = z
         a, b = max(o, fl.lo), min(o + p.numel(), fl.hi)
-        if load and fl.level < 3:  # whole parameters: read them whole
+        if load and fl.level < 3 and not fl.master:  # whole parameters: read them whole
             out += _whole("model", p.data, regions)
         else:
             out += _owned("model", fl.shard, fl.lo, o, tuple(p.shape), a, b, regions)

@@ -61,7 +61,7 @@ def peak_for(name: str, precision: str) -> Optional[float]:
     before "H100", "L40S" before "L4")."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         if key in name:
-            return PEAK_FLOPS[key].get(precision)
+            return PEAK_FLOPS[key].get("bf16" if precision.startswith("bf16") else precision)
     return None
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.config import TrainConfig
+from oases.dp.master import grad_of
 from oases.parallel.comm import all_reduce
 from oases.parallel.sharding import part_views
 
@@ -87,10 +88,11 @@ def grad_norm(model: nn.Module, tp_group, stage_size: int = 0) -> torch.Tensor:
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     sharded, replicated = [], []
     for p in model.parameters():
-        if p.grad is not None and not (stage_size and getattr(p, "shared_copy", False)):
-            parts = _tp_parts(p.grad, p, tp)
+        g = grad_of(p)  # the fp32 main-grad under bf16 compute weights
+        if g is not None and not (stage_size and getattr(p, "shared_copy", False)):
+            parts = _tp_parts(g, p, tp)
             if parts is None:
-                replicated.append(p.grad)
+                replicated.append(g)
             else:
                 sharded += parts
     dev = next(model.parameters()).device
@@ -146,7 +148,7 @@ def clip_grads_norm(model: nn.Module, max_norm: float, tp_group, stage_size: int
         grads = [g for g, _, _ in terms]
     else:
         norm = grad_norm(model, tp_group, stage_size)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [grad_of(p) for p in model.parameters() if grad_of(p) is not None]
     if max_norm > 0 and grads:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # on the device: no sync
         torch._foreach_mul_(grads, scale)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from oases.config import Config
-from oases.config.schema import resolve_precision
+from oases.config.schema import BF16_PRECISIONS, resolve_precision
 from oases.overlap.loss_weights import loss_tokens
 from oases.parallel.batch import Batch, documents_in, documents_of
 from oases.parallel.comm import all_reduce
@@ -37,7 +37,7 @@ _NO_AUTOCAST = contextlib.nullcontext()  # reusable
 def amp_factory(cfg: Config, ctx: ParallelContext) -> Callable[[], ContextManager]:
     """What makes the run's autocast context, the precision resolved once: the engines
     enter one around every forward segment, so it is made many times a step."""
-    if resolve_precision(cfg.train.precision, ctx.device.type) == "bf16":
+    if resolve_precision(cfg.train.precision, ctx.device.type) in BF16_PRECISIONS:
         device = ctx.device.type
         return lambda: torch.autocast(device, dtype=torch.bfloat16)
     return lambda: _NO_AUTOCAST
