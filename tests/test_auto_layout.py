@@ -1,6 +1,7 @@
 """``parallel.plan=auto`` with ``parallel.plan_search=uniap``: a live 4-process job
-searches the whole layout on a cluster file before its groups exist, times its two
-best plans for a few steps (``plan_trials=2``), runs the faster and trains."""
+searches the whole layout on a cluster file before its groups exist (ZeRO levels
+included: ``zero_search``), times its two best plans for a few steps
+(``plan_trials=2``), runs the faster and trains."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ COMMON = ["--config", "configs/gpt-tiny.yaml", "model.d_model=64", "model.n_head
 def test_plan_auto_searches_tries_and_runs_a_layout(tmp_path, run_train):
     out = tmp_path / "run"
     proc = run_train(COMMON + ["parallel.plan=auto", "parallel.plan_search=uniap",
-                               "parallel.plan_trials=2",
+                               "parallel.plan_trials=2", "parallel.zero_search=true",
                                "parallel.cluster=configs/cluster/hetero-4.yaml",
                                # tight: the whole model does not fit one device's share
                                "parallel.memory_limit_gib=0.0015", f"out_dir={out}"],
@@ -47,6 +48,9 @@ def test_plan_auto_searches_tries_and_runs_a_layout(tmp_path, run_train):
     assert plan.micro_batch_size * plan.micro_batches * dp == 16, plan
     run = f"parallel.pp={plan.pp or 1} parallel.tp={plan.tp}"
     assert f"running it: {run}" in text, text
+    # with zero_search the plan carries the ZeRO level it was priced at, and the run takes it
+    zero = max(plan.zero or [0])
+    assert f"parallel.zero={zero} parallel.zero_secondary={plan.zero_secondary}" in text, text
     recs = [yaml.safe_load(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
     losses = [r["loss"] for r in recs if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)

@@ -128,7 +128,7 @@ def _tp_only(args, cfg, cluster, device, db, out: Path, backend: str) -> None:
 
 def _layouts(args, cfg, cluster, device, db, out: Path) -> None:
     """Pipelined layouts (``--search uniap|amp``): profile, search, print, write."""
-    job = job_from_config(cfg)
+    job = job_from_config(cfg, cluster.devices_per_node)
     choices = enumerate_choices(job, cluster.world, args.max_tp)
     if not choices:
         raise ConfigError(f"no (pp, dp x tp, micro-batches) layout of the {cluster.world} "

@@ -106,7 +106,8 @@ class ParallelConfig(Section):
     nccl_high_priority_tp: bool = False
     dp_bucket_mb: float = 25.0      # DP gradient all-reduce bucket size
     # the dtype DP/ZeRO gradients are summed in on the wire; they accumulate in fp32
-    # either way (bf16: half the bytes, a coarser sum; docs/zero.md)
+    # either way (bf16: half the bytes, a coarser sum; auto: the layout search's choice;
+    # docs/zero.md)
     grad_reduce_dtype: str = "fp32"
     # Sharded data parallelism over the dp ranks (and the replicas of a block below the
     # full TP degree): 0 replicated; 1 Adam state sharded; 2 + gradients (reduce-scatter
@@ -121,6 +122,9 @@ class ParallelConfig(Section):
     # first gather after each step crosses nodes; costs 1/L of the parameters per rank,
     # L = the group's ranks per node (docs/zero.md). "none": every gather over the group
     zero_secondary: str = "none"
+    # plan_search=uniap|amp prices every ZeRO level (and, at 3, the secondary shard) for
+    # each layout and runs the fastest that fits (docs/zero.md)
+    zero_search: bool = False
     # Timing only: replace every TP collective by a no-op of the same shape (results are
     # wrong). Gives the no-communication upper bound in benchmarks.
     tp_comm_noop: bool = False
@@ -189,7 +193,11 @@ class ParallelConfig(Section):
             raise ConfigError("parallel.nccl_high_priority_tp needs NCCL on CUDA (parallel."
                               f"backend={self.backend}, parallel.device={self.device})")
         positive("parallel.dp_bucket_mb", self.dp_bucket_mb)
-        choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "auto"))
+        searched = self.plan == "auto" and self.plan_search != "tp-only"
+        if (self.zero_search or self.grad_reduce_dtype == "auto") and not searched:
+            raise ConfigError("parallel.zero_search and grad_reduce_dtype=auto are the layout "
+                              "search's: they need parallel.plan=auto, plan_search=uniap|amp")
         positive("parallel.plan_calibration_steps", self.plan_calibration_steps, allow_zero=True)
         choice("parallel.plan_search", self.plan_search, ("tp-only", "uniap", "amp"))
         positive("parallel.plan_trials", self.plan_trials)

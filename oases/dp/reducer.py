@@ -119,7 +119,9 @@ class _Bucket:
     def attach(self) -> None:
         if self.copy is not None:
             self.copy.attach()
-        if self.master:
+        if self.master:  # no bf16 gradient outlives its accumulation into the main-grad
+            for p in self.params:
+                p.grad = None
             return
         for p, v in zip(self.params, self.views):
             p.grad = v

@@ -62,7 +62,10 @@ def run_shape(cfg):
                     schedule=p.schedule, recompute=p.recompute,
                     act_bytes=2 if run_precision(cfg) in BF16_PRECISIONS else 4,
                     overlap_fb=p.overlap_fb, sequence_parallel=p.sequence_parallel,
-                    grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4)
+                    grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
+                    zero=p.zero if cfg.dp * p.cp > 1 else 0,
+                    weight_bytes=2 if run_precision(cfg) == "bf16" else 4,
+                    residual_bytes=2 if run_precision(cfg) == "bf16" else 4)
 
 
 def report(plan, cm, uni, log=print) -> None:

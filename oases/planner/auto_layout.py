@@ -99,7 +99,7 @@ def _job(cfg: Config, world: int):
     if not p.cluster:
         raise ConfigError(f"parallel.plan_search={p.plan_search} prices layouts on the "
                           f"cluster's links and devices: set parallel.cluster to its file")
-    job = job_from_config(cfg)
+    job = job_from_config(cfg, load_cluster(p.cluster).devices_per_node)
     choices = enumerate_choices(job, world)
     if not choices:
         raise ConfigError(f"no (pp, dp x cp x tp, micro-batches) layout of {world} devices runs "
@@ -124,7 +124,9 @@ def _profile(cfg: Config, world: int, job, base, device, log, step_of: StepOf):
         # whole sequences: the search prices cp from them (oases.planner.cp_cost)
         "parallel.pp": 1, "parallel.tp": base.tp, "parallel.cp": 1, "parallel.plan": None,
         "parallel.plan_trials": 1, "train.micro_batch_size": base.micro_batch_size,
-        "train.grad_accum": 1})
+        "train.grad_accum": 1, "parallel.zero_search": False,  # settings of a searched run
+        "parallel.grad_reduce_dtype": "fp32" if cfg.parallel.grad_reduce_dtype == "auto"
+        else cfg.parallel.grad_reduce_dtype})
     log(f"plan=auto: profiling at pp 1, tp {base.tp}, dp {ctx.dp}, micro-batch "
         f"{base.micro_batch_size}")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -188,6 +190,11 @@ def pointed_at(cfg: Config, path: Path, world: int, **extra) -> Config:
         "train.micro_batch_size": int(d["micro_batch_size"]),
         "train.grad_accum": int(d["micro_batches"]), "parallel.sequence_parallel": sp,
         "parallel.plan_trials": 1,  # chosen: the run is the plan file's
+        # the ZeRO level, secondary shard and gradient-sum dtype it was priced with
+        "parallel.zero": max(d.get("zero") or [0]), "parallel.zero_search": False,
+        "parallel.zero_secondary": d.get("zero_secondary") or "none",
+        "parallel.grad_reduce_dtype": d.get("grad_reduce_dtype") or (
+            "fp32" if cfg.parallel.grad_reduce_dtype == "auto" else cfg.parallel.grad_reduce_dtype),
         **({"parallel.pp_schedule": d["pp_schedule"],
             "parallel.pp_virtual": int(d.get("pp_virtual") or 1)} if d.get("pp_schedule")
            else {}),
@@ -209,7 +216,9 @@ def _overrides(cfg: Config) -> list[str]:
     return [f"parallel.pp={cfg.parallel.pp}", f"parallel.tp={cfg.parallel.tp}",
             f"parallel.cp={cfg.parallel.cp}",
             f"train.micro_batch_size={cfg.train.micro_batch_size}",
-            f"train.grad_accum={cfg.train.grad_accum}"]
+            f"train.grad_accum={cfg.train.grad_accum}", f"parallel.zero={cfg.parallel.zero}",
+            f"parallel.zero_secondary={cfg.parallel.zero_secondary}",
+            f"parallel.grad_reduce_dtype={cfg.parallel.grad_reduce_dtype}"]
 
 
 def _trial(cfg: Config, world: int, text: str, k: int, n: int, log,

@@ -302,3 +302,22 @@ class CommModel:
             return fit[0] + fit[1] * nbytes_total
         bw = self.cluster.ring_gbps(ranks) * 1e9 / 8
         return (n - 1) * self.cluster.latency_s(ranks) + (n - 1) / n * nbytes_total / bw
+
+
+class StageLinks:
+    """The cluster seen by one stage's :class:`CostModel`, which numbers the stage's
+    ranks 0.. in its groups (TP group 0..tp-1, replica d at d*tp..): rank r is global
+    ``first + r``. Anything else (``speed_of``, which the cost model asks with global
+    ranks) is the cluster's."""
+
+    def __init__(self, cluster, first: int) -> None:
+        self.cluster, self.first = cluster, first
+
+    def ring_gbps(self, ranks: list[int]) -> float:
+        return self.cluster.ring_gbps([self.first + r for r in ranks])
+
+    def latency_s(self, ranks: list[int]) -> float:
+        return self.cluster.latency_s([self.first + r for r in ranks])
+
+    def __getattr__(self, name):
+        return getattr(self.cluster, name)

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from oases.planner.cluster import CommModel, grad_groups, reshard_groups, tp_groups
+from oases.planner import zero_cost as zc
 from oases.planner.cp_cost import ring_exposed
 from oases.planner.measured import Profile, at_speed
 from oases.planner.shape import ModelShape
@@ -95,13 +96,18 @@ class RunShape:
     schedule: str                # "oases" | "megatron"
     recompute: str               # "none" | "selective" | "full" | "fine"
     act_bytes: int = 4           # bytes per element in the compute dtype (fp32 4, bf16 2)
-    residual_bytes: int = 4      # bytes per element of the residual stream (fp32 either way)
+    residual_bytes: int = 4      # bytes per element of the residual stream (2: bf16 weights)
     overlap_fb: bool = False     # oases: each backward paired with the next forward
     sequence_parallel: bool = False  # activations outside the matmuls split over TP
     grad_reduce_bytes: int = 4   # bytes per gradient element summed over dp (parallel.grad_reduce_dtype)
     # context parallelism: each rank holds seq_len / cp tokens of its rows (dp counts the
     # cp ranks: gradients sum over all of them); the ring's cost is oases.planner.cp_cost's
     cp: int = 1
+    # ZeRO level, bytes per parameter element on the device (2: bf16 weights over fp32
+    # masters) and L of a level-3 node-local secondary shard (0: none): zero_cost's rows
+    zero: int = 0
+    weight_bytes: int = 4
+    secondary: int = 0
 
 
 class CostModel:
@@ -145,7 +151,7 @@ class CostModel:
     def cast_bytes(self, kind: str, t: int) -> float:
         """Memory a block's weights take beyond the parameters: the bf16 copy of the
         matrices, or 0."""
-        if self.run.act_bytes >= PARAM_BYTES:
+        if self.run.act_bytes >= self.run.weight_bytes:  # fp32, or bf16 weights: no copy
             return 0.0
         return self.run.act_bytes * self.shape.matrix_params(kind) / t
 
@@ -261,7 +267,7 @@ class CostModel:
     def _precompute(self) -> None:
         r, nsub = self.run, self.run.sub_batches
         self.cf, self.cb, self.m, self.mem, self.trans, self.sync = {}, {}, {}, {}, {}, {}
-        self.free, self.kv_sync, self.ring = {}, {}, {}
+        self.free, self.kv_sync, self.ring, self.zstep, self.zmb = {}, {}, {}, {}, {}
         for kind in ("attn", "mlp"):
             for t in self.degrees:
                 prof = self.profile.blocks[kind][str(t)]
@@ -272,8 +278,12 @@ class CostModel:
                     bwd = bwd + fwd  # recompute the block before its backward
                 self.cf[kind, t], self.cb[kind, t] = fwd, bwd
                 self.m[kind, t] = self.ar_time(t, self._act_bytes(t))
-                self.sync[kind, t] = self._grad_sync(kind, t)
-                static = ADAM_BYTES_PER_PARAM * self.shape.rank_params(kind, t)
+                n, groups = self.shape.rank_params(kind, t), grad_groups(t, self.tp, r.dp)
+                self.sync[kind, t] = (zc.reduce_s(self, n, groups) if r.zero >= 2 and
+                                      r.dp * self.tp // t > 1 else self._grad_sync(kind, t))
+                self.zstep[kind, t] = zc.step_s(self, n, groups, fwd)  # per step
+                self.zmb[kind, t] = zc.micro_batch_s(self, n, groups, fwd, bwd)
+                static = zc.held_per_param(r, r.dp * self.tp // t) * n
                 static += self.cast_bytes(kind, t)
                 self.kv_sync[kind, t] = self._kv_sync(kind, t)
                 self.mem[kind, t] = static + nsub * self.saved_bytes(kind, t)
@@ -324,11 +334,12 @@ class CostModel:
             host = n_ar * r.sub_batches * (self._act_bytes(t) * self.cpu_per_byte(t) +
                                            self.calls(t))
             cost += host
+        cost += self.zmb[k, t]  # ZeRO-3's gathers, per micro-batch
         if i == 0:
             cost += self.edge_in(t)
         if i == self.n - 1:
             cost += self.edge_out(t)
-        once = self.kv_sync[k, t] + self.sync_host(k, t)  # per step, not per micro-batch
+        once = self.step_once(k, t)  # per step, not per micro-batch
         if self._paired_run():  # one micro-batch unpaired, G-1 in pairs (module docstring)
             pair = host + self.paired_cost(k, t)
             c = self.profile.constant
@@ -338,6 +349,11 @@ class CostModel:
                 pair += max(c.get("head_fwd", 0.0), self.m[k, t])
             return cost + (r.grad_accum - 1) * pair + once
         return cost * r.grad_accum + once
+
+    def step_once(self, k: str, t: int) -> float:
+        """What a block costs once per step outside its micro-batches: the replicated kv
+        heads' sum, the host cycles of its gradient sync and ZeRO's post-step gathers."""
+        return self.kv_sync[k, t] + self.sync_host(k, t) + self.zstep[k, t]
 
     def sync_host(self, k: str, t: int) -> float:
         """The cycles a block's replica gradient sync (once per step) steals from
@@ -466,8 +482,9 @@ class CostModel:
 
     def static_memory(self) -> float:
         head_cast = self.run.act_bytes * self.shape.vocab_size * self.shape.d_model / self.tp \
-            if self.run.act_bytes < PARAM_BYTES else 0.0  # the head matrix's bf16 copy
-        return ADAM_BYTES_PER_PARAM * self.shape.other_params() / self.tp + head_cast + \
+            if self.run.act_bytes < self.run.weight_bytes else 0.0  # the head's bf16 copy
+        held = zc.held_per_param(self.run, self.run.dp)
+        return held * self.shape.other_params() / self.tp + head_cast + \
             self.profile.constant.get("peak", 0.0)
 
     def plan_memory(self, degrees: list[int]) -> float:

@@ -71,6 +71,8 @@ class Plan:
     pp_schedule: str = ""     # the pipeline schedule it was priced for ("": not recorded)
     pp_virtual: int = 1       # chunks per rank (interleaved-1f1b)
     cp: int = 1               # context parallelism it was priced at (parallel.cp)
+    zero_secondary: str = "none"  # parallel.zero_secondary it was priced with
+    grad_reduce_dtype: str = ""   # parallel.grad_reduce_dtype it was priced with ("": any)
     cluster: str = ""
     predicted: dict = field(default_factory=dict)
 

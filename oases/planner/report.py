@@ -24,7 +24,10 @@ def run_overrides(c: Candidate) -> list[str]:
             f"train.micro_batch_size={ch.rows}",
             f"train.grad_accum={ch.micro_batches}",
             *([f"parallel.pp_schedule={c.schedule}"] if ch.pp > 1 else []),
-            *([f"parallel.pp_virtual={c.virtual}"] if ch.pp > 1 and c.virtual > 1 else [])]
+            *([f"parallel.pp_virtual={c.virtual}"] if ch.pp > 1 and c.virtual > 1 else []),
+            *([f"parallel.zero={ch.zero}"] if ch.zero else []),
+            *(["parallel.zero_secondary=node"] if ch.secondary else []),
+            *(["parallel.grad_reduce_dtype=bf16"] if ch.reduce_bytes == 2 else [])]
 
 
 def _brief(c: Optional[Candidate], ref: Candidate) -> Optional[dict]:
@@ -61,7 +64,10 @@ def to_plan(c: Candidate, res: SearchResult, cfg, cluster_name: str) -> Plan:
                 cluster=cluster_name, predicted=predicted,
                 sequence_parallel=any(m.run.sequence_parallel for m in c.problem.models),
                 pp_schedule=c.schedule if ch.pp > 1 else "",
-                pp_virtual=c.virtual if ch.pp > 1 else 1, cp=ch.cp)
+                pp_virtual=c.virtual if ch.pp > 1 else 1, cp=ch.cp,
+                zero=[ch.zero] * (2 * cfg.model.n_layer + 2) if ch.zero else [],
+                zero_secondary="node" if ch.secondary else "none",
+                grad_reduce_dtype="bf16" if ch.reduce_bytes == 2 else "fp32")
 
 
 def _line(name: str, c: Optional[Candidate], ref: Candidate) -> str:

@@ -101,8 +101,9 @@ class Candidate:
                 for a, b in self.ranges()]
 
     def key(self) -> tuple:
-        return (self.choice.pp, self.choice.dp, self.choice.tp, self.choice.micro_batches,
-                tuple(self.starts), tuple(self.strat), self.choice.cp, self.schedule)
+        ch = self.choice
+        return (ch.pp, ch.dp, ch.tp, ch.micro_batches, tuple(self.starts), tuple(self.strat),
+                ch.cp, ch.zero, ch.secondary, ch.reduce_bytes, self.schedule)
 
     def describe(self) -> str:
         ch = self.choice
@@ -110,7 +111,9 @@ class Candidate:
         for (a, b), d in zip(self.ranges(), self.stage_degrees()):
             parts.append(f"layers {a}-{b - 1} @ {d}")
         sched = f" ({self.schedule})" if ch.pp > 1 else ""
-        return (f"pp {ch.pp} x dp {ch.dp} x {mesh(ch)}{sched}, {self.batches()}: "
+        zero = f", ZeRO-{ch.zero}{' + node shard' if ch.secondary else ''}" if ch.zero else ""
+        zero += ", bf16 gradient sums" if ch.reduce_bytes == 2 else ""
+        return (f"pp {ch.pp} x dp {ch.dp} x {mesh(ch)}{sched}{zero}, {self.batches()}: "
                 + " | ".join(parts))
 
     def batches(self) -> str:

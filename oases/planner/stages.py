@@ -84,6 +84,7 @@ priced on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -94,8 +95,10 @@ from oases.parallel.layout import even_split
 from oases.pipeline.schedules import SPLIT_KINDS, VIRTUAL_KINDS
 from oases.planner.comm_memory import choice_bytes
 from oases.planner.cp_cost import MIN_CHUNK
-from oases.planner.cost import (ADAM_BYTES_PER_PARAM, PARAM_BYTES, CostModel, ModelShape, Profile,
+from oases.planner import zero_cost
+from oases.planner.cost import (PARAM_BYTES, CostModel, ModelShape, Profile,
                                 RunShape)
+from oases.planner.cluster import StageLinks
 from oases.planner.profile import run_precision
 from oases.config.schema import BF16_PRECISIONS
 from oases.planner.uniap import Instance, evaluate
@@ -118,6 +121,13 @@ class Job:
     pp_virtual: int = 1        # chunks per rank under interleaved-1f1b
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: 4 fp32, 2 bf16
     cp_search: bool = False    # layouts with context parallelism too (the config allows it)
+    weight_bytes: int = 4      # 2: bf16 weights over fp32 masters (train.precision=bf16)
+    # ZeRO levels, gradient-sum bytes and secondary shard ("none" | "node" | "search") each
+    # layout is priced with (parallel.zero_search: all of them, the cheapest that fits)
+    zero_levels: tuple = (0,)
+    reduce_options: tuple = (4,)
+    secondary: str = "none"
+    node_ranks: int = 0        # devices per node (the cluster file's): where a DP group spans
 
     @property
     def splits(self) -> int:
@@ -132,18 +142,25 @@ class Job:
                         recompute=self.recompute, act_bytes=self.act_bytes,
                         residual_bytes=self.residual_bytes,
                         sequence_parallel=self.sequence_parallel,
-                        grad_reduce_bytes=self.grad_reduce_bytes)
+                        grad_reduce_bytes=self.grad_reduce_bytes, weight_bytes=self.weight_bytes)
 
 
-def job_from_config(cfg) -> Job:
-    """The :class:`Job` of a validated config."""
+def job_from_config(cfg, node_ranks: int = 0) -> Job:
+    """The :class:`Job` of a validated config (``node_ranks``: the cluster's devices per
+    node, for the secondary shard)."""
     p = cfg.parallel
+    reduce = {"fp32": (4,), "bf16": (2,), "auto": (4, 2)}[p.grad_reduce_dtype]
     return Job(ModelShape.from_config(cfg.model), cfg.global_batch_size, cfg.sub_batches,
                p.schedule, p.recompute, p.pp_schedule, p.pp_transfer,
                2 if run_precision(cfg) in BF16_PRECISIONS else 4,
                sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual,
-               grad_reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
-               cp_search=cp_allowed(cfg))
+               grad_reduce_bytes=reduce[0], cp_search=cp_allowed(cfg),
+               weight_bytes=2 if run_precision(cfg) == "bf16" else 4,
+               # bf16 weights: the embedding's output, hence the residual stream, is bf16
+               residual_bytes=2 if run_precision(cfg) == "bf16" else 4,
+               zero_levels=(0, 1, 2, 3) if p.zero_search else (p.zero,), reduce_options=reduce,
+               secondary="search" if p.zero_search else p.zero_secondary,
+               node_ranks=node_ranks)
 
 
 def cp_allowed(cfg) -> bool:
@@ -174,6 +191,9 @@ class Choice:
     rows: int                  # sequences per replica per micro-batch: B / (c dp)
     degrees: tuple             # the strategies: per-layer TP degrees
     cp: int = 1                # each of the dp replicas on cp ranks (T / cp tokens each)
+    zero: int = 0              # ZeRO level, L of its secondary shard, gradient-sum bytes
+    secondary: int = 0
+    reduce_bytes: int = 4
 
     @property
     def mesh_dp(self) -> int:
@@ -182,7 +202,9 @@ class Choice:
 
     def label(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"pp={self.pp} dp={self.dp}{cp} tp={self.tp} c={self.micro_batches}"
+        z = f" zero={self.zero}{'+node' if self.secondary else ''}" if self.zero else ""
+        r = " reduce=bf16" if self.reduce_bytes == 2 else ""
+        return f"pp={self.pp} dp={self.dp}{cp} tp={self.tp} c={self.micro_batches}{z}{r}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -223,7 +245,10 @@ def enumerate_choices(job: Job, world: int, max_tp: Optional[int] = None) -> lis
                     degrees = (tp,) if cp > 1 else tuple(
                         t for t in job.shape.valid_degrees(tp)
                         if (rows // job.splits) % (tp // t) == 0)
-                    out.append(Choice(pp, dp, tp, c, rows, degrees, cp))
+                    out += [Choice(pp, dp, tp, c, rows, degrees, cp, z, L, r)
+                            for z, L, r in zero_cost.zero_variants(
+                                job.zero_levels, job.reduce_options, job.secondary,
+                                job.node_ranks, dp * cp, tp)]
     return out
 
 
@@ -239,27 +264,6 @@ def cp_degrees(job: Job, ranks: int) -> list[int]:
             out.append(cp)
         cp *= 2
     return out
-
-
-# ---- the cluster as one stage sees it ----
-
-class StageLinks:
-    """The cluster seen by one stage's :class:`CostModel`, which numbers the stage's
-    ranks 0.. in its groups (TP group 0..tp-1, replica d at d*tp..): rank r is global
-    ``first + r``. Anything else (``speed_of``, which the cost model asks with global
-    ranks) is the cluster's."""
-
-    def __init__(self, cluster, first: int) -> None:
-        self.cluster, self.first = cluster, first
-
-    def ring_gbps(self, ranks: list[int]) -> float:
-        return self.cluster.ring_gbps([self.first + r for r in ranks])
-
-    def latency_s(self, ranks: list[int]) -> float:
-        return self.cluster.latency_s([self.first + r for r in ranks])
-
-    def __getattr__(self, name):
-        return getattr(self.cluster, name)
 
 
 def scale_profile(profile: Profile, base: RunShape, run: RunShape, shape: ModelShape
@@ -329,7 +333,8 @@ class Problem:
 
 def _stage_model(job: Job, ch: Choice, cluster, profile: Profile, base: RunShape,
                  first: int) -> CostModel:
-    run = job.run(ch.tp, ch.dp, ch.rows, ch.cp)
+    run = dataclasses.replace(job.run(ch.tp, ch.dp, ch.rows, ch.cp), zero=ch.zero,
+                              secondary=ch.secondary, grad_reduce_bytes=ch.reduce_bytes)
     return CostModel(job.shape, run, StageLinks(cluster, first),
                      scale_profile(profile, base, run, job.shape), list(ch.degrees),
                      ranks=list(range(first, first + ch.mesh_dp * ch.tp)))
@@ -343,7 +348,7 @@ def _layer_row(cm: CostModel, job: Job, ch: Choice, l: int) -> list[float]:
         cost = 0.0
         sync = max(0.0, sum(cm.sync[k, d] - cm.free[k, d] for k in ("attn", "mlp")))
         for i, k in ((2 * l, "attn"), (2 * l + 1, "mlp")):
-            once = cm.kv_sync[k, d] + cm.sync_host(k, d)  # per step: below
+            once = cm.step_once(k, d)  # per step: below
             cost += cm.node_cost(i, d) - once + once / ch.micro_batches
         cost += sync / ch.micro_batches
         cost += cm.edge_cost(2 * l + 1, d, d)
@@ -403,11 +408,12 @@ def _memory_const(job: Job, ch: Choice, cms: list[CostModel]) -> list[float]:
     out = []
     for p, cm in enumerate(cms):
         mem = max(cm.trans[k, t] for k in ("attn", "mlp") for t in ch.degrees)
+        held = zero_cost.held_per_param(cm.run, cm.run.dp)  # 16 B at level 0 in fp32
         if p == 0:
-            mem += ADAM_BYTES_PER_PARAM * embed / tp
+            mem += held * embed / tp
         if p == P - 1:
-            mem += ADAM_BYTES_PER_PARAM * head / tp + cm.profile.constant.get("peak", 0.0)
-            if job.act_bytes < PARAM_BYTES:
+            mem += held * head / tp + cm.profile.constant.get("peak", 0.0)
+            if job.act_bytes < job.weight_bytes:
                 mem += job.act_bytes * s.vocab_size * d / tp
         out.append(mem)
     return out

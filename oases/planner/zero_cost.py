@@ -98,3 +98,80 @@ def zero_exposed_s(n: int, elem: int, level: int, dp: int, link_Bps: float,
     if level in (1, 2):
         return max(0.0, reduce - bwd_compute_s) + piece
     return max(0.0, piece - fwd_compute_s) + max(0.0, piece + reduce - bwd_compute_s)
+
+
+# ---- the cost model's rows (oases.planner.cost.CostModel) ----------------------------
+
+def held_per_param(run, G: int) -> float:
+    """Bytes per parameter a rank holds between steps for a block whose gradient group
+    has G ranks, at the run's ZeRO level, weights and secondary shard (16 at level 0
+    with fp32 weights: parameter, gradient and two Adam moments)."""
+    rows = zero_memory(1, 4, run.zero, G, run.secondary, run.act_bytes,
+                       run.weight_bytes if run.weight_bytes < 4 else None)
+    return sum(rows.values())
+
+
+def reduce_s(cm, n: float, groups: list) -> float:
+    """Levels 2-3: the gradients reduce-scattered (a ring moves an all-gather's bytes)."""
+    return max(cm.comm.all_gather(n * cm.run.grad_reduce_bytes, g) for g in groups) + cm.call_s
+
+
+def gather_elem(run) -> int:
+    """Bytes per element of the parameter gathers: level 3 gathers in the compute dtype
+    (either bf16 mode); levels 1-2 gather the parameters as they are held."""
+    return run.act_bytes if run.zero >= 3 else run.weight_bytes
+
+
+def step_s(cm, n: float, groups: list, fwd: float) -> float:
+    """Once per step, after the reduction: the post-step all-gather of levels 1-2 (all
+    launched after the optimizer step, in forward order; the store waits for a block's
+    before its first use, so it hides behind the blocks before it: what outlasts one
+    block's forward is exposed), and under a level-3 secondary shard what the step's
+    first gather, over the whole group, adds beyond a node gather (hidden alike)."""
+    if max(len(g) for g in groups) < 2:  # no replicas: the runtime runs level 0
+        return 0.0
+    run = cm.run
+    if run.zero in (1, 2):
+        ag = max(cm.comm.all_gather(n * gather_elem(run), g) for g in groups)
+        return max(0.0, ag - fwd) + cm.call_s
+    if run.zero == 3 and run.secondary:
+        whole = max(cm.comm.all_gather(n * gather_elem(run), g) for g in groups)
+        node = max(cm.comm.all_gather(n * gather_elem(run), g[:run.secondary]) for g in groups)
+        return max(0.0, whole - fwd) - max(0.0, node - fwd)
+    return 0.0
+
+
+def micro_batch_s(cm, n: float, groups: list, fwd: float, bwd: float) -> float:
+    """Level 3, per micro-batch: the block's gathers before its forward and before its
+    backward (recompute reuses the backward's), each prefetched behind a block's
+    compute; over the node's ranks under a secondary shard."""
+    if max(len(g) for g in groups) < 2:  # no replicas: the runtime runs level 0
+        return 0.0
+    run = cm.run
+    if run.zero < 3:
+        return 0.0
+    ranks = [g[:run.secondary] if run.secondary else g for g in groups]
+    ag = max(cm.comm.all_gather(n * gather_elem(run), g) for g in ranks)
+    ag += cm.call_s if ag else 0.0
+    return max(0.0, ag - fwd) + max(0.0, ag - bwd)
+
+
+def zero_variants(levels: tuple, reduce_bytes: tuple, secondary: str, node_ranks: int,
+                  mesh_dp: int, tp: int) -> list[tuple[int, int, int]]:
+    """(level, secondary L, reduce bytes) a layout may run: ``levels`` (1-3 only where
+    the parameters have replicas, ``mesh_dp`` > 1) x ``reduce_bytes`` (where they are
+    summed at all); at level 3 a node-local secondary shard where the DP group spans
+    nodes of ``node_ranks`` devices (L = its ranks on one node): ``secondary`` "node"
+    (always there), "search" (with and without) or "none"."""
+    if mesh_dp < 2:
+        return [(0, 0, reduce_bytes[0])]
+    L = node_ranks // tp if node_ranks and node_ranks % tp == 0 else 0
+    spans = 1 <= L < mesh_dp and mesh_dp % L == 0
+    out = []
+    for z in levels:
+        for r in reduce_bytes:
+            if not (z == 3 and spans and secondary == "node"):
+                out.append((z, 0, r))
+            if z == 3 and spans and secondary != "none":
+                out.append((z, L, r))
+    return out
