@@ -257,3 +257,23 @@ def test_export_of_a_step_dir_and_refusals(trained_gpt2, hf_dirs, tmp_path, caps
     assert main([str(tmp_path / "nope"), "--to-hf", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.filterwarnings(_SINGLE)
+def test_export_in_bf16(trained_gpt2, tmp_path):
+    """``--dtype bf16`` writes each tensor as the fp32 export's bf16 rounding (the
+    checkpoint holds fp32 masters whatever the run's precision), and says so in
+    config.json."""
+    from oases.cli.export import main
+
+    assert main([str(trained_gpt2), "--to-hf", str(tmp_path / "f32")]) == 0
+    assert main([str(trained_gpt2), "--to-hf", str(tmp_path / "b16"), "--dtype", "bf16"]) == 0
+    a = load_file(tmp_path / "f32" / "model.safetensors")
+    b = load_file(tmp_path / "b16" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k, t in a.items():
+        assert t.dtype == torch.float32 and b[k].dtype == torch.bfloat16, k
+        assert torch.equal(b[k], t.to(torch.bfloat16)), k
+    dtypes = [json.loads((tmp_path / d / "config.json").read_text())["torch_dtype"]
+              for d in ("f32", "b16")]
+    assert dtypes == ["float32", "bfloat16"]

@@ -54,9 +54,10 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.float64: "F64"}
 
 
-def _write_safetensors(ck: Path, mc, path: Path) -> None:
+def _write_safetensors(ck: Path, mc, path: Path, cast: Optional[torch.dtype] = None) -> None:
     """``model.safetensors`` of the checkpoint, streamed: the header from the shapes,
-    then each tensor's bytes at its offset (missing GPT biases stay zero)."""
+    then each tensor's bytes at its offset (missing GPT biases stay zero); ``cast``:
+    every tensor in that dtype (None: the checkpoint's, fp32 masters in every mode)."""
     layout, shapes = hf_layout(model_fields(mc))
     meta, names = ckpt.model_keys(ck)
     extra = sorted(set(names) - set(layout))
@@ -69,7 +70,7 @@ def _write_safetensors(ck: Path, mc, path: Path) -> None:
     dtype = {q.hf: ckpt.full_shape(meta, n, names[n])[1] for n, ps in layout.items() for q in ps}
     header, off = {}, 0
     for hf in sorted(shapes):
-        dt = dtype.get(hf, torch.float32)
+        dt = cast or dtype.get(hf, torch.float32)
         n = math.prod(shapes[hf]) * dt.itemsize
         header[hf] = {"dtype": _DTYPES[dt], "shape": list(shapes[hf]),
                       "data_offsets": [off, off + n]}
@@ -86,6 +87,7 @@ def _write_safetensors(ck: Path, mc, path: Path) -> None:
                     raise UserError(f"export: {hf} would have shape {list(h.shape)}, "
                                     f"expected {header[hf]['shape']}")
                 f.seek(start + header[hf]["data_offsets"][0])
+                h = h if cast is None else h.to(cast)
                 f.write(h.contiguous().view(-1).view(torch.uint8).numpy().data)  # no copy
 
 
@@ -132,10 +134,12 @@ def _with_chat(tok, chat_template: Optional[str], run_dir: Path):
 
 def export_checkpoint(src: str | Path, out_dir: str | Path,
                       tokenizer: Optional[str] = None,
-                      chat_template: Optional[str] = None) -> tuple[Path, str]:
+                      chat_template: Optional[str] = None,
+                      dtype: str = "fp32") -> tuple[Path, str]:
     """Write the HF directory ``out_dir`` for the checkpoint ``src``; returns (the
     checkpoint, a note when no tokenizer was written). ``chat_template``: a template
-    file to write instead of the tokenizer's own."""
+    file to write instead of the tokenizer's own; ``dtype``: the weights' ("fp32", the
+    checkpoint's own, or "bf16")."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to-hf {out} exists and is not an empty directory; refusing to "
@@ -148,6 +152,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path,
     if tok is not None:
         toks.check_fits(tok, mc.vocab_size)
     cfg_json = hf_config_dict(mc)
+    cfg_json["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     if tok is not None:
         cfg_json.update(bos_token_id=tok.bos_id, eos_token_id=toks.eos_json(tok))
     made = not out.exists()
@@ -160,7 +165,8 @@ def export_checkpoint(src: str | Path, out_dir: str | Path,
     try:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended
             warnings.simplefilter("ignore", UserWarning)
-            _write_safetensors(ck, mc, out / "model.safetensors.tmp")
+            _write_safetensors(ck, mc, out / "model.safetensors.tmp",
+                               torch.bfloat16 if dtype == "bf16" else None)
         if tok is not None:
             toks.write_hf_files(tok, out, mc.vocab_size, mc.seq_len)
         (out / "config.json.tmp").write_text(json.dumps(cfg_json, indent=2) + "\n")
@@ -189,11 +195,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "the run's data; none: the weights alone")
     p.add_argument("--chat-template", metavar="FILE",
                    help="the chat template to write (default: the tokenizer's own, if any)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the weights' dtype (default fp32: the checkpoint's master weights, "
+                        "whatever train.precision was)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
     args = p.parse_args(argv)
     try:
         ck, note = export_checkpoint(args.checkpoint, args.to_hf, args.tokenizer,
-                                     args.chat_template)
+                                     args.chat_template, args.dtype)
     except UserError as e:
         if args.debug:
             raise
