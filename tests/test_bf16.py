@@ -7,10 +7,11 @@
    around several runs (a step's micro-batches) extends the cache to all of them.
    Casts are counted as ``aten._to_copy`` to bf16 of a parameter, with a dispatch mode.
 2. Memory. The planner's saved bytes per block (``CostModel.saved_bytes``: the
-   residual stream in fp32, the reduced partial sum in the compute dtype; the
-   profiled figure for ``none``) equal what ``SavedTensorMeter`` measures for one
-   layer (a 2-layer model minus a 1-layer one), in bf16 and fp32. The tolerance is
-   zero: both count the same tensors' bytes, and the ``none`` figure is measured
+   residual stream in fp32, bf16 under bf16 weights; the reduced partial sum in the
+   compute dtype; the profiled figure for ``none``) equal what ``SavedTensorMeter``
+   measures for one layer (a 2-layer model minus a 1-layer one), under bf16-autocast,
+   bf16 weights (the profiler then measures blocks with bf16 weights) and fp32. The
+   tolerance is zero: both count the same tensors' bytes, and the ``none`` figure is measured
    the profiler's way (one block, one sub-batch) with the weights it holds removed
    (under ``none`` the meter sees the weights once, shared by the sub-batches).
 """
@@ -112,6 +113,8 @@ def _measured(ctx, precision, rc, n_layer):
                                          f"train.precision={precision}"]).validate(2)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     model, tracker = _model(ctx, cfg)
+    if precision == "bf16":  # bf16 weights (the reducer casts them in a run)
+        model.to(torch.bfloat16)
     amp = BF16 if precision != "fp32" else contextlib.nullcontext
     with SavedTensorMeter() as meter:
         OasesEngine(ctx.tp_group, 2, rc, tracker).forward_backward(model, ids, ids, amp=amp)
@@ -126,7 +129,10 @@ def _profiled_saved(cfg, run, t: int) -> dict:
     for kind in ("attn", "mlp"):
         blk = make_block(kind, cfg.model, t)
         init_parameters(blk, 0, 0, 1)
-        x = torch.randn(rows, cfg.model.seq_len, cfg.model.d_model, requires_grad=True)
+        wdt = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        blk.to(wdt)  # as oases.planner.profile measures
+        x = torch.randn(rows, cfg.model.seq_len, cfg.model.d_model, dtype=wdt,
+                        requires_grad=True)
         with SavedTensorMeter() as meter, \
                 (BF16() if cfg.train.precision != "fp32" else contextlib.nullcontext()):
             y = blk(x)
@@ -138,7 +144,7 @@ def _profiled_saved(cfg, run, t: int) -> dict:
 
 def _memory_body(ctx):
     cluster = load_cluster(str(ROOT / "configs/cluster/two-nodes-1g.yaml"))
-    for precision in ("bf16-autocast", "fp32"):  # the model's weights are fp32 here
+    for precision in ("bf16-autocast", "bf16", "fp32"):
         for rc in ("none", "fine", "full"):
             cfg, one = _measured(ctx, precision, rc, 1)
             _, two = _measured(ctx, precision, rc, 2)
@@ -152,7 +158,8 @@ def _memory_body(ctx):
             assert predicted == two - one, (precision, rc, predicted, two - one)
             if rc == "fine":  # per element: fp32 block input + reduced in the compute dtype
                 elems = 2 * run.sub_batches * 2 * cfg.model.seq_len * cfg.model.d_model
-                assert two - one == elems * (4 + (2 if precision != "fp32" else 4))
+                stream = 2 if precision == "bf16" else 4  # bf16 weights: a bf16 stream
+                assert two - one == elems * (stream + (2 if precision != "fp32" else 4))
 
 
 def test_planner_saved_bytes_match_the_meter():

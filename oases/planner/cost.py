@@ -142,11 +142,11 @@ class CostModel:
 
     def weight_bytes(self, kind: str, t: int) -> float:
         """A block's weights as its forward saves them for backward: the matrices in the
-        compute dtype (under bf16 the copy, one per run, see the module docstring; in
-        fp32 the parameters themselves) and the norm's fp32 parameters. The profiled
-        ``saved`` figure includes them once."""
+        compute dtype (under bf16-autocast the copy, one per run, see the module
+        docstring; in fp32 and bf16 weights the parameters themselves) and the norm's
+        parameters. The profiled ``saved`` figure includes them once."""
         return self.run.act_bytes * self.shape.matrix_params(kind) / t + \
-            PARAM_BYTES * self.shape.norm_params(kind)
+            self.run.weight_bytes * self.shape.norm_params(kind)
 
     def cast_bytes(self, kind: str, t: int) -> float:
         """Memory a block's weights take beyond the parameters: the bf16 copy of the

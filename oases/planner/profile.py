@@ -61,8 +61,10 @@ def run_precision(cfg: Config, device: Optional[torch.device] = None) -> str:
 
 def profile_key(device: torch.device, shape: ModelShape, run: RunShape, precision: str) -> str:
     s = dataclasses.asdict(shape)
+    # "bf16" was autocast over fp32 weights before bf16 weights: those entries stay unread
     key = {"hw": hardware_key(device), "shape": s, "tp": run.tp, "mbs": run.micro_batch_size,
-           "sub_batches": run.sub_batches, "precision": precision}
+           "sub_batches": run.sub_batches,
+           "precision": "bf16-weights" if precision == "bf16" else precision}
     if run.recompute == "selective":  # attention profiled with its core recomputed
         key["selective"] = True
     return json.dumps(key, sort_keys=True)
@@ -185,6 +187,9 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     degrees = shape.valid_degrees(run.tp)
     amp = (torch.autocast(device.type, dtype=torch.bfloat16)
            if run_precision(cfg, device) in BF16_PRECISIONS else torch.autocast(device.type, enabled=False))
+    # bf16 weights over fp32 masters: the blocks hold bf16 parameters, and the residual
+    # stream they read is bf16 (what the run computes and saves)
+    wdt = torch.bfloat16 if run_precision(cfg, device) == "bf16" else torch.float32
     blocks: dict = {"attn": {}, "mlp": {}}
     todo = [(k, t) for t in degrees for k in ("attn", "mlp")]
     t_start = time.perf_counter()
@@ -199,7 +204,8 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
         if kind == "attn":  # its backward then recomputes the core, and it saves less
             blk.selective = run.recompute == "selective"
         init_parameters(blk, 0, 0, 1)
-        x = torch.randn(rows, m.seq_len, m.d_model, device=device, requires_grad=True)
+        blk.to(wdt)
+        x = torch.randn(rows, m.seq_len, m.d_model, device=device, dtype=wdt, requires_grad=True)
         t_f, t_b = _time_block(blk, x, amp, device, reps, warmup, barrier)
         with SavedTensorMeter() as meter:
             with amp:
@@ -207,7 +213,8 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
             SavedTensorMeter.end_of_forward()
         del out
         # a second row count: the fixed part of the block's time (module docstring)
-        x2 = torch.randn(2 * rows, m.seq_len, m.d_model, device=device, requires_grad=True)
+        x2 = torch.randn(2 * rows, m.seq_len, m.d_model, device=device, dtype=wdt,
+                         requires_grad=True)
         t_f2, t_b2 = _time_block(blk, x2, amp, device, reps, warmup, barrier)
         blocks[kind][str(t)] = {"fwd": t_f, "bwd": t_b, "saved": meter.forward_bytes,
                                 "rows": rows, "fwd2": t_f2, "bwd2": t_b2, "rows2": 2 * rows}
@@ -222,6 +229,7 @@ def profile_compute(cfg: Config, run: RunShape, device: torch.device, reps: int 
     model = build_model(dataclasses.replace(head_cfg, vocab_size=min(m.vocab_size, vocab_local)),
                         vocab_local, None, seed=0, device=device)
     model.layers = torch.nn.ModuleList()  # embedding -> norm -> head only
+    model.to(wdt)
     ids = torch.randint(0, min(m.vocab_size, vocab_local), (run.micro_batch_size, m.seq_len),
                         device=device)
 
