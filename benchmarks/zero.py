@@ -16,7 +16,7 @@ block's all-gather waited where it is needed). The hidden fraction of ZeRO-3's
 all-gather time is 1 - wait(oases+z3) / wait(oases+z3-noprefetch), where wait is
 rank 0's time blocked on all-gathers per step (``zero_gather_wait_s`` in
 metrics.jsonl): without prefetch the whole gather time is exposed. The wire dtypes
-(megatron engine, levels 0 and 3; each compared with z0 at the same dtypes):
+(megatron engine, every level; each compared with z0 at the same dtypes):
 ``+reduce-bf16`` (``parallel.grad_reduce_dtype=bf16``: gradient sums in bf16),
 ``+autocast`` (``train.precision=bf16-autocast``: fp32 weights under autocast, level 3
 gathers in bf16), ``+bf16`` (``train.precision=bf16``: bf16 weights over fp32 masters,
@@ -39,7 +39,7 @@ ENGINES = {"megatron": ["parallel.schedule=megatron", "parallel.recompute=none"]
 MODES = {f"{e}+z{z}": [*ov, f"parallel.zero={z}"] for e, ov in ENGINES.items() for z in range(4)}
 MODES["oases+z3-noprefetch"] = [*MODES["oases+z3"], "parallel.zero_prefetch=false"]
 # the wire dtypes (docs/zero.md): bf16 gradient sums; the two bf16 precisions
-for z in (0, 3):
+for z in range(4):
     MODES[f"megatron+z{z}+reduce-bf16"] = [*MODES[f"megatron+z{z}"],
                                            "parallel.grad_reduce_dtype=bf16"]
     MODES[f"megatron+z{z}+autocast"] = [*MODES[f"megatron+z{z}"],
@@ -88,7 +88,7 @@ def _against_fp32(per: dict) -> list[str]:
     if not any(m.endswith("+autocast") for m in per):
         return []
     out = ["", "Against fp32 at the same level (megatron engine), tokens/s:"]
-    for z in (0, 3):
+    for z in range(4):
         base = per.get(f"megatron+z{z}")
         got = [(w, per.get(f"megatron+z{z}+{w}")) for w in
                ("autocast", "bf16", "bf16+reduce-bf16", "reduce-bf16")]
