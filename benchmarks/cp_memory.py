@@ -40,7 +40,7 @@ from pathlib import Path
 from benchmarks.lib import driver
 from benchmarks.lib.driver import machine_line
 from benchmarks.lib.ranks import init_gloo, reset_peak, spawn_ranks, status_kib, write_result
-from oases.parallel.ring_attention import MATH_ROWS
+from oases.parallel.ring_kernels import MATH_ROWS
 
 MODEL = ["model.name=gpt-tiny", "model.d_model=256", "model.n_layer=2", "model.n_head=4",
          "model.n_kv_heads=4", "model.ffn_hidden=1024", "model.vocab_size=256",
@@ -130,7 +130,7 @@ def render(out: Path, data: dict) -> None:
              f"processes. Peak resident set: "
              f"{data['rss_source']}. Score tile: one (B, Hq, {data['math_rows']}, T/cp) fp32 "
              f"matrix, a tile of {data['math_rows']} query rows of the ring's CPU math path "
-             "(`oases.parallel.ring_attention.MATH_ROWS`; none at cp 1); excess: the peak "
+             "(`oases.parallel.ring_kernels.MATH_ROWS`; none at cp 1); excess: the peak "
              "growth beyond cp 1's divided by cp, in score tiles.", "",
              "| seq | cp | tokens per rank | saved activations (MiB) | vs cp 1 | 1/cp | "
              "peak RSS growth (MiB) | vs cp 1 | score tile (MiB) | excess (tiles) | "

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.lib import driver
-from oases.parallel import ring_attention as ra
+from oases.parallel import ring_kernels as ra
+from oases.parallel.ring_attention import ring_attention
 
 REPO = Path(__file__).resolve().parents[1]
 HQ, HKV, D = 16, 4, 128
@@ -59,7 +60,7 @@ def _sdpa(q, k, v):
 
 
 def _ring(q, k, v):
-    return ra.ring_attention(q, k, v, None, causal=True)
+    return ring_attention(q, k, v, None, causal=True)
 
 
 def _run(fn, q, k, v, dout, dtype):

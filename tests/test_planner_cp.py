@@ -79,7 +79,8 @@ def test_ring_bytes_links_and_exposure():
     """K = 2 B Hkv (T/cp) D in the compute dtype, A the same in fp32; forward (cp-1) K,
     backward (cp-1) K + cp A; a cp group is consecutive DP ranks: inside a node at tp 1,
     across the nodes at tp 2 (ranks {0, 2}); each step's transfer hides behind that
-    step's attention."""
+    step's attention: both sub-batches' under oases (its ring steps are yield points),
+    its own under megatron."""
     job = _job(8192, 4, "none")
     for tp, gbps in ((1, 400.0), (2, 20.0)):
         prob = _build(job, PAIRS, 1, 2 // tp, 2, tp, 1, 4)
@@ -92,7 +93,8 @@ def test_ring_bytes_links_and_exposure():
         lat = 1e-5 if tp == 2 else 0.0  # latency only between nodes
         assert ring.kv_s == pytest.approx(lat + K / (gbps * 1e9 / 8), rel=1e-12)
         prof = cm.profile.blocks["attn"][str(tp)]
-        step = core_share(job.shape) / 2
+        # under oases both sub-batches' steps run while one waits (yield points)
+        step = 2 * core_share(job.shape) / 2
         rf, rb = ring.exposed(step * prof["fwd"], step * prof["bwd"])
         assert cm.ring["attn", tp] == (rf, rb) and cm.ring["mlp", tp] == (0.0, 0.0)
         assert cm.cf["attn", tp] == pytest.approx(prof["fwd"] + rf)
@@ -101,6 +103,12 @@ def test_ring_bytes_links_and_exposure():
             assert rf == 0.0 and rb == pytest.approx(ring.acc_s)
         else:        # across 20 Gbit/s it does not
             assert rf == pytest.approx(ring.kv_s - step * prof["fwd"]) and rf > 0
+        # megatron's ring hides behind its own step only: more of it is exposed
+        meg = _build(_job(8192, 4, "none", "megatron"), PAIRS, 1, 2 // tp, 2, tp, 1, 4)
+        alone = ring_of(meg.models[0], tp).exposed(step / 2 * prof["fwd"], step / 2 * prof["bwd"])
+        assert meg.models[0].ring["attn", tp] == pytest.approx(alone)
+        if tp == 2:
+            assert alone[0] > rf and alone[1] > rb
     # recompute (fine) runs the forward ring again in backward
     fine = _build(_job(8192, 4, "fine"), PAIRS, 1, 1, 2, 2, 1, 4).models[0]
     rf, rb = fine.ring["attn", 2]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from oases.models.rope import Rotary
 from oases.parallel.cp_chunks import (block_plan, chunk_ids, global_positions,
                                       shard_sequence, unshard_sequence)
-from oases.parallel import ring_attention as ring_attention_module
+from oases.parallel import ring_kernels
 from oases.parallel.ring_attention import ring_attention
 from tests.support.distributed import run_distributed
 
@@ -89,8 +89,8 @@ def _check_case(group, cp: int, rank: int, case, device="cpu", rel_tol=REL_TOL):
 
 def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_TOL,
                  rows: int = 0):
-    if rows:  # the fp32 path's query tiles (ring_attention.MATH_ROWS)
-        ring_attention_module.MATH_ROWS = rows
+    if rows:  # the fp32 path's query tiles (ring_kernels.MATH_ROWS)
+        ring_kernels.MATH_ROWS = rows
     # fp32 matmuls, whatever an in-process training run set before the fork (TF32)
     torch.set_float32_matmul_precision("highest")
     world = dist.get_world_size()
@@ -128,7 +128,7 @@ def test_ring_dropout_is_attention_dropout_with_the_masks_it_drew(hq, hkv, rows,
     0 = one tile), through plain autograd in float64: the output and q, k, v gradients
     agree to fp32 (1e-5 of max|ref|), and a second call from the same state is equal."""
     if rows:
-        monkeypatch.setattr(ring_attention_module, "MATH_ROWS", rows)
+        monkeypatch.setattr(ring_kernels, "MATH_ROWS", rows)
     p, T, B, D = 0.3, 16, 2, 8
     g = torch.Generator().manual_seed(3)
     q, k, v, w = (torch.randn(B, h, T, D, generator=g).to(device) for h in (hq, hkv, hkv, hq))

@@ -27,6 +27,10 @@ asynchronously and yields, and the other sub-batch computes meanwhile:
     and runs Ri-1 before it yields, since recompute needs only the stash: the
     all-reduce overlaps its own recompute and then the other sub-batch's work.)
 
+Context parallelism: a block whose partial waits for transfers of its own (ring
+attention) is run as a program (:mod:`oases.overlap.block_programs`): each of the ring's
+waits, in forward, recompute and backward, is a yield point of the sub-batch too.
+
 The vocab-parallel loss has one collective (see oases.parallel.loss); models
 that split their loss into ``loss_partial``/``loss_combine`` get it scheduled
 like any other, so it does not block while the other sub-batch's all-reduce
@@ -86,6 +90,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from oases.overlap.block_programs import Pieces, drive, program_backward
 from oases.overlap.loss_weights import piece_shares
 from oases.overlap.megatron import AmpFactory, MegatronEngine, StageRun
 from oases.overlap.memory import SavedTensorMeter
@@ -100,6 +105,7 @@ from oases.parallel.comm import require_default_stream
 from oases.parallel.engine import HEAD, WHOLE, BlockParams, Engine
 from oases.parallel.model_view import view_of
 from oases.parallel.random import TPRNGTracker
+from oases.parallel.program import ProgramCutRecorder
 from oases.parallel.region import Cut, CutRecorder
 from oases.parallel.timing import label
 
@@ -242,6 +248,17 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
             SavedTensorMeter.end_of_forward()
         yield from self._backward(run, sb, scale)
 
+    def _segment(self, run: MicroBatchRun, i: int, span: str, grad: bool, entry, cuts: list,
+                 toward: Optional[int] = None):
+        """``segment(first)`` for :func:`~oases.overlap.block_programs.drive`: a piece of
+        block i's forward runs inside its parameters (the first piece also starts
+        gathering block ``toward``'s), grad mode, ``run.amp()``, the TP region ``entry``
+        (a reusable context: a CutRecorder, ``entering(GATHERED)``) and the recorder of its
+        deferred backwards, ``cuts``."""
+        return Pieces(lambda first: (self._enter(i, toward if first else None, span),
+                                     torch.set_grad_enabled(grad), run.amp(), entry,
+                                     ProgramCutRecorder(cuts)))
+
     def _enter(self, block: int, toward: Optional[int] = None, span: Optional[str] = None):
         """The way into a block's compute, taken on entering it and again on resuming it
         after a wait (the other sub-batches ran meanwhile): its parameters whole through
@@ -306,9 +323,10 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
         """Block i of a sub-batch, forward: partial, all-reduce, combine; returns its
         output. ``keep``: its graph stays live (else the ``fine`` stash is kept)."""
         blk = run.blocks[i]
-        with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp(), \
-                CutRecorder() as rec:
-            p = blk.partial(x_in)
+        rec = CutRecorder()
+        p = yield from drive(run, lambda: blk.partial_steps(x_in),
+                             self._segment(run, i, f"{name} P{i}", keep, rec, st.later, i + 1),
+                             cuts=st.later)
         (reduced,) = yield from collect([("ar", reduce_buffer(p, keep, blk, x_in), blk.tp_group)])
         if not keep:
             st.rng_combine = run.snap()
@@ -351,13 +369,14 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
             st.out = blk.combine(x_in, ReducedAsPartial.apply(p, reduced))
         st.x_in = x_in
 
-    def _recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState, name: str) -> None:
+    def _recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState, name: str) -> Program:
         blk = run.blocks[i]
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         reduced = st.saved_r.get(blk, i, self.recompute)
-        with label(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp(), \
-                CutRecorder() as rec:
-            p = blk.partial(x_in)
+        rec = CutRecorder()
+        p = yield from drive(run, lambda: blk.partial_steps(x_in),
+                             self._segment(run, i, name, True, rec, st.later),
+                             replay=st.rng_partial, cuts=st.later)
         st.cuts = rec.cuts
         with label(name):
             self._rebuild(run, blk, st, reduced, x_in, p)
@@ -374,9 +393,10 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
             if i > a:
                 x = yield from self._to_degree(model, x, blocks[i - 1].degree, blocks[i].degree)
             x_in = x.detach().requires_grad_()
-            with self._enter(i, i + 1, f"{name} P{i}"), run.replay(st.rng_partial), \
-                    torch.enable_grad(), run.amp(), CutRecorder() as rec:
-                p = blocks[i].partial(x_in)
+            rec = CutRecorder()
+            p = yield from drive(run, lambda: blocks[i].partial_steps(x_in),
+                                 self._segment(run, i, f"{name} P{i}", True, rec, st.later,
+                                               i + 1), replay=st.rng_partial, cuts=st.later)
             buf = p.detach().clone(memory_format=torch.contiguous_format)
             (reduced,) = yield from collect([("ar", buf, blocks[i].tp_group)])  # re-issued
             st.cuts = rec.cuts
@@ -393,8 +413,8 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
         sp = run.sequence_parallel
         with self._enter(i):
             if self.recompute == "fine":
-                (self._sp_recompute_fine if sp else self._recompute_fine)(run, i, st,
-                                                                          f"R{sb.name} {i}")
+                fine = self._sp_recompute_fine if sp else self._recompute_fine
+                yield from fine(run, i, st, f"R{sb.name} {i}")
             else:
                 a, b = group_of[i]
                 group = self._sp_recompute_group if sp else self._recompute_group
@@ -441,6 +461,8 @@ class OasesEngine(SequencePrograms, DegreeTransitions):
         st = sb.blocks[i]
         with self._enter(i, i - 1 if i > 0 else None, f"B{sb.name} {i}"):
             backward(st.out, grad)
+        yield from program_backward(run, st.later,
+                                    lambda first: self._enter(i, span=f"B{sb.name} {i} ring"))
         yield from self._cut_backward(st.cuts, f"B{sb.name} {i} in", prepare, i)
 
 

@@ -164,14 +164,16 @@ class MicroBatchRun:
 
 class Traits(NamedTuple):
     draws: bool   # running the model draws random numbers (in its current training mode)
-    alone: bool   # its every collective, each block's and the loss's, is over one rank
+    alone: bool   # its every collective, each block's and the loss's, is over one rank,
+    #               and it has no ring attention (context parallelism) to hide
 
 
 class ModelTraits:
     """What an engine decides once per model (held weakly), not per run: whether running
     it draws random numbers (:func:`~oases.overlap.rng_streams.draws_random`, per training
     mode: a walk over the modules) and whether its every collective, each block's and
-    the loss's, is over one rank. Called with the model and its blocks."""
+    the loss's, is over one rank with no ring exchange beside them. Called with the
+    model and its blocks."""
 
     def __init__(self) -> None:
         self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -179,8 +181,9 @@ class ModelTraits:
     def __call__(self, model: nn.Module, blocks: list) -> Traits:
         facts = self._of.get(model)
         if facts is None:
+            view = view_of(model)
             facts = {"alone": all(trivial(b.tp_group) for b in blocks)
-                     and trivial(view_of(model).tp_group)}
+                     and trivial(view.tp_group) and trivial(view.cp_group)}
             self._of[model] = facts
         if model.training not in facts:
             facts[model.training] = draws_random(model)

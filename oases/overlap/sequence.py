@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from oases.overlap.block_programs import drive, program_backward
 from oases.overlap.runner import MicroBatchRun, Program, collect
 from oases.overlap.state import BlockState, SubBatch
 from oases.parallel.backprop import backward
@@ -90,7 +91,7 @@ class SequencePrograms:
         fine = not keep and self.recompute == "fine"
         h = g = mid = None
         if x_in.is_floating_point():
-            prologue, region = blk.around_gather()
+            prologue, region = blk.around_gather_steps()
             with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), \
                     run.replay(st.rng_partial if replay else None), run.amp():
                 h = _region_input(prologue, x_in)
@@ -99,9 +100,10 @@ class SequencePrograms:
             if fine:
                 st.saved_g = run.stash(g, "all-gathered region input")
             g = g.detach().requires_grad_(keep)
-            with self._enter(i, span=f"{name} R{i}"), torch.set_grad_enabled(keep), \
-                    run.replay(mid), run.amp(), entering(GATHERED):
-                p = region(g)
+            p = yield from drive(run, lambda: region(g),
+                                 self._segment(run, i, f"{name} R{i}", keep, entering(GATHERED),
+                                               st.later),
+                                 replay=mid, cuts=st.later)
         else:  # token ids, whole on every rank: no all-gather (never recomputed)
             with self._enter(i, i + 1, f"{name} P{i}"), torch.set_grad_enabled(keep), run.amp():
                 p = blk.partial(x_in)
@@ -158,23 +160,28 @@ class SequencePrograms:
         (dp,) = yield from collect([("ag", seq_major(st.r.grad), grp)])
         with self._enter(i, span=f"B{sb.name} {i} region"):
             backward(st.p, batch_major(dp))
+        yield from program_backward(run, st.later,
+                                    lambda first: self._enter(i, span=f"B{sb.name} {i} ring"))
         # the region input's gradient reduce-scattered back to the prologue's output chunk
         into = st.h is not None and st.g.grad is not None
         yield from self._reduce_back([("rs", seq_major(st.g.grad), grp)] if into else [],
                                      [st.h], prepare, i, f"B{sb.name} {i} in", batch_major)
 
     # -------------------------------------------------------------- recompute
-    def _sp_recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState, name: str) -> None:
-        """Block i again from the stash: no collective."""
+    def _sp_recompute_fine(self, run: MicroBatchRun, i: int, st: BlockState,
+                           name: str) -> Program:
+        """Block i again from the stash: no collective (a ring's exchanges, if any, again)."""
         blk = run.blocks[i]
-        prologue, region = blk.around_gather()
+        prologue, region = blk.around_gather_steps()
         x_in = st.saved_x.get(blk, i, self.recompute).detach().requires_grad_()
         g = st.saved_g.get(blk, i, self.recompute).detach().requires_grad_()
         r = st.saved_r.get(blk, i, self.recompute).detach().requires_grad_()
         with label(name), run.replay(st.rng_partial), torch.enable_grad(), run.amp():
             h = _region_input(prologue, x_in)
-            with entering(GATHERED):
-                p = region(g)
+            mid = run.snap()  # the region draws on from here
+        p = yield from drive(run, lambda: region(g),
+                             self._segment(run, i, name, True, entering(GATHERED), st.later),
+                             replay=mid, cuts=st.later)
         with label(name), run.replay(st.rng_combine), torch.enable_grad(), run.amp():
             st.out = blk.combine(x_in, r)
         st.x_in, st.h, st.g, st.p, st.r = x_in, h, g, p, r

@@ -36,6 +36,7 @@ class BlockState:
     rng_partial: Optional[dict] = None
     rng_combine: Optional[dict] = None
     cuts: list = field(default_factory=list)
+    later: list = field(default_factory=list)  # deferred backwards (ProgramCut: the ring's)
     out: Optional[torch.Tensor] = None
     # sequence parallelism (oases.overlap.sequence): the graph is live in three pieces
     # prologue x_in -> h, region g -> p, combine (x_in, r) -> out; g and r are leaves

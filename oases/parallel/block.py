@@ -15,6 +15,11 @@ TP region (a pre-norm), and ``region(h)``, from the region's input to the partia
 with ``partial(x) == region(prologue(x))``. A block that defines ``partial`` itself is
 taken whole, with an identity prologue (:meth:`TPBlock.around_gather`).
 
+``partial_steps(x)`` and ``region_steps(h)`` are the same computations as programs
+(:mod:`oases.parallel.program`): a block whose partial waits for transfers of its own
+(ring attention's) yields at each wait, so that the ``oases`` engine runs other
+sub-batches meanwhile; by default each is the plain method, in one piece.
+
 ``forward`` is the plain (blocking) path. A schedule that wants to hide the
 all-reduce calls ``partial``, launches the reduction itself, runs other work
 and calls ``combine`` when the reduction is done. A model is
@@ -43,6 +48,7 @@ import torch.nn as nn
 
 from oases.parallel.comm import group_size, reduce_from_tp
 from oases.parallel.layers import ParallelLayer
+from oases.parallel.program import Steps, done
 from oases.parallel.sequence import gathered_region, seq_leave
 
 
@@ -83,6 +89,14 @@ class TPBlock(nn.Module):
                                       f"region")
         return self.region(self.prologue(x))
 
+    def partial_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`partial` as a program (default: the method, in one piece)."""
+        return done(self.partial(x))
+
+    def region_steps(self, h: torch.Tensor) -> Steps:
+        """:meth:`region` as a program (default: the method, in one piece)."""
+        return done(self.region(h))
+
     def combine(self, x: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
@@ -93,6 +107,13 @@ class TPBlock(nn.Module):
         if type(self).partial is not TPBlock.partial:
             return _identity, self.partial
         return self.prologue, self.region
+
+    def around_gather_steps(self) -> tuple:
+        """:meth:`around_gather` with the region as a program (:meth:`region_steps`, or
+        :meth:`partial_steps` for a block that defines ``partial`` itself)."""
+        if type(self).partial is not TPBlock.partial:
+            return _identity, self.partial_steps
+        return self.prologue, self.region_steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:

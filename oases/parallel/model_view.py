@@ -45,6 +45,8 @@ class EngineModel(Protocol):
     wgrad: object
     """Its :class:`~oases.parallel.wgrad.WeightGradStore` when its blocks' weight gradients
     may be deferred (zero-bubble pipelines), else None."""
+    cp_group: Optional[object]
+    """Context parallelism's group: its blocks' ring attention exchanges over it."""
     chunks: Optional[list]
     """Interleaved pipelines: a model per virtual stage this rank runs, sharing this
     one's blocks (each an :class:`EngineModel`), else None."""
@@ -82,6 +84,7 @@ class ModelView:
     documents: Optional[object] = None  # None: the model takes no documents
     wgrad: Optional[object] = None      # None: weight gradients computed in backward
     chunks: Optional[list] = None       # None: one stage (or the whole model)
+    cp_group: Optional[object] = None   # None: no context parallelism
 
     @property
     def split_loss(self) -> bool:
@@ -116,4 +119,5 @@ def view_of(model: EngineModel) -> ModelView:
         loss_tokens=getattr(model, "loss_tokens", None),
         documents=getattr(model, "documents", None),
         wgrad=getattr(model, "wgrad", None),
-        chunks=getattr(model, "chunks", None))
+        chunks=getattr(model, "chunks", None),
+        cp_group=getattr(model, "cp_group", None))

@@ -21,7 +21,6 @@ on another thread, or autograd's device thread re-running a
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Optional, Protocol
 
@@ -59,14 +58,22 @@ def entered_region() -> Optional[TPRegionEntry]:
     return st[-1] if st else None
 
 
-@contextlib.contextmanager
-def entering(entry: TPRegionEntry):
-    """Forwards on this thread enter TP regions through ``entry`` within the block."""
-    _stack().append(entry)
-    try:
-        yield entry
-    finally:
-        _stack().remove(entry)
+class entering:
+    """``with entering(entry):`` forwards on this thread enter TP regions through
+    ``entry`` within the block. Reusable: an engine enters the same one again for each
+    piece of a block it runs in pieces."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: TPRegionEntry) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> TPRegionEntry:
+        _stack().append(self.entry)
+        return self.entry
+
+    def __exit__(self, *exc) -> None:
+        _stack().remove(self.entry)
 
 
 class Cut:

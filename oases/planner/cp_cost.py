@@ -32,15 +32,18 @@ that step's attention compute a: with the attention core's share of the block
 
 (backward step s has the next kv block and step s - 1's accumulator in flight; the
 last hop home is waited at once), plus the host's per-call cost of each exchange
-(``call_s``). These waits lengthen the block's compute in the cost model, so under the
-``oases`` engine the other sub-batch's TP collective still pairs with them.
+(``call_s``). Under the ``oases`` engine a ring step's wait is a yield point of its
+sub-batch (:mod:`oases.overlap.block_programs`): the other n - 1 sub-batches compute
+their own step meanwhile, so a is n times one sub-batch's step there. These waits
+lengthen the block's compute in the cost model, so under the ``oases`` engine the other
+sub-batch's TP collective still pairs with them.
 
 Left out: the ring's kernels are priced as the profiled attention's (per-block kernels
 and the log-sum-exp merge cost more: 2.1x SDPA's time on one H200,
 benchmarks/results/ring-cuda-nvidia-h200.md); the host cycles the ring's bytes take on
-CPU ranks (``cpu_per_byte`` is the TP collectives'); the other sub-batch's compute, which
-the ring's waits do not yield to (its steps are not yield points of the engine); cp
-rings of one node sharing its links; the ring's transient buffers (two kv blocks, and
+CPU ranks (``cpu_per_byte`` is the TP collectives'); that the other sub-batches' turn
+at a ring wait may be another segment than their own ring step (a TP collective's
+partner, a combine); cp rings of one node sharing its links; the ring's transient buffers (two kv blocks, and
 in backward two fp32 accumulators); and where the profiled attention kept T^2 scores
 (the math kernel) the ring keeps one block's at a time: the memory row is then an upper
 bound.
@@ -125,9 +128,11 @@ def ring_of(cm, t: int) -> Ring:
 def ring_exposed(cm, kind: str, t: int) -> tuple[float, float]:
     """(forward, backward) seconds the ring adds to one sub-batch of block ``kind`` at
     degree t: 0 but for attention under cp. The attention per ring step is the core's
-    share of the block's profiled time (already at T/cp tokens) over cp steps."""
+    share of the block's profiled time (already at T/cp tokens) over cp steps, times the
+    sub-batches that compute while one waits (all of them under ``oases``)."""
     if kind != "attn" or cm.run.cp < 2:
         return 0.0, 0.0
     prof = cm.profile.blocks[kind][str(t)]
-    per_step = core_share(cm.shape) / cm.run.cp
+    turns = cm.run.sub_batches if cm.run.schedule == "oases" else 1
+    per_step = turns * core_share(cm.shape) / cm.run.cp
     return ring_of(cm, t).exposed(per_step * prof["fwd"], per_step * prof["bwd"])

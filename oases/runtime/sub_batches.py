@@ -11,7 +11,7 @@ segment exceeds what the device spends on it (small micro-batches, high TP degre
 a fast link), one sub-batch is faster; where communication dominates, two or more.
 The only way to know is to time both, so that is what happens:
 
-* no TP collective at all: 1, without measuring;
+* no TP collective and no ring attention (cp = 1) at all: 1, without measuring;
 * a plan made by the planner (``parallel.plan=auto``, or a plan file that records it)
   ran the count it priced: that count;
 * a resumed run: the count its checkpoint ran (the same split gives the same curve);
@@ -64,7 +64,10 @@ def candidates(cfg: Config, ctx: ParallelContext, degrees: Optional[list[int]]) 
 
 
 def communicates(ctx: ParallelContext, degrees: Optional[list[int]]) -> bool:
-    """Whether any block of the run (any stage) has a TP collective."""
+    """Whether any block of the run (any stage) has a TP collective, or a ring attention
+    exchange (context parallelism), that another sub-batch could hide."""
+    if ctx.cp > 1:
+        return True
     if ctx.layout is not None:
         return any(s.tp > 1 and (s.degrees is None or max(s.degrees) > 1)
                    for s in ctx.layout.stages)
