@@ -11,12 +11,19 @@ rounds every mode runs once, round-robin, in fresh processes; a mode's figure is
 median over rounds of the median step time after ``--warmup`` steps (the zero
 benchmark's driver).
 
-Modes: ``cp2`` (the receive of each ring step's next kv block posted before the
-current block's attention, waited after it) and ``cp2-waited``
-(``parallel.cp_overlap=false``: each transfer waited at once, before the attention).
-The hidden share of the ring's time is 1 - wait(cp2) / wait(cp2-waited), where wait is
-rank 0's time blocked on ring transfers per step (``cp_ring_wait_s`` in metrics.jsonl):
-waited at once, the whole transfer is exposed. Beside it, the transfer time the ring's
+Modes, each engine with the ring overlapped and waited:
+
+* ``cp2`` (``megatron``): the receive of each ring step's next kv block posted before the
+  current block's attention, waited after it;
+* ``cp2-waited``: ``parallel.cp_overlap=false``, each transfer waited at once, before the
+  attention;
+* ``cp2-oases`` (``oases``, two sub-batches): as ``cp2``, and where a sub-batch would wait
+  for a transfer it yields, the other sub-batch computing meanwhile;
+* ``cp2-oases-waited``: the ``oases`` engine with ``parallel.cp_overlap=false``.
+
+An engine's hidden share of the ring's time is 1 - wait(overlapped) / wait(waited),
+where wait is rank 0's time blocked on ring transfers per step (``cp_ring_wait_s`` in
+metrics.jsonl): waited at once, the whole transfer is exposed. Beside it, the transfer time the ring's
 bytes take at the link's rate: per layer and micro-batch, cp - 1 kv blocks in forward,
 cp - 1 kv blocks and cp fp32 dk/dv accumulators in backward (recompute=none), each
 (2, B, H, T/cp, D) fp32 on this CPU cluster, one message per direction per exchange.
@@ -36,9 +43,13 @@ from benchmarks.lib import driver, train_run
 CP = 2
 MODES = {"cp2": [f"parallel.cp={CP}", "parallel.schedule=megatron", "parallel.recompute=none"]}
 MODES["cp2-waited"] = [*MODES["cp2"], "parallel.cp_overlap=false"]
+MODES["cp2-oases"] = [f"parallel.cp={CP}", "parallel.schedule=oases", "parallel.sub_batches=2",
+                      "parallel.recompute=none"]
+MODES["cp2-oases-waited"] = [*MODES["cp2-oases"], "parallel.cp_overlap=false"]
+PAIRS = (("cp2", "cp2-waited"), ("cp2-oases", "cp2-oases-waited"))  # (overlapped, waited)
 # long enough that a ring step's attention is of the order of its transfer
 DEFAULT_MODEL = {"d_model": 256, "n_layer": 2, "n_head": 4, "seq_len": 2048,
-                 "micro_batch_size": 1, "grad_accum": 2}
+                 "micro_batch_size": 2, "grad_accum": 1}  # 2 rows: the oases sub-batches
 
 
 def ring_seconds(model: dict, gbps: float, cp: int = CP) -> tuple[float, float]:
@@ -66,19 +77,23 @@ def render(out: Path, data: dict) -> None:
                      f"{'-' if wait is None else f'{wait:.3f}'} |")
     lines += driver.per_round_line(data, "ring wait s/step",
                                    lambda r: f"{r.get('cp_ring_wait_s') or 0:.3f}")
-    on, off = per.get("cp2"), per.get("cp2-waited")
     gbps = meta.get("link_gbps")
-    if on and off and gbps:
+    if gbps:
         nbytes, ring = ring_seconds(model, gbps)
-        saved = off["step_time_s"] - on["step_time_s"]
         lines += ["", f"The ring's messages: {nbytes / 2**20:.1f} MiB per direction per step, "
-                      f"{ring:.3f} s at {gbps * 1000:.0f} Mbit/s. The overlap saves "
-                      f"{saved:.3f} s per step ({off['step_time_s'] / on['step_time_s']:.2f}x "
-                      f"tokens/s)."]
-        a, b = on.get("cp_ring_wait_s"), off.get("cp_ring_wait_s")
-        if a is not None and b:
-            lines += ["", f"Hidden share of the ring's time: {1 - a / b:.0%} (rank 0 waits "
-                          f"{a:.3f} s per step with the overlap, {b:.3f} s waiting at once)."]
+                      f"{ring:.3f} s at {gbps * 1000:.0f} Mbit/s."]
+    for a, b in PAIRS:
+        on, off = per.get(a), per.get(b)
+        if not (on and off):
+            continue
+        lines += ["", f"{a} against {b}: the overlap saves "
+                      f"{off['step_time_s'] - on['step_time_s']:.3f} s per step "
+                      f"({off['step_time_s'] / on['step_time_s']:.2f}x tokens/s)."]
+        w_on, w_off = on.get("cp_ring_wait_s"), off.get("cp_ring_wait_s")
+        if w_on is not None and w_off:
+            lines[-1] += (f" Hidden share of the ring's time: {1 - w_on / w_off:.0%} (rank 0 "
+                          f"waits {w_on:.3f} s per step overlapped, {w_off:.3f} s waiting at "
+                          f"once).")
     lines += driver.failed_runs(data)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
