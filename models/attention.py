@@ -22,7 +22,8 @@ from oases.parallel.comm import group_size
 from oases.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oases.parallel.random import TPRNGTracker
 from oases.parallel.recompute import recompute
-from oases.parallel.ring_attention import ring_attention
+from oases.parallel.program import done, finish
+from oases.parallel.ring_attention import ring_attention_steps
 from oases.parallel.sequence import part_dropout, seq_part
 
 
@@ -98,7 +99,8 @@ class ParallelAttention(ResidualBlock):
     Context parallelism (``cp_group`` of cp > 1 ranks, those with this rank's TP rank):
     the input is this rank's head-tail tokens of each row; q, k, v of its local heads
     are rotated at the tokens' global positions and attend over the whole row through
-    :func:`~oases.parallel.ring_attention.ring_attention` on the cp group, with the
+    :func:`~oases.parallel.ring_attention.ring_attention` on the cp group (as a program
+    under the ``oases`` engine, :meth:`partial_steps`), with the
     whole rows' document numbers (:class:`~oases.models.documents.DocumentSlot`).
     """
 
@@ -167,23 +169,47 @@ class ParallelAttention(ResidualBlock):
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.proj.partial(y)
 
-    def region(self, h):
+    def _positions(self, h):
         docs = self.documents
-        positions = None if docs is None else docs.local_positions(self.degree, h.shape[1],
-                                                                    h.device)
-        q, k, v = self.heads_of(h, positions)
+        return None if docs is None else docs.local_positions(self.degree, h.shape[1], h.device)
+
+    def partial_steps(self, x):
+        """Under context parallelism a program that yields at the ring's waits
+        (:meth:`region_steps`); else :meth:`partial` in one piece."""
+        if group_size(self.cp_group) <= 1:
+            return done(self.partial(x))
+        return self._ring_region(self.prologue(x))
+
+    def region_steps(self, h):
+        if group_size(self.cp_group) <= 1:
+            return done(self.region(h))
+        return self._ring_region(h)
+
+    def _ring_region(self, h):
+        """The region under context parallelism, as a program: attention through the ring
+        (:func:`~oases.parallel.ring_attention.ring_attention_steps`), which yields where
+        it waits for a kv block or a gradient accumulator.
+
+        recompute=selective does not wrap the ring: it keeps no T^2 probabilities (its
+        backward recomputes each block's from q, k, v and the saved output and
+        log-sum-exp), so recomputing it would only send every kv block again."""
+        q, k, v = self.heads_of(h, self._positions(h))
+        whole = None if self.documents is None else self.documents.at(self.degree)
+        p = self.attn_dropout if self.training else 0.0
+        # each rank's heads draw their own masks; the fork may stay open across the ring's
+        # yields (the oases runner keeps each sub-batch's generator states apart)
+        with self.tracker.fork() if p > 0.0 and self.tracker is not None \
+                else contextlib.nullcontext():
+            y = yield from ring_attention_steps(q, k, v, self.cp_group, causal=True,
+                                                doc=None if whole is None else whole.doc,
+                                                overlap=self.cp_overlap, clock=self.cp_clock,
+                                                dropout=p)
+        return self.out_partial(y)
+
+    def region(self, h):
         if group_size(self.cp_group) > 1:
-            # recompute=selective does not wrap the ring: it keeps no T^2 probabilities
-            # (its backward recomputes each block's from q, k, v and the saved output
-            # and log-sum-exp), so recomputing it would only send every kv block again
-            whole = None if docs is None else docs.at(self.degree)
-            p = self.attn_dropout if self.training else 0.0
-            with self.tracker.fork() if p > 0.0 and self.tracker is not None \
-                    else contextlib.nullcontext():  # each rank's heads: their own masks
-                y = ring_attention(q, k, v, self.cp_group, causal=True,
-                                   doc=None if whole is None else whole.doc,
-                                   overlap=self.cp_overlap, clock=self.cp_clock, dropout=p)
-            return self.out_partial(y)
+            return finish(self._ring_region(h))
+        q, k, v = self.heads_of(h, self._positions(h))
         # the mask is taken here, once: a recompute of the core gets it as an input
         mask = self.train_mask(h.shape[1], h.device)
         if self.selective and self.training and torch.is_grad_enabled():
