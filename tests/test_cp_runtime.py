@@ -88,13 +88,14 @@ def test_cp_training_matches_the_unsharded_run():
     ],))
 
 
-@pytest.mark.slow  # eight more parity cases
+@pytest.mark.slow  # nine more parity cases
 def test_cp_composes_with_the_other_dimensions_as_the_unsharded_run():
     run_distributed(_parity_body, world=WORLD, tp=None, args=([
         (("gpt", ("megatron", "none"), 2), ()),                      # cp 2 x dp 2
         (("llama", ("megatron", "selective"), 2, 2), ()),            # cp 2 x tp 2, GQA
         (("llama", ("megatron", "none"), 2), ("parallel.zero=3",)),  # cp 2 x dp 2, ZeRO-3
         (("llama", ("oases", "fine"), 2), ("parallel.zero=3",)),     # ZeRO-3's gathers at yields
+        (("gpt", ("oases", "fine"), 2, 1, 2), ()),                   # cp 2 x pp 2 under oases
         (("gpt", ("oases", "none"), 2, 2), ("parallel.overlap_fb=true",)),
         (("llama", ("oases", "fine"), 2, 2), ("parallel.sequence_parallel=true",)),  # x SP
         (("gpt", ("megatron", "none"), 2, 2), ("parallel.sequence_parallel=true",)),
