@@ -40,7 +40,6 @@ from pathlib import Path
 from benchmarks.lib import driver
 from benchmarks.lib.driver import machine_line
 from benchmarks.lib.ranks import init_gloo, reset_peak, spawn_ranks, status_kib, write_result
-from oases.parallel.ring_kernels import MATH_ROWS
 
 MODEL = ["model.name=gpt-tiny", "model.d_model=256", "model.n_layer=2", "model.n_head=4",
          "model.n_kv_heads=4", "model.ffn_hidden=1024", "model.vocab_size=256",
@@ -116,39 +115,26 @@ def _ratio(a, b) -> str:
     return f"{a / b:.3f}" if b else "-"
 
 
-def _heads(shape: str) -> int:
-    """The query heads of the report's model line (``model.n_head=...``, the last given)."""
-    kv = dict(o.split("=", 1) for o in shape.split(",")[0].split() if "=" in o)
-    return int(kv["model.n_head"])
-
-
 def render(out: Path, data: dict) -> None:
-    mib, heads = 2**20, _heads(data["shape"])
+    mib = 2**20
     lines = ["# Context parallelism: memory per rank", "", machine_line(data["machine"]), "",
              driver.command_line(data), "",
              f"Model: {data['shape']}; fp32; rank 0's figures, each (seq, cp) in fresh "
-             f"processes. Peak resident set: "
-             f"{data['rss_source']}. Score tile: one (B, Hq, {data['math_rows']}, T/cp) fp32 "
-             f"matrix, a tile of {data['math_rows']} query rows of the ring's CPU math path "
-             "(`oases.parallel.ring_kernels.MATH_ROWS`; none at cp 1); excess: the peak "
-             "growth beyond cp 1's divided by cp, in score tiles.", "",
+             f"processes. Peak resident set: {data['rss_source']}. Excess: the peak growth "
+             "beyond cp 1's divided by cp.", "",
              "| seq | cp | tokens per rank | saved activations (MiB) | vs cp 1 | 1/cp | "
-             "peak RSS growth (MiB) | vs cp 1 | score tile (MiB) | excess (tiles) | "
-             "step (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS growth (MiB) | vs cp 1 | excess (MiB) | step (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for seq, by_cp in data["by_seq"].items():
         base = by_cp.get("1")
         for cp, r in by_cp.items():
             if r is None:
                 lines.append(f"| {seq} | {cp} | - | not run: {data['skipped'][seq][cp]} "
-                             "| - | - | - | - | - | - | - |")
+                             "| - | - | - | - | - | - |")
                 continue
             s0, m0 = (base["saved_bytes"], base["rss_growth_bytes"]) if base else (0, 0)
-            tl = int(seq) // int(cp)
-            block = heads * min(data["math_rows"], tl) * tl * 4 if cp != "1" else 0
-            excess = (f"{(r['rss_growth_bytes'] - m0 / int(cp)) / block:.1f}"
-                      if block and m0 else "-")
-            tail = (f"{block / mib:.0f} | {excess}" if block else "- | -")
+            tail = (f"{(r['rss_growth_bytes'] - m0 / int(cp)) / mib:.1f}"
+                    if cp != "1" and m0 else "-")
             lines.append(
                 f"| {seq} | {cp} | {int(seq) // int(cp)} | {r['saved_bytes'] / mib:.1f} | "
                 f"{_ratio(r['saved_bytes'], s0)} | {1 / int(cp):.3f} | "
@@ -179,13 +165,13 @@ NOTES = [
     "positions (T/cp int64) are kept for the position embedding's backward.",
     "",
     "**The peak resident set** holds, beyond the saved activations, the transient "
-    "tensors of the step. At cp 1 attention is torch's CPU flash kernel "
-    "(`_scaled_dot_product_flash_attention_for_cpu`, forward and backward), which keeps "
-    "no T x T tensor. The ring's CPU math path computes each block in tiles of query "
-    "rows, whose scores are (B, Hq, rows, T/cp) fp32, and a tile's backward holds about "
-    "four such matrices at once (scores, probabilities, dP, dS: the excess column, in "
-    "tiles): a term linear in T/cp, absent at cp 1. On CUDA the ring takes the fused "
-    "kernels, which keep no tile (docs/context-parallel.md).",
+    "tensors of the step. Attention is torch's CPU flash kernel "
+    "(`_scaled_dot_product_flash_attention_for_cpu`, forward and backward) at cp 1 and "
+    "in each ring step alike (the ring's backward feeds it the whole sequence's output "
+    "and log-sum-exp), so neither keeps a T x T tensor. With documents or dropout the "
+    "ring takes its fp32 math path instead, in tiles of "
+    "`oases.parallel.ring_kernels.MATH_ROWS` query rows whose (B, Hq, rows, T/cp) score "
+    "matrices it holds four at a time in backward (none here).",
     "",
     "Beside it, what does not shrink by cp: the parameters and their gradients (above), "
     "whole on every rank; the ring's kv blocks in flight (the one attended and the next "
@@ -228,7 +214,7 @@ def main(argv=None) -> int:
         "machine": machine_info(), "command": driver.command("benchmarks.cp_memory", argv),
         "elapsed_min": (time.time() - t0) / 60,
         "shape": " ".join(overrides) + ", micro-batch 1",
-        "rss_source": " and ".join(sorted(sources)), "math_rows": MATH_ROWS,
+        "rss_source": " and ".join(sorted(sources)),
         "by_seq": by_seq, "skipped": skipped}, render)
     return 0
 

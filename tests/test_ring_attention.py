@@ -6,7 +6,9 @@ so a ring that would hang on GPUs raises instead), every rank's output and q/k/v
 gradients equal its head-tail shard of single-process attention over the whole
 sequence (F.scaled_dot_product_attention), at cp=2 (two cp groups interleaved in a
 world of 4, so group ranks differ from global ones) and cp=4: MHA and GQA, causal and
-not, with documents that cross chunk boundaries.
+not, with documents that cross chunk boundaries. Without documents a block takes torch's
+CPU flash kernel (forward with its lse, backward from the global output and lse); the
+query-tile test takes the fp32 math path for every case.
 
 Tolerance: fp32 on both sides, but in another order: the ring sums each query's keys
 block by block and merges the blocks by log-sum-exp, and dk/dv sum the ranks' shares
@@ -89,8 +91,9 @@ def _check_case(group, cp: int, rank: int, case, device="cpu", rel_tol=REL_TOL):
 
 def _parity_body(rank: int, cp: int, device: str = "cpu", rel_tol: float = REL_TOL,
                  rows: int = 0):
-    if rows:  # the fp32 path's query tiles (ring_kernels.MATH_ROWS)
+    if rows:  # the fp32 path's query tiles (ring_kernels.MATH_ROWS), every case on it
         ring_kernels.MATH_ROWS = rows
+        ring_kernels.FUSED_ON_CPU = False
     # fp32 matmuls, whatever an in-process training run set before the fork (TF32)
     torch.set_float32_matmul_precision("highest")
     world = dist.get_world_size()
@@ -108,7 +111,9 @@ def test_ring_matches_whole_sequence_attention(cp, world):
 
 
 def test_ring_in_query_tiles_matches_whole_sequence_attention():
-    # tiles of 5 rows: several per block, the last one short, a causal mask cut across them
+    # the fp32 math path for every case (elsewhere it takes those with documents; the
+    # others take torch's CPU flash kernel) in tiles of 5 rows: several per block, the
+    # last one short, a causal mask cut across them
     run_distributed(_parity_body, world=2, tp=None, args=(2, "cpu", REL_TOL, 5))
 
 

@@ -2,13 +2,14 @@
 block's attention with its log-sum-exp, the merge of two blocks' partial results, and
 one block's gradients from the whole sequence's output and log-sum-exp.
 
-**Kernels.** On CPU, and wherever a mask beyond the causal one is needed, each block is
-plain matmul + softmax in fp32 that returns the lse, in tiles of ``MATH_ROWS`` query
-rows (a tile's score matrix is materialised: (B, Hq, MATH_ROWS, Tk)). On CUDA without
-documents the forward uses the fused kernel SDPA would pick that returns an lse (flash
-in fp16/bf16, memory-efficient otherwise), with kv heads expanded for it; the backward
-takes flash's backward kernel with the global out and lse (bf16/fp16), else the fp32
-math above.
+**Kernels.** Without documents or dropout a block takes a fused kernel that returns its
+lse, with kv heads expanded for it: on CUDA the one SDPA would pick (flash in
+fp16/bf16, memory-efficient otherwise), on CPU torch's CPU flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``). The backward takes flash's backward
+kernel with the global out and lse: CUDA's in bf16/fp16, the CPU's in every dtype. Else,
+and wherever a mask beyond the causal one is needed (documents), each block is plain
+matmul + softmax in fp32 that returns the lse, in tiles of ``MATH_ROWS`` query rows (a
+tile's score matrix is materialised: (B, Hq, MATH_ROWS, Tk)).
 
 **Dropout** (``dropout`` > 0) multiplies each tile's probabilities by a keep mask drawn
 from the current generator of the device (the caller's random stream) in a fixed order;
@@ -25,9 +26,12 @@ import torch
 from oases.parallel.cp_chunks import Block
 
 # the fused CUDA forward (flash / memory-efficient kernels returning an lse); False
-# keeps every device on the fp32 math path
+# keeps CUDA on the fp32 math path
 FUSED_ON_CUDA = True
-# query rows per tile of the fp32 math path (CPU, documents): a tile's score matrices
+# torch's CPU flash kernel, forward (returns the lse) and backward (takes it); False keeps
+# the CPU on the fp32 math path
+FUSED_ON_CPU = True
+# query rows per tile of the fp32 math path (documents, dropout): a tile's score matrices
 # are (B, H, MATH_ROWS, Tk) fp32, so the path's memory is linear in the block's keys
 MATH_ROWS = 256
 
@@ -95,10 +99,7 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 def _fused_forward(q, k, v, causal: bool, scale: float):
     """The CUDA kernels' (out, lse), or None where neither takes the call."""
-    r = q.shape[1] // k.shape[1]
-    if r > 1:  # the kernels want equal head counts: expand locally, only kv heads travel
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _expanded(q, k, v)
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
     if torch.backends.cuda.can_use_flash_attention(params, False):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
@@ -111,12 +112,50 @@ def _fused_forward(q, k, v, causal: bool, scale: float):
     return None
 
 
+def _expanded(q, k, v):
+    """k and v with each kv head repeated for its query heads (the fused kernels want
+    equal head counts: expanded locally, only kv heads travel), all three contiguous."""
+    r = q.shape[1] // k.shape[1]
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _fused(q: torch.Tensor, doc_q, dropout: float) -> bool:
+    """Whether a fused kernel may take the block: no documents, no dropout, and the
+    device's kernels switched on."""
+    if doc_q is not None or dropout:
+        return False
+    return FUSED_ON_CUDA if q.is_cuda else q.device.type == "cpu" and FUSED_ON_CPU
+
+
+def _cpu_forward(q, k, v, causal: bool, scale: float):
+    """torch's CPU flash kernel: (out, lse)."""
+    q, k, v = _expanded(q, k, v)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                      scale=scale)
+
+
+def _cpu_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """torch's CPU flash backward of one block given the *global* out and lse, as
+    :func:`_fused_grads` on CUDA: fp32 (dq, dk, dv), the kv heads' query groups summed."""
+    B, hq, tk, D = q.shape[0], q.shape[1], k.shape[2], q.shape[3]
+    r = hq // k.shape[1]
+    q, k, v = _expanded(q, k, v)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
+        scale=scale)
+    if r > 1:
+        dk, dv = (g.view(B, hq // r, r, tk, D).sum(2, dtype=torch.float32) for g in (dk, dv))
+    return dq.float(), dk.float(), dv.float()
+
+
 def attend(q, k, v, blk: Block, doc_q, doc_k, scale: float, dropout: float = 0.0):
     """One block's (out fp32, lse fp32) of the rows ``blk.q`` against keys ``blk.k``, or
     None when the documents leave no pair to compute."""
     q, k, v = q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k]
-    if q.is_cuda and FUSED_ON_CUDA and doc_q is None and not dropout:
-        res = _fused_forward(q, k, v, blk.causal, scale)
+    if _fused(q, doc_q, dropout):
+        res = (_fused_forward if q.is_cuda else _cpu_forward)(q, k, v, blk.causal, scale)
         if res is not None:
             return res[0].float(), res[1].float()
     mask = _block_mask(blk, doc_q, doc_k, q.device)
@@ -148,9 +187,7 @@ def _fused_grads(q, k, v, dout, out, lse, causal: bool, scale: float):
     query groups summed, or None where flash does not take the call."""
     B, hq, tk, D = q.shape[0], q.shape[1], k.shape[2], q.shape[3]
     r = hq // k.shape[1]
-    if r > 1:
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _expanded(q, k, v)
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
     if not torch.backends.cuda.can_use_flash_attention(params, False):
         return None
@@ -168,10 +205,11 @@ def block_grads(q, k, v, dout, lse, delta, blk: Block, doc_q, doc_k, scale: floa
                  out=None, dropout: float = 0.0):
     """fp32 (dq, dk, dv) of one block, from the global out/lse: dq for rows ``blk.q``,
     dk/dv for keys ``blk.k``; None when the documents leave nothing. ``out`` (the global
-    output, in q's dtype; ``dout`` then too) lets CUDA take flash's backward."""
-    if out is not None and q.is_cuda and FUSED_ON_CUDA and doc_q is None and not dropout:
-        res = _fused_grads(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], dout[:, :, blk.q],
-                           out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
+    output, in q's dtype; ``dout`` then too) lets the fused backward take the block."""
+    if out is not None and _fused(q, doc_q, dropout):
+        res = (_fused_grads if q.is_cuda else _cpu_grads)(
+            q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], dout[:, :, blk.q],
+            out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
         if res is not None:
             return res
     dout = dout.float()
