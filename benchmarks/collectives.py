@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.lib import driver
-from benchmarks.emucluster import EmulatedCluster, load_specs
+from emucluster import EmulatedCluster, load_specs
 from benchmarks.lib.machine import machine_info
 
 KINDS = ["all_reduce", "reduce_scatter_tensor", "all_to_all_single + sum",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver
-from benchmarks.emucluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
+from emucluster import ClusterError, ClusterSpec, EmulatedCluster, load_specs
 from benchmarks.lib.machine import fmt_mbit, machine_info
 from benchmarks.lib.train_run import model_flag, timed_run
 
@@ -128,7 +128,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, modes: list[str]) -> N
     ga = f" x {m['grad_accum']} per step" if "grad_accum" in m else ""  # older results: none
     L = [*driver.report_head(f"# Overlapped TP on a slow link ({meta['tag']})", meta),
          f"Emulated cluster: 2 nodes (network namespaces) x 1 CPU process, tp=2 across the link "
-         f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (benchmarks/emucluster). "
+         f"(gloo, OMP_NUM_THREADS=1), link shaped with tc tbf (emucluster). "
          f"Model: GPT d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
          f"ffn {4 * m['d_model']}, vocab {meta['vocab_size']}, seq {m['seq_len']}, micro batch "
          f"{m['micro_batch_size']}{ga}, fp32. Each figure: median over {meta['repeats']} repeats "

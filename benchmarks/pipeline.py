@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver, train_run
-from benchmarks.emucluster import ClusterError, ClusterSpec, EmulatedCluster, free_port, load_specs
-from benchmarks.emucluster.cpu_cgroup import NodeQuota, busy_cpu_s
+from emucluster import ClusterError, ClusterSpec, EmulatedCluster, free_port, load_specs
+from emucluster.cpu_cgroup import NodeQuota, busy_cpu_s
 from benchmarks.lib.machine import machine_info
 from benchmarks.lib.pipeline_report import BASELINE, RESHARD_ORDERS, TRACED_STEP, render, write_plan
 from benchmarks.lib.timeline import render_timelines, slug, trace_stats

@@ -16,7 +16,7 @@ Per topology (tp = every node, one process per node, oases + fine):
    measured, and whether the planner's plan is at least as fast as the best
    uniform plan, to ``benchmarks/results/planner.{md,json,png}``.
 
-Needs root and iproute2 (network namespaces), like benchmarks.emucluster.
+Needs root and iproute2 (network namespaces), like emucluster.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.lib import driver
-from benchmarks.emucluster import EmulatedCluster
+from emucluster import EmulatedCluster
 from benchmarks.lib.validation import (Validation, accuracy, measure_plans, plot,
                                        repeat_consistency, train_steps)
 from benchmarks.lib.validation import main as validation_main

@@ -9,7 +9,7 @@ layout, ``--random`` random plans), train each ``--repeats`` rounds round-robin
 (``benchmarks.lib.validation``), and report Spearman, mean error and the pick against
 the best measured and best uniform candidates to
 ``benchmarks/results/planner-layouts.{md,json,png}``. The details: benchmarks/README.md,
-section planner_layouts.py. Needs root and iproute2 (``benchmarks.emucluster``).
+section planner_layouts.py. Needs root and iproute2 (``emucluster``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def brief(c) -> dict:
 
 
 def topology(path: str, args, work: Path) -> dict:
-    from benchmarks.emucluster import EmulatedCluster
+    from emucluster import EmulatedCluster
     from oases.planner.cluster import load_cluster
 
     cluster = load_cluster(path)

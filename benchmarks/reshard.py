@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         return driver.rerender(Path(args.from_json), render, out=args.out)
     from functools import partial
 
-    from benchmarks.emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
+    from emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
                                         check_prerequisites, free_port)
     from benchmarks.lib.machine import machine_info
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.emucluster.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
+from emucluster.cpu_cgroup import (CPU_ROOT, NodeCgroups, cgroup_problem,
                                               cleanup_stale_cgroups, cluster_quotas, cpu_quotas)
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster

@@ -71,7 +71,7 @@ def write_markdown(path: Path, meta: dict, summary: dict, runs: list[dict]) -> N
     (d0, t0), (d1, t1) = RESHARD_ORDERS[meta["reshard_order"]]
     L = [*driver.report_head(f"# Pipeline parallelism across a slow link ({meta['tag']})", meta),
          "## Set-up", "",
-         "4 emulated nodes (network namespaces, benchmarks/emucluster) x 1 CPU process, two "
+         "4 emulated nodes (network namespaces, emucluster) x 1 CPU process, two "
          "pairs {0,1} and {2,3} with a fast link inside a pair and a slow one between the pairs "
          "(tc htb per destination), gloo, OMP_NUM_THREADS=1"
          + (f"; every node limited to **{q:g} core** (cgroup v1 cpu quota, period "

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
+from emucluster import (ClusterError, ClusterSpec, EmulatedCluster,
                                    check_prerequisites, free_port)
 from benchmarks.lib import driver
 

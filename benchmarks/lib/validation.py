@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.lib import driver
-from benchmarks.emucluster import ClusterError, EmulatedCluster, check_prerequisites, free_port
+from emucluster import ClusterError, EmulatedCluster, check_prerequisites, free_port
 
 
 def train_steps(c: EmulatedCluster, ov: list[str], out_dir: Path, timeout: float, warmup: int,

@@ -1,6 +1,6 @@
 """Cluster files (``configs/cluster/*.yaml``) and the analytic collective model.
 
-The same file drives the emulated cluster (benchmarks/emucluster/cluster.py) and the
+The same file drives the emulated cluster (emucluster/cluster.py) and the
 planner, so predicted and measured times refer to the same links and, where
 nodes differ (``node_speed``, ``node_memory_gib``), the same devices. Pure Python.
 
@@ -63,7 +63,7 @@ class Cluster:
     node_speed: Optional[list] = None       # per node, relative to the profiled device
     node_memory_gib: Optional[list] = None  # per node; default device_memory_gib each
     nccl_communicator_gib: Optional[float] = None  # one NCCL communicator's device memory
-    subnet: str = "10.231.0.0/24"   # emulation only (benchmarks/emucluster/cluster.py)
+    subnet: str = "10.231.0.0/24"   # emulation only (emucluster/cluster.py)
     bridge: str = "oasesbr0"        # emulation only
     cpu_share: Optional[float] = None  # emulation only: cores per node at speed 1.0
 

@@ -1,5 +1,5 @@
 """The emulated cluster's network: one namespace per node, a switch namespace with a
-bridge, a veth pair per node (see :mod:`benchmarks.emucluster.cluster` for the picture).
+bridge, a veth pair per node (see :mod:`emucluster.cluster` for the picture).
 
 Names: namespaces are ``oases<pid>-n<i>`` and ``oases<pid>-sw`` (``<pid>`` = the
 launcher's process id, so concurrent clusters never clash). Both ends of every veth

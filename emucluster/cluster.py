@@ -25,10 +25,10 @@ Topology (nothing is created in the host's own network namespace)::
   subnet (a private /24, ``emulation.subnet``) exists only inside the cluster,
   and deleting the namespaces removes every veth and the bridge with them.
 * Links: a ``tbf`` NIC model on a uniform cluster, per-peer ``htb`` classes on a
-  ``bandwidth_matrix_gbps`` one (:mod:`benchmarks.emucluster.shaping` says how).
+  ``bandwidth_matrix_gbps`` one (:mod:`emucluster.shaping` says how).
 * ``node_speed`` (some node != 1.0): every node's processes run in a cgroup v1
   cpu cgroup whose quota is its speed times its fair share of the host's cores
-  (:mod:`benchmarks.emucluster.cpu_cgroup`); without it, no cgroup is made.
+  (:mod:`emucluster.cpu_cgroup`); without it, no cgroup is made.
 
 Names: namespaces are ``oases<pid>-n<i>`` and ``oases<pid>-sw`` (``<pid>`` = the
 launcher's process id, so concurrent clusters never clash); at start-up the
@@ -54,16 +54,16 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.emucluster import netns
-from benchmarks.emucluster.cpu_cgroup import (CgroupError, NodeCgroups, cgroup_problem,
+from emucluster import netns
+from emucluster.cpu_cgroup import (CgroupError, NodeCgroups, cgroup_problem,
                                               cleanup_stale_cgroups, cluster_quotas)
-from benchmarks.emucluster.netns import (NS_RE, PREFIX, ClusterError,  # noqa: F401
+from emucluster.netns import (NS_RE, PREFIX, ClusterError,  # noqa: F401
                                          check_prerequisites, list_namespaces)
-from benchmarks.emucluster.shaping import shape_node
+from emucluster.shaping import shape_node
 from oases.errors import UserError
 from oases.planner.cluster import Cluster, load_cluster
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXIT_USAGE = 2
 
 

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from benchmarks.emucluster.netns import ClusterError, ifname, sh
+from emucluster.netns import ClusterError, ifname, sh
 
 
 def netem(*args: str) -> None:

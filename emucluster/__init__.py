@@ -2,7 +2,7 @@
 links to a bridge, ``tc`` shaping each link, a cgroup cpu quota per node), each running
 ``torchrun``. Benchmarks and tests import it; it imports nothing from them.
 
-    sudo .venv/bin/python -m benchmarks.emucluster \\
+    sudo .venv/bin/python -m emucluster \\
         --cluster configs/cluster/two-nodes-500m.yaml -- <train.py args>
 
 :mod:`.cluster` launches and tears down, :mod:`.netns` builds the network,
@@ -10,7 +10,7 @@ links to a bridge, ``tc`` shaping each link, a cgroup cpu quota per node), each 
 Needs root and iproute2 (``ip``, ``tc``).
 """
 
-from benchmarks.emucluster.cluster import (EXIT_USAGE, ClusterError, ClusterSpec,
+from emucluster.cluster import (EXIT_USAGE, ClusterError, ClusterSpec,
                                            EmulatedCluster, NodeResult, check_prerequisites,
                                            cleanup_stale, free_port, load_specs)
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.emucluster.netns import ClusterError
+from emucluster.netns import ClusterError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 ACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")

@@ -1,13 +1,13 @@
 """Run a torchrun script on an emulated multi-node cluster (network namespaces, veth, tc).
 
-    sudo .venv/bin/python -m benchmarks.emucluster --cluster configs/cluster/two-nodes-1g.yaml -- \\
+    sudo .venv/bin/python -m emucluster --cluster configs/cluster/two-nodes-1g.yaml -- \\
         --config configs/gpt-tiny.yaml parallel.tp=2 data.kind=synthetic wandb.mode=disabled
 
 runs ``train.py`` with those arguments on every node of the cluster
 (``torchrun --nnodes N --node-rank i --nproc-per-node D`` in each node, gloo over
 the emulated link) and prints node 0's output. ``--cleanup`` removes what a
 crashed run left behind and exits. Needs root and iproute2 (``ip``, ``tc``).
-The cluster itself is :mod:`benchmarks.emucluster.cluster`.
+The cluster itself is :mod:`emucluster.cluster`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from benchmarks.emucluster.cluster import (EXIT_USAGE, ClusterError, ClusterSpec,
+from emucluster.cluster import (EXIT_USAGE, ClusterError, ClusterSpec,
                                            EmulatedCluster, check_prerequisites, cleanup_stale,
                                            free_port)
 
@@ -29,7 +29,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         k = argv.index("--")
         argv, script_args = argv[:k], argv[k + 1:]
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.emucluster", description=__doc__,
+        prog="python -m emucluster", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s --cluster configs/cluster/X.yaml [options] -- <train.py args...>")
     p.add_argument("--cluster", help="cluster file (configs/cluster/*.yaml)")
