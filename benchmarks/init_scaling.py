@@ -125,14 +125,12 @@ def mem_available_gib() -> float:
 
 def expected_stage_bytes(model_name: str, stage: tuple, tp: int) -> int:
     """Parameter bytes of one rank of the stage, from the meta-device model (no memory)."""
-    import torch
-
     from oases import models
     from oases.config import load_config
 
     cfg = load_config(None, [f"model.name={model_name}", f"parallel.tp={tp}"]).validate(tp)
-    with torch.device("meta"):
-        m = models.build_model(cfg.model, cfg.padded_vocab(tp), None, seed=None, stage=stage)
+    m = models.build_model(cfg.model, cfg.padded_vocab(tp), None, seed=None, device="meta",
+                           stage=stage)
     return sum(p.numel() * p.element_size() for p in m.parameters()) // tp
 
 
