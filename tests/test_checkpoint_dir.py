@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from oases.config import load_config
@@ -212,7 +213,7 @@ def test_the_saver_has_the_runs_timeout(ctx, tmp_path, monkeypatch):
     monkeypatch.setattr(dist, "new_group",
                         lambda *a, **kw: made.append(kw) or real_group(*a, **kw))
     never: Future = Future()
-    monkeypatch.setattr(ckpt.dcp, "async_save", lambda *a, **kw: never)
+    monkeypatch.setattr(dcp, "async_save", lambda *a, **kw: never)  # what the saver calls
     saver = ckpt.AsyncSaver(0.2)
     model = torch.nn.Linear(2, 2)
     saver.save(str(tmp_path), 1, model, torch.optim.Adam(model.parameters()), ctx,

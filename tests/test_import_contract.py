@@ -120,7 +120,7 @@ def test_function_level_imports_say_why():
 
 
 def test_the_library_imports_no_entry_point_test_or_benchmark():
-    """``train.py``, ``tests/`` and ``benchmarks/`` stand on top of the house: nothing in
+    """``train.py``, ``tests/``, ``benchmarks/`` and ``emucluster/`` stand on top of the house: nothing in
     ``oases/`` or ``models/`` imports them (they are outside the contract's packages, so
     import-linter would not see such an import)."""
     bad = []
@@ -133,5 +133,20 @@ def test_the_library_imports_no_entry_point_test_or_benchmark():
             else:
                 continue
             bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in mods
-                    if m.split(".")[0] in ("train", "tests", "benchmarks")]
+                    if m.split(".")[0] in ("train", "tests", "benchmarks", "emucluster")]
     assert not bad, "\n".join(bad)
+
+
+def test_the_runtime_imports_dcp_at_the_first_save_or_load():
+    """``torch.distributed.checkpoint`` pulls in DTensor and sympy (~0.5 s of every
+    process's start-up): importing the trainer, as every train.py and CLI process does,
+    leaves them out; the checkpoint module's DCP names still resolve, on first use."""
+    code = ("import sys, oases.runtime.trainer, oases.runtime.checkpoint as c\n"
+            "heavy = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor',"
+            " 'sympy') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert c.CheckpointException.__module__ == 'torch.distributed.checkpoint.api'\n"
+            "assert c.read_metadata.__module__ == 'oases.runtime.ckpt_format'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -32,6 +32,7 @@ RNG states are restored only when the world layout is the same.
 from __future__ import annotations
 
 import datetime
+import importlib
 import sys
 import warnings
 from concurrent.futures import Future
@@ -41,27 +42,41 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from oases.config.schema import SHAPE_KEYS
 from oases.dp.ownership import ZeroOwnership
-from oases.errors import CheckpointError, CheckpointWriteError
+from oases.errors import CheckpointError, CheckpointWriteError, first_line
 from oases.parallel.groups import ParallelContext
 from oases.progress import io_progress, rank
 from oases.runtime import ckpt_files as files
 from oases.runtime.ckpt_files import (ckpt_root, find_checkpoint, is_complete, latest_name,
                                       read_meta)
-from oases.runtime.ckpt_format import (ChunkSavePlanner, cause, dcp_error, first_line,
-                                       load_windows, param_layout, read_metadata, reader_for,
-                                       state_pieces, windows_for)
 from oases.runtime.ckpt_read import full_model_state, full_shape, iter_model_tensors, model_keys
 
-__all__ = ["CheckpointException", "cause", "first_line", "read_metadata", "save", "load",
+__all__ = ["first_line", "save", "load",
            "AsyncSaver", "full_model_state", "full_shape", "iter_model_tensors", "model_keys",
            "ckpt_root", "is_complete", "read_meta", "latest_name", "latest_checkpoint",
            "find_checkpoint"]
+
+# DCP, and the format built on it, are imported at a process's first save or load:
+# ``torch.distributed.checkpoint`` pulls in DTensor and sympy (~0.8 s), which a process
+# that never saves or loads (an error exit, a checkpoint-free run, a CLI) need not pay.
+LAZY = {"CheckpointException": "torch.distributed.checkpoint.api",
+        "cause": "oases.runtime.ckpt_format", "read_metadata": "oases.runtime.ckpt_format"}
+
+
+def __getattr__(name: str):
+    """The names above, imported when first asked for (PEP 562)."""
+    if name not in LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(LAZY[name]), name)
+
+
+def dcp_format():
+    """``oases.runtime.ckpt_format`` (DCP with it), imported at the first use."""
+    from oases.runtime import ckpt_format  # deferred: imports DCP (DTensor, sympy)
+    return ckpt_format
 
 
 # ---------------------------------------------------------------------------
@@ -166,6 +181,7 @@ def _check(t: _Target, ctx: ParallelContext, failure: Optional[str]) -> None:
 
 def _dcp_failed(e: BaseException) -> tuple[Optional[BaseException], str]:
     """(what failed inside a DCP failure, one line naming the rank it failed on)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: DCP
     for r, v in (getattr(e, "failures", None) or {}).items():
         exc = v[0] if isinstance(v, tuple) else v
         if not isinstance(exc, CheckpointException):
@@ -173,7 +189,7 @@ def _dcp_failed(e: BaseException) -> tuple[Optional[BaseException], str]:
     return None, f"{type(e).__name__}: {first_line(e)}"
 
 
-def _dcp_failure(e: CheckpointException) -> str:
+def _dcp_failure(e: BaseException) -> str:
     """One line for DCP's failure of a write (the same exception on every rank); a peer
     that died or hung is re-raised, as the collective failure it is."""
     exc, line = _dcp_failed(e)
@@ -197,11 +213,11 @@ def _begin(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer
     rng_file = tmp / "rng" / f"rank{ctx.rank}.pt"
     _check(t, ctx, _local(f"writing {rng_file}", ctx,
                           lambda: files.save_tensors(rng_state, rng_file)))
-    return t, state_pieces(model, opt, ctx, shards)
+    return t, dcp_format().state_pieces(model, opt, ctx, shards)
 
 
 def _layout(model: nn.Module, ctx: ParallelContext) -> dict:
-    layout = param_layout(model)
+    layout = dcp_format().param_layout(model)
     if ctx.pp > 1:  # each stage knows only its own parameters
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, layout)
@@ -222,6 +238,9 @@ def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
     """Write this rank's owned state (``shards``: the run's ZeRO ownership) as step
     ``step``'s checkpoint and publish it (collective). A failure on any rank raises
     CheckpointWriteError on every rank."""
+    import torch.distributed.checkpoint as dcp  # deferred: DCP, at the first save
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: DCP
+
     t, pieces = _begin(out_dir, step, model, opt, ctx, meta, rng_state, keep, shards)
     failure = None
     try:
@@ -229,7 +248,7 @@ def save(out_dir: str, step: int, model: nn.Module, opt: torch.optim.Optimizer,
             with warnings.catch_warnings():  # "torch.distributed is ... uninitialized"
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.save({p.name: p.local for p in pieces}, checkpoint_id=str(t.tmp),
-                         planner=ChunkSavePlanner(pieces))
+                         planner=dcp_format().ChunkSavePlanner(pieces))
     except CheckpointException as e:  # the same on every rank: DCP gathers the failures
         failure = _dcp_failure(e)
     if failure is not None:
@@ -262,6 +281,7 @@ class AsyncSaver:
              shards: Optional[ZeroOwnership] = None) -> Path:
         """Start the save of step ``step`` (collective); returns the path it will have.
         The save in flight is finished first, and its failure raised on every rank."""
+        import torch.distributed.checkpoint as dcp  # deferred: DCP, at the first save
         from torch.distributed.checkpoint.staging import (  # deferred: async saves only
             DefaultStager, StagingOptions)
 
@@ -277,7 +297,8 @@ class AsyncSaver:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized"
             warnings.simplefilter("ignore", UserWarning)
             fut = dcp.async_save({p.name: p.local for p in pieces}, checkpoint_id=str(t.tmp),
-                                 planner=ChunkSavePlanner(pieces), process_group=self.group,
+                                 planner=dcp_format().ChunkSavePlanner(pieces),
+                                 process_group=self.group,
                                  async_stager=stager, no_dist=not distributed)
         self.pending = _Pending(fut, stager)
         return t.final
@@ -291,6 +312,8 @@ class AsyncSaver:
     def _finish(self) -> None:
         """Wait for the write in flight (at most ``timeout_s``) and, on rank 0, publish
         it; a failure is kept in ``failure`` (no collective)."""
+        from torch.distributed.checkpoint.api import CheckpointException  # deferred: DCP
+
         (fut, stager), self.pending = self.pending, None
         me = self.ctx.rank
         try:
@@ -346,15 +369,16 @@ def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
     checkpoint's. Collective, unless ``alone`` (one process reading by itself)."""
     meta = read_meta(path)
     check_model(path, meta, model_shape)
-    reader = reader_for(path)  # reads .metadata once, for the check and the load
-    saved = read_metadata(path, reader)
+    fmt = dcp_format()
+    reader = fmt.reader_for(path)  # reads .metadata once, for the check and the load
+    saved = fmt.read_metadata(path, reader)
     if opt is not None:
         ensure_optimizer_state(opt)
     if shards is not None:
         shards.release()  # nothing gathered, no all-gather in flight into the parameters
-    pieces = state_pieces(model, opt, ctx, shards, load=True)
+    pieces = fmt.state_pieces(model, opt, ctx, shards, load=True)
     with torch.no_grad():
-        load_windows(path, windows_for(path, pieces, saved), reader, alone=alone)
+        fmt.load_windows(path, fmt.windows_for(path, pieces, saved), reader, alone=alone)
     if shards is not None:
         shards.after_load()  # bf16 compute weights: the parameters follow the masters
     layout = layout or {"world_size": ctx.world_size, "tp": ctx.tp}
@@ -368,7 +392,7 @@ def load(path: Path, model: nn.Module, opt: Optional[torch.optim.Optimizer],
         return meta, torch.load(rng_file, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {rng_file.name} "
-                              f"({dcp_error(e)})") from None
+                              f"({fmt.dcp_error(e)})") from None
 
 
 def check_model(path: Path, meta: dict, model: dict) -> None:

@@ -43,7 +43,6 @@ from typing import Optional
 import torch
 
 from oases.errors import CheckpointError, first_line
-from oases.runtime.ckpt_format import read_metadata
 
 LATEST = "latest"
 _STEP_RE = re.compile(r"step_(\d+)")
@@ -190,6 +189,8 @@ def prune(root: Path, published: Path, keep: int) -> list[Path]:
 def unusable(path: Path) -> Optional[str]:
     """Why the checkpoint at ``path`` cannot be loaded (None: it can): missing, or its
     meta.json or DCP .metadata unreadable."""
+    from oases.runtime.ckpt_format import read_metadata  # deferred: imports DCP
+
     if not path.is_dir():
         return "missing"
     try:

@@ -12,13 +12,14 @@ import torch
 
 from oases.errors import CheckpointError
 from oases.runtime.ckpt_files import read_meta
-from oases.runtime.ckpt_format import chunk_name, load_windows, read_metadata, reader_for
 
 
 def model_keys(path: Path, prefix: str = "model", reader=None) -> tuple[dict, dict[str, list]]:
     """(meta, parameter name -> (key, storage metadata) of its keys, parts in order) of
     the tensors of a checkpoint under ``prefix`` (``model``, ``optim.exp_avg``, ...);
     ``reader``: a :func:`reader_for` to read its metadata with (kept for the load)."""
+    from oases.runtime.ckpt_format import read_metadata  # deferred: imports DCP
+
     meta = read_meta(path)
     names: dict[str, dict[int, object]] = {}
     for key, md in read_metadata(path, reader).items():
@@ -63,6 +64,9 @@ def iter_model_tensors(path: Path, prefix: str = "model",
     are read in batches of about ``batch_bytes`` (0: one at a time), so only the batch in
     hand is in memory (plus DCP's read of one saved chunk). Reads alone: needs no process
     group and issues no collective."""
+    from oases.runtime.ckpt_format import (  # deferred: imports DCP
+        chunk_name, load_windows, reader_for)
+
     reader = reader_for(path)
     meta, names = model_keys(path, prefix, reader)
     batch: list[tuple[str, torch.Tensor]] = []
