@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch.distributed as dist
 
 from tests.support.distributed import SETUP_FLAKE, run_distributed
 
@@ -15,6 +16,9 @@ def _flaky_body(rank: int, marks: str, times: int) -> None:
     mark = os.path.join(marks, f"r{rank}")
     n = int(open(mark).read()) if os.path.exists(mark) else 0
     open(mark, "w").write(str(n + 1))
+    # both ranks past the group's set-up and their marks written before rank 1 fails: else,
+    # under load, rank 1's exit can close rank 0's half-made mesh (a set-up failure of its own)
+    dist.barrier()
     if rank == 1 and n < times:
         raise RuntimeError(f"{SETUP_FLAKE} with [x/pair.cc:553] Connection closed by peer")
 
