@@ -91,8 +91,8 @@ ALL_RUNS = ((0, "megatron", "none"), (1, "oases", "fine"), (2, "megatron", "full
 
 @pytest.mark.parametrize("name,world,tp,runs,accum", [
     # dp 2 x tp 2, one micro-batch per step: the oases engine's two sub-batches still
-    # accumulate twice into each main-grad
-    ("gpt-tiny", 4, 2, ALL_RUNS[3:4], 1),
+    # accumulate twice into each main-grad (4 processes: the whole suite, not the fast tier)
+    pytest.param("gpt-tiny", 4, 2, ALL_RUNS[3:4], 1, marks=pytest.mark.slow),
     # dp 2, two micro-batches per step; and tp 2 alone, LLaMA with GQA
     pytest.param("gpt-tiny", 2, 1, ALL_RUNS[1:3], 2, marks=pytest.mark.slow),
     pytest.param("llama-tiny", 2, 2, ((0, "oases", "fine"),), 2, marks=pytest.mark.slow)])

@@ -137,6 +137,7 @@ def test_the_library_imports_no_entry_point_test_or_benchmark():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow  # a python process of its own
 def test_the_runtime_imports_dcp_at_the_first_save_or_load():
     """``torch.distributed.checkpoint`` pulls in DTensor and sympy (~0.5 s of every
     process's start-up): importing the trainer, as every train.py and CLI process does,
