@@ -36,14 +36,17 @@ train: $(VENV)/.installed data/pydoc/train.bin
 	    $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 # the serial tests (they measure the host's load) run alone after the rest; only their
-# files are collected for that run
+# files are collected for that run. The suite starts ~300 Python processes: each reuses
+# the bytecode of oases that the first compiled, even where PYTHONDONTWRITEBYTECODE is set.
+TEST_ENV = PYTHONDONTWRITEBYTECODE=
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
-	$(BIN)/python -m pytest -q -m serial $$(grep -l "mark.serial" tests/test_*.py || echo tests)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial $$(grep -l "mark.serial" tests/test_*.py || echo tests)
 
-# Within 3 minutes on 2 cores: leaves out `slow` (trainings through torchrun or train.py, compiles).
+# Within 3 minutes on 2 cores: leaves out `slow` (trainings through torchrun or train.py,
+# compiles, larger cases of what it checks on smaller ones).
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" tests
 
 # On a machine with CUDA GPUs: waits, host against GPU, the cuda tests, speed and overlap,
 # within 9 minutes (docs/gpu-check.md). Offline, with a python3 that has CUDA torch:

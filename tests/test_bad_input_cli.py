@@ -313,7 +313,10 @@ def _digest(paths: list[Path]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# the case that starts train.py (and W&B) in a process of its own is in the slow tier
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n == "wandb_online_without_a_key" else n
+    for n in CASES])
 def test_bad_input_is_one_line_and_exit_2(name, tmp_path, monkeypatch, capsys, request):
     ck = request.getfixturevalue("checkpoint") if name.startswith("export_") else None
     c = CASES[name](tmp_path, monkeypatch, ck)

@@ -146,6 +146,7 @@ def _casts_body(ctx, out):
         out[prec] = (counter.graphs, counter.casts)
 
 
+@pytest.mark.slow  # inductor compiles
 def test_compiled_blocks_cast_no_weight_under_bf16_weights():
     """Under ``parallel.compile`` autocast's weight cache does not apply: each compiled
     call of a block under ``bf16-autocast`` casts its fp32 weight matrices to bf16 in

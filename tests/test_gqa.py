@@ -285,6 +285,7 @@ def _checkpoint_body(rank: int, root: str) -> None:
             assert tuple(saved["model/layers.0.attn.qkv.weight.part1"].size) == (2 * hd, 128)
 
 
+@pytest.mark.slow  # two layouts' runs and a checkpoint (test_reshard covers layouts fast)
 def test_checkpoint_across_tp(tmp_path):
     run_distributed(_checkpoint_body, world=4, tp=None, args=(str(tmp_path),))
 

@@ -141,13 +141,43 @@ def test_the_library_imports_no_entry_point_test_or_benchmark():
 def test_the_runtime_imports_dcp_at_the_first_save_or_load():
     """``torch.distributed.checkpoint`` pulls in DTensor and sympy (~0.5 s of every
     process's start-up): importing the trainer, as every train.py and CLI process does,
-    leaves them out; the checkpoint module's DCP names still resolve, on first use."""
+    leaves them out, and so does telling a failed collective from other errors (every
+    error exit does); the checkpoint module's DCP names still resolve, on first use."""
     code = ("import sys, oases.runtime.trainer, oases.runtime.checkpoint as c\n"
             "heavy = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor',"
             " 'sympy') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
+            "from oases.runtime.trainer import collective_failure\n"
+            "assert collective_failure(RuntimeError('gloo: Connection reset by peer'))\n"
+            "assert not c.is_dcp_failure(ValueError('x')) and not collective_failure(KeyError())\n"
+            "assert 'torch.distributed.checkpoint' not in sys.modules, 'an error exit imports DCP'\n"
+            "from torch.distributed.checkpoint.api import CheckpointException as E\n"
+            "e = E('save', {1: (RuntimeError('wait timed out'), None)})\n"
+            "assert c.is_dcp_failure(e) and collective_failure(e)\n"
+            "assert not collective_failure(E('save', {0: (ValueError('disk'), None)}))\n"
             "assert c.CheckpointException.__module__ == 'torch.distributed.checkpoint.api'\n"
             "assert c.read_metadata.__module__ == 'oases.runtime.ckpt_format'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # a python train.py of its own
+def test_an_error_exit_does_not_import_dcp(tmp_path):
+    """A run that fails before any checkpoint (here: its data file is missing) exits
+    without importing DCP: the trainer tells a failed collective from other errors
+    without it (``-X importtime`` lists every module the process imported)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "train.py", "--config", "configs/gpt-tiny.yaml",
+         f"out_dir={tmp_path / 'run'}", "parallel.tp=1", "wandb.mode=disabled",
+         f"data.train_path={tmp_path / 'missing.bin'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "does not exist" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    imported = [ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines()
+                if ln.startswith("import time:")]
+    assert "oases.runtime.trainer" in imported, imported[-5:]
+    dcp = [m for m in imported if m.startswith(("torch.distributed.checkpoint",
+                                                 "torch.distributed.tensor"))]
+    assert not dcp, dcp[:5]

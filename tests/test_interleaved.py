@@ -48,6 +48,7 @@ def _unsharded_body(rank: int, cases: list) -> None:
                  f"interleaved v{virtual} {arch} {engine} pp{pp} tp{tp} {extra} {more}")
 
 
+@pytest.mark.slow  # ~7 s; the dropout case below is interleaving's fast-tier check
 def test_interleaved_matches_unsharded():
     # every case runs under the NCCL point-to-point emulation (run_distributed's default):
     # a receive posted out of the peer's order would hang and fail it; m = pp and 3 pp too

@@ -124,6 +124,7 @@ def test_half_speed_node_doubles_predicted_compute():
                        ranks=[0, 1, 2]).speed == 1.0
 
 
+@pytest.mark.slow  # a planner process that profiles the model
 def test_plan_cli_memory_limit_is_the_smallest_node(tmp_path, monkeypatch):
     """``python -m oases.plan`` without --memory-gib plans for the run's smallest
     device: a tiny node 3 makes every plan too big (one line, exit 2)."""

@@ -169,7 +169,7 @@ def _dp_body(ctx, name, grad_accum, zero):
 
 @pytest.mark.parametrize("name,grad_accum,zero", [
     ("gpt-tiny", 2, 0), pytest.param("llama-tiny", 4, 0, marks=pytest.mark.slow),
-    ("gpt-tiny", 4, 3)])
+    pytest.param("gpt-tiny", 4, 3, marks=pytest.mark.slow)])
 def test_dp_tp_train_step_matches_unpaired(name, grad_accum, zero):
     run_distributed(_dp_body, world=4, tp=2, args=(name, grad_accum, zero))
 

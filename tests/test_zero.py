@@ -231,6 +231,7 @@ def _modes_body(ctx):
                 assert_close(p, ref_p[name], rtol=0, atol=PARAM_ATOL, msg=f"{what} {name}")
 
 
+@pytest.mark.slow  # ~6 s; test_zero_levels_match_replicated is ZeRO's fast-tier check
 def test_zero_under_every_recompute_mode_with_clipping():
     run_distributed(_modes_body, world=2, tp=1)
 

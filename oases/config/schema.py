@@ -147,6 +147,11 @@ class ParallelConfig(Section):
     plan_search: str = "tp-only"
     plan_trials: int = 1            # uniap/amp: time the k best plans live, run the fastest
 
+    @property
+    def searches_layout(self) -> bool:
+        """plan=auto with plan_search uniap or amp: the whole layout is searched."""
+        return self.plan == "auto" and self.plan_search != "tp-only"
+
     def validate(self) -> None:
         positive("parallel.tp", self.tp)
         positive("parallel.pp", self.pp)

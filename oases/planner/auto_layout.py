@@ -53,10 +53,6 @@ TRIAL_STEPS = 3  # timed steps per trial, after 2 warm-up steps
 StepOf = Callable[[Config, ParallelContext, Optional[list[int]]], Callable[[], None]]
 
 
-def requested(cfg: Config) -> bool:
-    return cfg.parallel.plan == "auto" and cfg.parallel.plan_search != "tp-only"
-
-
 def choose_layout(cfg: Config, world: int, join, step_of: StepOf) -> Config:
     """Search (rank 0), try the best ``parallel.plan_trials`` plans, and return the config
     of the chosen one (``cfg`` itself is left as it is). ``join()`` joins the default

@@ -25,7 +25,6 @@ from oases.parallel.groups import (ParallelContext, backend_for, init_distribute
                                    join_world, pick_device)
 from oases.parallel.nccl_env import error_handling, kernel_order, prepare_backend
 from oases.parallel.nccl_watch import watch_run
-from oases.planner import auto_layout
 from oases.planner.online import resolve_layout
 from oases.runtime import checkpoint as ckpt
 from oases.runtime.build import throwaway_step
@@ -125,7 +124,9 @@ def run(cfg: Config) -> None:
     try:
         if main:
             lock.refuse_if_held()  # a double launch stops here, before any work
-        if auto_layout.requested(cfg):  # the layout itself is searched: before the run's groups
+        if cfg.parallel.searches_layout:  # before the run's groups
+            # deferred: the search and its solver (pulp) load only for a run that searches
+            from oases.planner import auto_layout
             if main:
                 check_out_dir(cfg)
                 lock.acquire()  # the search writes plan.yaml
@@ -169,8 +170,9 @@ def _run_in_world(cfg: Config, ctx: ParallelContext, lock: RunLock,
     watch = watch_run(ctx.rank, cfg.parallel.timeout_s) if dist.get_backend() == "nccl" else None
     try:
         train(cfg, ctx, _claimer(cfg, ctx, lock), cuda_note)
-    except (RuntimeError, ckpt.CheckpointException) as e:
-        if not collective_failure(e):
+    except BaseException as e:  # DCP's CheckpointException is one; told without importing DCP
+        if not ((isinstance(e, RuntimeError) or ckpt.is_dcp_failure(e))
+                and collective_failure(e)):
             raise
         failed = True
         raise CollectiveError(
@@ -199,7 +201,7 @@ _COMM_FAILURE = ("timed out", "timeout", "connection reset", "connection closed"
 
 def collective_failure(e: BaseException) -> bool:
     """A collective timed out or lost its peer (gloo, NCCL and DCP word it differently)."""
-    if isinstance(e, ckpt.CheckpointException):  # DCP wraps each rank's exception
+    if ckpt.is_dcp_failure(e):  # DCP wraps each rank's exception
         return any(collective_failure(v[0] if isinstance(v, tuple) else v)
                    for v in e.failures.values())
     if isinstance(e, dist.DistError):
