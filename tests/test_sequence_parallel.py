@@ -110,6 +110,7 @@ def _zero_body(ctx, schedule: str, recompute: str) -> None:
 MIXED = [{"layers": [0, 2], "dp": 1, "tp": 4, "degrees": [2, 1, 4, 2]}]
 
 
+@pytest.mark.slow  # ~6 s; the tp4 case above is sequence parallelism's fast-tier check
 def test_mixed_degree_plan_matches_unsharded():
     run_distributed(_unsharded_body, world=WORLD, tp=None, args=([
         (arch, s, r, 1, 4, (f"train.micro_batch_size={mbs}",), MIXED)

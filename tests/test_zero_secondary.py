@@ -66,7 +66,9 @@ def _parity_body(ctx):
             assert torch.equal(p, p_plain[name]), (precision, name)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+# ~6 s each: test_only_the_refresh_crosses_nodes is the secondary shard's fast-tier check
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
 def test_secondary_shard_trains_as_plain_zero3(tp):
     run_distributed(_parity_body, world=4, tp=tp)
 
