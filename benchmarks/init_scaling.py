@@ -18,13 +18,12 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.lib import driver
 from benchmarks.lib.machine import machine_info
-from benchmarks.lib.ranks import init_gloo, reset_peak, status_kib
+from benchmarks.lib.ranks import init_gloo, reset_peak, spawn_ranks, status_kib, write_result
 
 REPO = driver.REPO
 
@@ -32,7 +31,7 @@ GIB = 2**30
 
 
 def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tuple,
-            q) -> None:
+            result_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -72,7 +71,7 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
     buf_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     dist.barrier()
-    q.put({"rank": rank, "stage": list(stage), "build_s": build_s,
+    row = {"rank": rank, "stage": list(stage), "build_s": build_s,
            "cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
            "cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
            "params_drawn": sum(p.numel() for p in model.parameters()
@@ -83,37 +82,20 @@ def _worker(rank: int, world: int, store_path: str, model_name: str, stage: tupl
            "hwm_reset": hwm_reset, "param_bytes": param_bytes, "params": n_params,
            "buffer_bytes": buf_bytes, "param_gib": param_bytes / GIB,
            "has_embed": model.embed is not None, "has_head": model.head is not None,
-           "all_finite": finite})
+           "all_finite": finite}
+    write_result(result_dir, rank, row)
     dist.destroy_process_group()
 
 
 def run_case(model_name: str, stage: tuple, world: int = 2) -> list[dict]:
-    import torch.multiprocessing as mp
+    """Each rank's figures for one stage case, from ``world`` fresh processes."""
+    import torch.multiprocessing as mp  # deferred: the parent only spawns
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, model_name, stage, q))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out = []
-        deadline = time.monotonic() + 1200
-        while len(out) < world and time.monotonic() < deadline:
-            try:
-                out.append(q.get(timeout=5))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-        codes = [p.exitcode for p in procs]
-    if len(out) < world:
-        raise RuntimeError(f"stage {stage}: workers exited with {codes} (out of memory?)")
-    return sorted(out, key=lambda r: r["rank"])
+    try:
+        rows = spawn_ranks(_worker, world, model_name, tuple(stage))
+    except mp.ProcessExitedException as e:  # SIGKILLed by the kernel: out of memory
+        raise RuntimeError(f"stage {stage}: a worker exited ({e}; out of memory?)") from None
+    return sorted(rows, key=lambda r: r["rank"])
 
 
 def mem_available_gib() -> float:
