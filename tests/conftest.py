@@ -7,7 +7,7 @@
   :func:`tests.support.runs.run_single` as fixtures. A test that asks for either starts
   a training process (torchrun, or ``python train.py``), so it is in the ``slow`` tier
   (``make test-fast`` leaves it out); a test that starts one another way, or compiles
-  with inductor, says so with ``@pytest.mark.slow``, and so does a test of more than ~5 s
+  with inductor, says so with ``@pytest.mark.slow``, and so does a test of more than ~4 s
   whose feature has a cheaper check of its own in the fast tier.
 
 Tests marked ``@pytest.mark.cuda`` (``gpus=N`` for N devices, default 1) skip with a

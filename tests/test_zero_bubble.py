@@ -93,6 +93,7 @@ def _against_1f1b_body(rank: int, cases: list) -> None:
                                        msg=lambda m: f"{what}: {name}: {m}")
 
 
+@pytest.mark.slow  # ~5 s; test_zb_h1_matches_unsharded is zb-h1's fast-tier check
 def test_zb_h1_with_dropout_and_zero_is_1f1b():
     # pp=2 x dp=2 (tp 1): ZeRO-1 under megatron, ZeRO-3 under oases
     run_distributed(_against_1f1b_body, world=WORLD, tp=None, args=([
