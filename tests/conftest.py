@@ -3,12 +3,15 @@
 * ``pydoc_data``: one prepared byte-level corpus (``python -m oases.prepare --builtin
   pydoc``) for the whole session, so every training run reads the same files.
 * ``data_args``: the overrides that point the shipped configs at it.
-* ``run_train`` / ``run_single``: :func:`tests.support.runs.run_train` and
-  :func:`tests.support.runs.run_single` as fixtures. A test that asks for either starts
-  a training process (torchrun, or ``python train.py``), so it is in the ``slow`` tier
-  (``make test-fast`` leaves it out); a test that starts one another way, or compiles
-  with inductor, says so with ``@pytest.mark.slow``, and so does a test of more than ~4 s
-  whose feature has a cheaper check of its own in the fast tier.
+* ``run_train`` / ``run_single``: :func:`tests.support.forked_runs.train_forked` and
+  :func:`tests.support.forked_runs.single_forked` as fixtures: ``train.py``'s ``main`` on
+  ranks forked from a server that imported it once (a world of ``nproc``, or of one as
+  ``python train.py``). The tests of the launch itself (torchrun, its agent, ``python
+  train.py``'s process) use :mod:`tests.support.runs`. A test that asks for either fixture
+  trains, so it is in the ``slow`` tier (``make test-fast`` leaves it out); a test that
+  trains another way, or compiles with inductor, says so with ``@pytest.mark.slow``, and
+  so does a test of more than ~4 s whose feature has a cheaper check of its own in the
+  fast tier.
 
 Tests marked ``@pytest.mark.cuda`` (``gpus=N`` for N devices, default 1) skip with a
 reason where there are fewer CUDA devices, so the CPU suite's time stays the same.
@@ -21,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import runs
+from tests.support import forked_runs, runs
 
-# Fixtures whose users start whole trainings in subprocesses.
+# Fixtures whose users run whole trainings.
 SLOW_FIXTURES = frozenset({"run_train", "run_single"})
 
 
@@ -56,9 +59,9 @@ def data_args(pydoc_data) -> list[str]:
 
 @pytest.fixture(name="run_train", scope="session")
 def run_train_fixture():
-    return runs.run_train
+    return forked_runs.train_forked
 
 
 @pytest.fixture(name="run_single", scope="session")
 def run_single_fixture():
-    return runs.run_single
+    return forked_runs.single_forked

@@ -1,7 +1,7 @@
 """Bad input: one ``error: ...`` line naming the problem, exit status 2, no traceback,
 nothing overwritten.
 
-Every case runs ``python train.py --config configs/gpt-tiny.yaml ...`` as a world of one
+Every case runs ``train.py --config configs/gpt-tiny.yaml ...`` as a world of one
 (``parallel.tp=1``), pointed at a copy of a small finished run (``resume=auto``), and
 checks: exit status 2; stderr is exactly one non-empty line, starting with ``error:``,
 holding the key fact (path, key, values); no ``Traceback``; every file and directory of
@@ -9,9 +9,12 @@ the run (mtime, size, sha256) unchanged. Config errors never start torch; data a
 checkpoint errors are raised after the process group exists and still exit 2 cleanly
 (also under torchrun, one case).
 
-Each case prepares its own directory; the module fixture then starts all the cases'
-processes, a few at a time (they are independent, and mostly import time), and each
-test checks its own result.
+Each case prepares its own directory; the module fixture then runs all the cases, and
+each test checks its own result. A case runs ``train.py``'s ``main`` on a rank forked from
+a server that imported it (:mod:`tests.support.forked_runs`: the same code, without
+~2.5 s of imports per case). One config case and one data case (``process``) start
+``python train.py`` itself, so that whatever a fresh interpreter prints before ``main``
+would break their one line too, and one starts ``torchrun``.
 
 The TP-divisibility cases for heads and kv heads need a world > 1: they set
 ``WORLD_SIZE=4 RANK=0``, which is what each torchrun worker sees; the config is checked
@@ -36,9 +39,10 @@ import torch.distributed as dist
 
 from oases.runtime import trainer
 from tests.support.distributed import run_distributed
+from tests.support.forked_runs import single_forked
 from tests.support.runs import REPO, subprocess_env
 
-# every case starts ``python train.py`` (one under torchrun)
+# every case trains or starts to (two as ``python train.py``, one under torchrun)
 pytestmark = pytest.mark.slow
 
 CONFIG = str(REPO / "configs" / "gpt-tiny.yaml")
@@ -129,7 +133,7 @@ def case(fn: Callable) -> Callable:
 
 @case
 def unknown_config_key(ws, run, data):
-    return dict(args=base_args(run, data, "train.stpes=3"),
+    return dict(args=base_args(run, data, "train.stpes=3"), kind="process",
                 needles=["unknown config key 'train.stpes'", "did you mean train.steps?"])
 
 
@@ -207,7 +211,7 @@ def plan_stage_layout_not_world_over_pp(ws, run, data):
 @case
 def missing_data_file(ws, run, data):
     missing = ws / "nowhere" / "train.bin"
-    return dict(args=base_args(run, data, f"data.train_path={missing}"),
+    return dict(args=base_args(run, data, f"data.train_path={missing}"), kind="process",
                 needles=[f"data file {missing} does not exist", "python -m oases.prepare"])
 
 
@@ -332,11 +336,15 @@ def data_error_under_torchrun(ws, run, data):
 
 
 def _launch(c: dict) -> None:
-    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-                if c.get("kind") == "torchrun" else [])
-    env = {**subprocess_env(), **c.get("env", {})}
-    c["proc"] = subprocess.run([sys.executable, *launcher, "train.py", *map(str, c["args"])],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    kind = c.get("kind")
+    if kind in ("process", "torchrun"):
+        launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                    if kind == "torchrun" else [])
+        env = {**subprocess_env(), **c.get("env", {})}
+        c["proc"] = subprocess.run([sys.executable, *launcher, "train.py", *map(str, c["args"])],
+                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    else:
+        c["proc"] = single_forked(c["args"], timeout=180, env=c.get("env"))
     c["after"] = snapshot(c["watch"])
 
 

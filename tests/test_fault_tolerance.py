@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from tests.support.configs import TINY_RUN
-from tests.support.runs import run_single
 from tests.support.distributed import run_distributed
 from tests.support.torchrun_procs import (metrics, run_with_hung_rank, start_torchrun, wait_for,
                                           worker_pid)
@@ -114,7 +113,7 @@ def _error_line(proc) -> str:
     return lines[0]
 
 
-def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path):
+def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, run_single):
     """lr=1e30 without warmup: step 1 is finite but makes the weights ~1e30, so step 2's
     LayerNorm variance overflows and its loss is NaN -- a real divergence, deterministic."""
     out = tmp_path / "run"
@@ -131,7 +130,7 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path):
     assert [r["step"] for r in metrics(out)] == [1]
 
 
-def test_nonfinite_skip_counts_and_continues(tmp_path):
+def test_nonfinite_skip_counts_and_continues(tmp_path, run_single):
     out = tmp_path / "run"
     args = [*TINY, f"out_dir={out}", "parallel.tp=1", "train.steps=3", "train.lr=1e30",
             "train.warmup_steps=0", "train.on_nonfinite=skip"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.runs import run_single, run_train
 from tests.support.torchrun_procs import metrics
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def _losses(out: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_args, run_single) -> list[float]:
+def reference(tmp_path_factory, data_args) -> list[float]:
     out = tmp_path_factory.mktemp("nccl") / "ref"
     run_single(_args(out, data_args, "parallel.tp=1", "train.micro_batch_size=4",
                      "train.grad_accum=2"), expect_rc=0, env=ENV)
@@ -64,7 +65,7 @@ def reference(tmp_path_factory, data_args, run_single) -> list[float]:
 
 @pytest.mark.cuda(gpus=2)
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_gpus_match_one(name, reference, tmp_path, data_args, run_train):
+def test_two_gpus_match_one(name, reference, tmp_path, data_args):
     out = tmp_path / name
     run_train(_args(out, data_args, *CASES[name]), nproc=2, env=ENV)
     got = _losses(out)
@@ -85,7 +86,7 @@ def test_every_case_has_the_references_global_batch():
 
 
 @pytest.mark.cuda(gpus=1)
-def test_one_gpu_defaults_to_bf16_and_trains(tmp_path, data_args, run_single):
+def test_one_gpu_defaults_to_bf16_and_trains(tmp_path, data_args):
     out = tmp_path / "bf16"
     args = [a for a in _args(out, data_args) if a != "train.precision=fp32"]
     proc = run_single([*args, "train.steps=20", "parallel.tp=1"], expect_rc=0)
@@ -97,7 +98,7 @@ def test_one_gpu_defaults_to_bf16_and_trains(tmp_path, data_args, run_single):
 
 @pytest.mark.cuda(gpus=2)
 @pytest.mark.parametrize("schedule", ["megatron", "oases"])
-def test_cuda_observability(schedule, tmp_path, data_args, run_train):
+def test_cuda_observability(schedule, tmp_path, data_args):
     """On NCCL: the exposed TP time from CUDA events, the profiler trace with CUDA
     activity, its view on the device's clock (labels' device ranges, NCCL kernels) and
     the memory snapshot."""

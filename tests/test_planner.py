@@ -27,6 +27,7 @@ from oases.planner.cost import CostModel, ModelShape, Profile, RunShape
 from oases.planner.fit import analytic_profile, calibrate_host_cost
 from oases.planner.plan_file import Plan, check_plan, load_plan
 from tests.support.distributed import run_distributed
+from tests.support.forked_runs import single_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -379,11 +380,10 @@ def test_plan_cli_and_bad_plan_exit_2(tmp_path):
                          "parallel.tp=4", "parallel.schedule=oases", "parallel.recompute=fine",
                          "model.n_layer=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0 and "reusing" in r2.stdout
-    # a plan for another model: one line, exit 2
-    r3 = subprocess.run([sys.executable, "train.py", "--config", "configs/gpt-tiny.yaml",
-                         f"out_dir={tmp_path / 'run'}", "parallel.tp=1", f"parallel.plan={out}",
-                         "data.kind=synthetic", "data.val_path=", "wandb.mode=disabled"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+    # a plan for another model: one line, exit 2 (train.py's main on a forked rank)
+    r3 = single_forked(["--config", "configs/gpt-tiny.yaml", f"out_dir={tmp_path / 'run'}",
+                        "parallel.tp=1", f"parallel.plan={out}", "data.kind=synthetic",
+                        "data.val_path=", "wandb.mode=disabled"], timeout=120)
     assert r3.returncode == 2
     lines = r3.stderr.strip().splitlines()
     # the plan was made for n_layer=2 at tp=4; this run is n_layer=4 at tp=1

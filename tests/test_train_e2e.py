@@ -1,9 +1,12 @@
-"""End to end: ``torchrun train.py`` on the shipped configs, metrics, W&B, checkpoints, resume.
+"""End to end: ``train.py`` on the shipped configs, metrics, W&B, checkpoints, resume.
 
-The torchrun runs use 2 processes (tp=2, dp=1) on CPU/gloo and the session's prepared
-pydoc corpus (see conftest.py). The error-exit tests run ``python train.py`` as a world
-of one (``parallel.tp=1``), because there ``train.py``'s own exit status (2 for bad
-input) is the process's status; they load checkpoints written at tp=2 (DCP re-shards).
+gpt-tiny, the README's job, runs as users start it: ``torchrun train.py`` with 2 processes
+(tp=2, dp=1) on CPU/gloo. The other runs are ``train.py``'s ``main`` on 2 forked ranks (the
+``run_train`` and ``run_single`` fixtures: the same code after the imports,
+tests/conftest.py); the checkpoint and resume cases start from one reference run A.
+The error-exit cases run as a world of one (``parallel.tp=1``), as ``python train.py``,
+whose exit status (2 for bad input) is ``main``'s; they load checkpoints written at tp=2
+(DCP re-shards). All of them read the session's prepared pydoc corpus (conftest.py).
 
 Measured on the 2-core CI machine (seed 1234, 20 steps, lr warmup 20 steps): the
 byte-level loss starts at ~5.4-5.6 (ln 256 = 5.55) and reaches ~3.0 at step 20 for both
@@ -24,6 +27,7 @@ import pytest
 from oases.config import load_config
 from tests.support import wandb_records
 from tests.support.runs import resume_copy
+from tests.support.runs import run_train as torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +115,10 @@ def single(args: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_shipped_config_trains(name, tmp_path, data_args, run_train):
+    """gpt-tiny, the README's job, as a user starts it (torchrun); llama-tiny on forked ranks."""
     out = tmp_path / "run"
-    proc = run_train(["--config", f"configs/{name}.yaml", f"out_dir={out}",
+    launch = torchrun_train if name == "gpt-tiny" else run_train
+    proc = launch(["--config", f"configs/{name}.yaml", f"out_dir={out}",
                       f"train.steps={STEPS}", "train.log_interval=1", "eval.interval=10",
                       "wandb.mode=disabled", *data_args])
     # the shipped configs say resume: auto; a fresh out_dir starts at step 0
@@ -344,7 +350,7 @@ def test_resume_auto_without_checkpoint_restarts_metrics(run_a, tmp_path, run_si
 
 
 def test_pipeline_trains_from_train_py(tmp_path, data_args, run_train):
-    """torchrun train.py with parallel.pp=2 (oases engine, eager-1F1B): the loss falls as at
+    """train.py with parallel.pp=2 (oases engine, eager-1F1B): the loss falls as at
     pp=1, every record carries the pipeline bubble, eval runs through the stages."""
     out = tmp_path / "run"
     proc = run_train(gpt_args(out, data_args, "parallel.tp=1", "parallel.pp=2",

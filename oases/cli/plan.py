@@ -36,7 +36,7 @@ from oases.planner.api import make_plan, report, run_shape
 from oases.planner.cluster import load_cluster
 from oases.planner.comm_memory import config_bytes, for_backend
 from oases.planner.figures import plot_degrees, plot_stages
-from oases.planner.profile import DEFAULT_DB, get_profile
+from oases.planner.profile import default_db, get_profile
 from oases.planner.search import choosable, search
 from oases.planner.stages import enumerate_choices, job_from_config, profile_run
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = backend_for(device, cfg.parallel.backend)
         cluster = for_backend(cluster, backend)  # what a communicator costs the run
-        db = Path(args.profile) if args.profile else DEFAULT_DB
+        db = Path(args.profile) if args.profile else default_db()
         if args.search == "tp-only":
             _tp_only(args, cfg, cluster, device, db, out, backend)
         else:

@@ -38,7 +38,7 @@ from oases.planner.fit import calibrate_host_cost
 from oases.planner.stages import scale_profile
 from oases.planner.plan_file import (batch_divisor, check_cp, check_degrees, check_model,
                                      check_plan, check_run, check_zero, load_plan)
-from oases.planner.profile import (DEFAULT_DB, get_profile, load_db, profile_key, run_precision,
+from oases.planner.profile import (default_db, get_profile, load_db, profile_key, run_precision,
                                    save_profile)
 
 StepTimer = Callable[[Optional[list[int]], int], float]
@@ -162,16 +162,16 @@ def measure_profile(cfg: Config, ctx: ParallelContext, run, cluster,
     comm = profile_comm(ctx, log=log)            # collective: every rank measures
     key = profile_key(ctx.device, ModelShape.from_config(cfg.model), run,
                       run_precision(cfg, ctx.device))
-    cached = [ctx.is_main and key in load_db(DEFAULT_DB)]
+    cached = [ctx.is_main and key in load_db(default_db())]
     dist.broadcast_object_list(cached, src=0)
     stage("block compute: " + ("from the profile DB" if cached[0] else "measuring"))
     if cached[0]:
-        prof = get_profile(cfg, run, ctx.device, DEFAULT_DB, log=log) if ctx.is_main else None
+        prof = get_profile(cfg, run, ctx.device, default_db(), log=log) if ctx.is_main else None
     else:  # every rank measures at once; the figures are averaged over the ranks
         prof = get_profile(cfg, run, ctx.device, None, log=log, force=True, barrier=dist.barrier)
         prof = rank_mean(prof, ctx, own_speed(cfg, ctx.rank))
         if ctx.is_main:
-            save_profile(cfg, run, ctx.device, DEFAULT_DB, prof, log=log)
+            save_profile(cfg, run, ctx.device, default_db(), prof, log=log)
     n_cal = cfg.parallel.plan_calibration_steps if time_steps is not None else 0
     measured = None
     stage(f"calibrating: {n_cal} training steps (after 2 warm-up steps) with every block at "

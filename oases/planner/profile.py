@@ -38,7 +38,10 @@ from oases.parallel.sharding import init_parameters
 from oases.planner.cost import ModelShape, Profile, RunShape
 from oases.progress import bar_safe, progress
 
-DEFAULT_DB = Path.home() / ".cache" / "oases" / "profile_db.json"
+
+def default_db() -> Path:
+    """``~/.cache/oases/profile_db.json``, with ``~`` as it is now (not when imported)."""
+    return Path.home() / ".cache" / "oases" / "profile_db.json"
 
 
 def hardware_key(device: torch.device) -> str:
