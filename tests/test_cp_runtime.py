@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.parity import MBS, SEQ, check_grads, unsharded_reference
+from tests.support.parity import MBS, SEQ, check_grads, shared_reference
 
 WORLD = 4
 EOS = 3  # the document corpus's end of document: about one token in 16
@@ -68,7 +68,7 @@ def _parity_body(rank: int, cases: list) -> None:
         what = f"{args} {extra}"
         ctx, model, ts, batches = _state(cfg)
         assert (ctx.cp, ctx.data_dp) == (cfg.parallel.cp, cfg.dp), what
-        ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 2)
+        ref_losses, ref_norm, ref_grads = shared_reference(cfg, 2)
         for s in range(2):
             loss, norm = train_step(ts, batches, cfg.train.lr)
             assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), \
@@ -183,7 +183,7 @@ def _compile_body(rank: int) -> None:
     cfg = _cfg("llama", ("megatron", "none"), 2, 1, 1, "parallel.compile=true",
                "model.n_layer=1", world=2)  # one layer: one block's segments to compile
     ctx, model, ts, batches = _state(cfg)
-    ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 1)
+    ref_losses, ref_norm, ref_grads = shared_reference(cfg, 1)
     loss, norm = train_step(ts, batches, cfg.train.lr)
     assert abs(loss - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (loss, ref_losses)
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)

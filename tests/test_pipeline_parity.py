@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.parity import MBS, SEQ, WORLD, run_case, stage, unsharded_reference
+from tests.support.parity import MBS, SEQ, WORLD, run_case, shared_reference, stage
 
 
 def _cfg(arch: str, engine: tuple, kind: str, pp: int, tp: int, grad_accum: int, *extra: str):
@@ -160,7 +160,7 @@ def _bf16_body(rank: int, cases: list) -> None:
         assert total[:2].tolist() == [crossing, crossing], (what, total, crossing)
         assert (total[2] > 0) == (stages is not None), (what, total)  # tp2 replica: fan-out
         assert {k: 2 * v for k, v in moved["bf16"].items()} == moved["fp32"], (what, moved)
-        ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, 1)
+        ref_losses, ref_norm, ref_grads = shared_reference(cfg, 1)
         if ctx.is_last_stage:
             assert abs(loss - ref_losses[0]) <= BF16_LOSS_RTOL * ref_losses[0], (what, loss)
         assert abs(norm - ref_norm) <= BF16_NORM_RTOL * ref_norm, (what, norm, ref_norm)

@@ -5,9 +5,10 @@ issue them in different orders (or one rank an extra one) hang or exchange the
 wrong tensors; gloo often survives it by luck of sizes. :func:`install` wraps
 ``torch.distributed``'s collectives in this process and records, per process
 group (by name: groups are named in creation order, the same on every rank), each
-call's op, shapes and dtype, from whichever thread issues it (autograd hooks
-included). :func:`dump` writes the log; :func:`compare` reads every rank's log
-and names the first divergence.
+call's op, shapes and dtype (of an object list its length: its objects are the
+source's alone), from whichever thread issues it (autograd hooks included).
+:func:`dump` writes the log; :func:`compare` reads every rank's log and names the
+first divergence.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _wrap(name: str, fn):
             return fn(*args, **kwargs)   # the whole world's teardown, after dump()
         gname = "world" if g is None or g is c10d._get_default_group() else g.group_name
         entry = [name, _describe(args[0]) if args and name not in _GROUP_ARG else None]
+        if name.endswith(("_object", "_object_list")):  # objects: what only the source holds
+            entry[1] = len(args[0]) if name.endswith("_list") and args else None
         if name == "new_group":
             entry[1] = list(kwargs.get("ranks", args[0] if args else []) or [])
         with _LOCK:

@@ -9,7 +9,8 @@ gradient whole over TP to compare with it (atol 1e-6 / rtol 1e-5 in fp32).
 Pipelines: :func:`unsharded_reference` trains one unsharded process on the same global
 batch; :func:`run_case` trains this rank's stage of a layout and checks both steps'
 losses, the first step's gradient norm and every gradient shard against it (losses and
-norm rtol 1e-5, gradients rtol 1e-4 / atol 1e-6).
+norm rtol 1e-5, gradients rtol 1e-4 / atol 1e-6). Inside a world the reference is
+:func:`shared_reference`'s: trained once, on rank 0, and broadcast to every rank.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def unsharded_reference(cfg, steps: int):
     return losses, norm, grads
 
 
+def shared_reference(cfg, steps: int):
+    """:func:`unsharded_reference` for every rank of the default group: trained on rank 0
+    alone and broadcast (the same for every rank, and N times cheaper than each rank
+    training it). It draws from no rank's global RNG (forked), so the sharded run that
+    follows starts from the state it would have without it."""
+    out = [None]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng(devices=[]):
+            out[0] = unsharded_reference(cfg, steps)
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def check_grads(model, ctx, ref_grads: dict, what: str) -> None:
     from oases.parallel.sharding import shard
 
@@ -112,7 +126,7 @@ def run_case(rank: int, cfg, layout, steps: int, what: str) -> None:
     st = layout.stages[ctx.stage]
     degrees = [b.degree for layer in model.layers for b in (layer.attn, layer.mlp)]
     assert degrees == list(st.degrees or [st.tp] * len(degrees)), (what, degrees)
-    ref_losses, ref_norm, ref_grads = unsharded_reference(cfg, steps)
+    ref_losses, ref_norm, ref_grads = shared_reference(cfg, steps)
     for s in range(steps):
         loss, norm = train_step(ts, batches, cfg.train.lr)
         assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), \
