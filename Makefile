@@ -36,7 +36,7 @@ train: $(VENV)/.installed data/pydoc/train.bin
 	    $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 # the serial tests (they measure the host's load) run alone after the rest; only their
-# files are collected for that run. The suite starts ~300 Python processes: each reuses
+# files are collected for that run. The suite starts ~150 Python processes: each reuses
 # the bytecode of oases that the first compiled, even where PYTHONDONTWRITEBYTECODE is set.
 TEST_ENV = PYTHONDONTWRITEBYTECODE=
 test: $(VENV)/.installed-test
