@@ -44,9 +44,11 @@ def parse_args(description: str, extra: Callable | None = None) -> argparse.Name
                    help="global-norm clipping as in oases' train_step (0: off)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fixed-batch", action="store_true",
-                   help="self-check only: train on the step-0 batch every step (loss must fall)")
+                   help="tests/test_peers.py only: train on the step-0 batch every step "
+                        "(loss must fall)")
     p.add_argument("--dump-init", default="",
-                   help="self-check only: rank 0 saves the full initial weights (torch.save)")
+                   help="tests/test_peers.py only: rank 0 saves the full initial weights "
+                        "(torch.save)")
     p.add_argument("--out-json", required=True)
     a = p.parse_args()
     if a.ffn is None:

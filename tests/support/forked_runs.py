@@ -3,7 +3,8 @@
 ``train_forked(args, nproc=2)`` runs ``train.py``'s ``main(args)`` on ``nproc`` ranks and
 returns a ``CompletedProcess`` as :func:`tests.support.runs.run_train` does; with
 ``nproc=1`` it is ``python train.py`` (a world of one, ``main``'s own exit status), as
-:func:`tests.support.runs.run_single`. Each rank is a fresh process, forked from a
+:func:`tests.support.runs.run_single`; with ``module=`` it runs that module's ``main()``
+instead, as ``torchrun --module`` does (the benchmarks' peers). Each rank is a fresh process, forked from a
 multiprocessing *forkserver* started once per test process: the server imported torch,
 the trainer and the CLI, so a rank starts in milliseconds instead of ~2.5 s of CPU
 (torchrun's agent, another ~1.8 s, is not started at all). What a rank runs after the
@@ -78,15 +79,18 @@ def wait_all(procs, deadline: float) -> bool:
 
 
 def train_forked(args: list[str], nproc: int = 2, expect_rc: int | None = 0,
-                 timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``train.py *args`` on ``nproc`` forked ranks in the repo root (see the module doc)."""
+                 timeout: float = 240, env: dict | None = None,
+                 module: str | None = None) -> subprocess.CompletedProcess:
+    """``train.py *args`` on ``nproc`` forked ranks in the repo root (see the module doc);
+    ``module``: ``python -m module *args`` instead (its ``main()``, as torchrun's
+    ``--module`` runs it)."""
     from tests.support import forked_entry
 
     argv = [str(a) for a in args]
     with tempfile.TemporaryDirectory() as d:
         outs = [(os.path.join(d, f"out{r}"), os.path.join(d, f"err{r}")) for r in range(nproc)]
         procs = [context().Process(target=forked_entry.rank_main,
-                                   args=(argv, e, str(REPO), *outs[r]))
+                                   args=(argv, e, str(REPO), *outs[r], module))
                  for r, e in enumerate(rank_envs(nproc, env))]
         for p in procs:
             p.start()
@@ -99,7 +103,8 @@ def train_forked(args: list[str], nproc: int = 2, expect_rc: int | None = 0,
                           for i in (0, 1))
     codes = [p.exitcode for p in procs]
     rc = codes[0] if nproc == 1 else int(any(codes))
-    proc = subprocess.CompletedProcess([sys.executable, "train.py", *argv], rc, stdout, stderr)
+    cmd = [sys.executable, *(["-m", module] if module else ["train.py"]), *argv]
+    proc = subprocess.CompletedProcess(cmd, rc, stdout, stderr)
     if not finished:
         raise AssertionError(f"forked ranks still running after {timeout} s (killed)\n"
                              + describe(proc))
