@@ -9,7 +9,7 @@ NPROC  ?= 2
 CONFIG ?= configs/gpt-tiny.yaml
 ARGS   ?=
 
-.PHONY: train test test-fast gpu-check gpu-wheels install install-test clean
+.PHONY: train test test-fast bench-smoke gpu-check gpu-wheels install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,13 +40,19 @@ train: $(VENV)/.installed data/pydoc/train.bin
 # the bytecode of oases that the first compiled, even where PYTHONDONTWRITEBYTECODE is set.
 TEST_ENV = PYTHONDONTWRITEBYTECODE=
 test: $(VENV)/.installed-test
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial and not bench" tests
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial $$(grep -l "mark.serial" tests/test_*.py || echo tests)
 
 # Within 3 minutes on 2 cores: leaves out `slow` (trainings through torchrun or train.py,
 # compiles, larger cases of what it checks on smaller ones).
 test-fast: $(VENV)/.installed-test
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial and not bench" tests
+
+# Every benchmark's own command at a smoke size, and its report written again from its JSON
+# (tests/test_bench_smoke.py): ~20 minutes on 2 cores; the emulated cluster's cases need root
+# (sudo make bench-smoke) and skip without it, the GPU benchmarks skip without CUDA.
+bench-smoke: $(VENV)/.installed-test
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m bench -rs tests/test_bench_smoke.py
 
 # On a machine with CUDA GPUs: waits, host against GPU, the cuda tests, speed and overlap,
 # within 9 minutes (docs/gpu-check.md). Offline, with a python3 that has CUDA torch:

@@ -13,6 +13,7 @@ by default.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -62,7 +63,7 @@ def train_tokenizer(corpus: Path, out: Path) -> None:
                                   special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     with open(corpus) as f:
-        sample = [json.loads(next(f))["text"] for _ in range(5000)]
+        sample = [json.loads(line)["text"] for line in itertools.islice(f, 5000)]
     tok.train_from_iterator(sample, trainer=trainer)
     tok.save(str(out))
 
