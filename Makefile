@@ -49,7 +49,7 @@ test-fast: $(VENV)/.installed-test
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial and not bench" tests
 
 # Every benchmark's own command at a smoke size, and its report written again from its JSON
-# (tests/test_bench_smoke.py): ~20 minutes on 2 cores; the emulated cluster's cases need root
+# (tests/test_bench_smoke.py): ~11 minutes on 2 cores; the emulated cluster's cases need root
 # (sudo make bench-smoke) and skip without it, the GPU benchmarks skip without CUDA.
 bench-smoke: $(VENV)/.installed-test
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m bench -rs tests/test_bench_smoke.py

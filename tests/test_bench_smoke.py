@@ -5,7 +5,7 @@ smoke size (one round, one or two layers, a few steps), written to a temporary
 ``--out``; then ``--from-json`` on the JSON it wrote must write the same .md again, byte
 for byte. Figures at these sizes are not results: a target may read FAIL.
 
-Not part of ``make test``: the cases take ~20 minutes on 2 cores, and those on the emulated
+Not part of ``make test``: the cases take ~11 minutes on 2 cores, and those on the emulated
 cluster need root, ``ip`` and ``tc`` (they skip without them, with the reason). Run them
 as root after a change to what a benchmark calls: ``sudo make bench-smoke``. The GPU
 benchmarks (``gpu_check``, ``ring_cuda``) need CUDA and skip without it; the GPU check's
