@@ -207,6 +207,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="runs in fresh processes (>= 3)")
     p.add_argument("--run-timeout", type=float, default=300.0)
+    p.add_argument("--workdir", help="run directories (default runs/bench-reshard/<time>)")
     p.add_argument("--quick", action="store_true", help="1 repeat, 3 iterations: reshard-quick.*")
     driver.report_flags(p, "reshard")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     out = driver.out_prefix(args, "reshard")
-    workdir = REPO / "runs" / "bench-reshard" / time.strftime("%Y%m%d-%H%M%S")
+    workdir = driver.workdir(args, "reshard")
     workdir.mkdir(parents=True, exist_ok=True)
     command = driver.command("benchmarks.reshard")
     wargs = ["--worker", "--cases", *args.cases, "--shape", *map(str, args.shape),

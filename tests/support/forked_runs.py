@@ -4,12 +4,13 @@
 returns a ``CompletedProcess`` as :func:`tests.support.runs.run_train` does; with
 ``nproc=1`` it is ``python train.py`` (a world of one, ``main``'s own exit status), as
 :func:`tests.support.runs.run_single`; with ``module=`` it runs that module's ``main()``
-instead, as ``torchrun --module`` does (the benchmarks' peers). Each rank is a fresh process, forked from a
-multiprocessing *forkserver* started once per test process: the server imported torch,
-the trainer and the CLI, so a rank starts in milliseconds instead of ~2.5 s of CPU
-(torchrun's agent, another ~1.8 s, is not started at all). What a rank runs after the
-imports is what ``train.py`` runs: the same ``main``, argument parsing, exit statuses,
-stdout and stderr (file descriptors 1 and 2, C++ included), the environment given.
+instead, as ``torchrun --module`` does (the benchmarks' peers). Each rank is a fresh
+process, forked from a multiprocessing *forkserver* started once per test process: the
+server imported torch, the trainer and the CLI, so a rank starts in milliseconds instead
+of ~2.5 s of CPU (torchrun's agent, another ~1.8 s, is not started at all). What a rank
+runs after the imports is what ``train.py`` runs: the same ``main``, argument parsing,
+exit statuses, stdout and stderr (file descriptors 1 and 2, C++ included), the
+environment given.
 
 Ranks of a world of more than one see the variables a torchrun worker gets for its
 rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...) but
